@@ -1,0 +1,247 @@
+"""Code generation: a pure function from (group graph, input descriptions, value types, target) to source.
+
+No CUDA or compiler imports here, so every kernel's text can be generated and checked on any machine; the
+backends (``fuser.cpu``, ``fuser.cuda``) compile what this returns.
+
+Values are computed in their *compute* type (float for float16/bfloat16/float32, double for float64, the
+integer type itself for integers and bool): half-precision intermediates never round, as in the legacy
+fuser, and only stores convert back to the storage type.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from . import ops
+from .cpu import templates as cpu_t
+from .cuda import templates as cuda_t
+from .descs import DENSE, SCALAR, STRIDED, TensorDesc, compute_type, family, storage_type
+
+TARGETS = ("cpu", "cuda")
+CPU_PARALLEL_THRESHOLD = 32768  # elements; below it OpenMP's start-up costs more than it saves
+
+
+class NotFusable(Exception):
+    """The group cannot be generated for these inputs (e.g. an integer op with no integer template); the
+    executor falls back to the interpreter."""
+
+
+@dataclass(frozen=True)
+class NodeTypes:
+    """dtype of a node's result, and the dtype its math runs in (they differ for comparisons)."""
+
+    result: torch.dtype
+    compute: torch.dtype
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Target-specific knobs that change the source (and so belong in any cache key)."""
+
+    index32: bool = True
+    block_size: int = 256
+    vectorize: bool = True
+
+
+def literal(value, ctype: str) -> str:
+    """``value`` (a Python bool/int/float constant) as a C expression of type ``ctype``."""
+    if isinstance(value, bool):
+        return f"(({ctype}){'true' if value else 'false'})"
+    if isinstance(value, int):
+        return f"(({ctype}){value}LL)" if -(2 ** 63) < value < 2 ** 63 else f"(({ctype}){float(value)!r})"
+    suffix = "D" if ctype == "double" else "F"
+    if math.isnan(value):
+        return f"(({ctype})FZ_NAN_{suffix})"
+    if math.isinf(value):
+        return f"(({ctype})({'-' if value < 0 else ''}FZ_INF_{suffix}))"
+    return f"(({ctype}){value!r})"
+
+
+def _compute_nodes(graph: torch._C.Graph) -> list[torch._C.Node]:
+    return [n for n in graph.nodes() if n.kind() != "prim::Constant"]
+
+
+def vector_width(inputs: Sequence[TensorDesc], out_dtypes: Sequence[torch.dtype]) -> int:
+    """Elements per thread on the CUDA vector path: 16 bytes of the narrowest dense tensor, at most 8."""
+    sizes = [torch.empty((), dtype=d.dtype).element_size() for d in inputs if d.layout == DENSE]
+    sizes += [torch.empty((), dtype=d).element_size() for d in out_dtypes]
+    return max(1, min(8, 16 // min(sizes))) if sizes else 1
+
+
+def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int,
+             node_types: Sequence[NodeTypes], target: str, name: str,
+             options: KernelOptions = KernelOptions()) -> str:
+    """Source of one kernel.
+
+    graph: the group's subgraph, inputs ordered tensors first, then ``n_scalars`` float arguments.
+    inputs: one description per tensor input. node_types: one entry per non-constant node, in order.
+    target: ``"cpu"`` or ``"cuda"``.
+    """
+    if target not in TARGETS:
+        raise ValueError(f"Unsupported target={target!r} (supported: {', '.join(TARGETS)})")
+    g_inputs = list(graph.inputs())
+    if len(g_inputs) != len(inputs) + n_scalars:
+        raise ValueError(f"graph has {len(g_inputs)} inputs, descriptions give {len(inputs)} tensors "
+                         f"and {n_scalars} scalars")
+    nodes = _compute_nodes(graph)
+    if len(nodes) != len(node_types):
+        raise ValueError(f"{len(nodes)} nodes but {len(node_types)} node types")
+
+    # every value: C name and C compute type
+    vname: dict[int, str] = {}
+    vtype: dict[int, str] = {}
+    for k, (v, d) in enumerate(zip(g_inputs, inputs)):
+        vname[v.unique()], vtype[v.unique()] = f"x{k}", compute_type(d.dtype)
+    for j, v in enumerate(g_inputs[len(inputs):]):
+        vname[v.unique()], vtype[v.unique()] = f"s{j}", "double"
+
+    body: list[str] = []
+    for j, (node, nt) in enumerate(zip(nodes, node_types)):
+        op = ops.lookup(node.schema())
+        if op is None:
+            raise NotFusable(f"no op-table entry for {node.schema()}")
+        ctype = compute_type(nt.compute)
+        consts = {}
+        variant = None
+        if op.variant_arg is not None:
+            variant = node.inputsAt(op.variant_arg).toIValue()
+        tmpl = op.template(variant, family(nt.compute))
+        if tmpl is None:
+            raise NotFusable(f"{op.name} has no {family(nt.compute)!r} expression ({nt.compute}, variant "
+                             f"{variant!r})")
+        for i, v in enumerate(node.inputs()):
+            if i == op.variant_arg:
+                continue
+            arg = ops.ARG_NAMES[i]
+            if v.node().kind() == "prim::Constant":
+                val = v.toIValue()
+                if val is None:
+                    bound = op.none_as.get(i)
+                    if bound is None:
+                        raise NotFusable(f"{op.name}: argument {i} is None")
+                    consts[arg] = f"FZ_{bound.upper()}({ctype})"
+                else:
+                    consts[arg] = literal(val, ctype)
+            else:
+                name_, t = vname[v.unique()], vtype[v.unique()]
+                consts[arg] = name_ if (t == ctype or i in op.keep_args) else f"(({ctype}){name_})"
+        consts["T"] = ctype
+        out = node.output()
+        rtype = compute_type(nt.result)
+        vname[out.unique()], vtype[out.unique()] = f"v{j}", rtype
+        body.append(f"const {rtype} v{j} = ({rtype})({tmpl.substitute(consts)});")
+
+    outputs = list(graph.outputs())
+    out_dtypes = [node_types[_index_of(nodes, o.node())].result for o in outputs]
+    gen = _CpuGen if target == "cpu" else _CudaGen
+    return gen(name, inputs, n_scalars, outputs, out_dtypes, vname, body, options).source()
+
+
+def _index_of(nodes: list, node) -> int:
+    for j, n in enumerate(nodes):
+        if n == node:
+            return j
+    raise ValueError("output not produced by a node of the group")
+
+
+class _Gen:
+    """What both targets share: pointer declarations, strided offsets and the per-element body."""
+
+    indent = "    "
+
+    def __init__(self, name, inputs, n_scalars, outputs, out_dtypes, vname, body, options):
+        self.name, self.inputs, self.n_scalars = name, inputs, n_scalars
+        self.outputs, self.out_dtypes, self.vname = outputs, out_dtypes, vname
+        self.body, self.options = body, options
+        self.strided = [k for k, d in enumerate(inputs) if d.layout == STRIDED]
+
+    def pointer_decls(self, ptrs: str) -> list[str]:
+        lines = []
+        for k, d in enumerate(self.inputs):
+            s = storage_type(d.dtype)
+            lines.append(f"const {s}* __restrict__ t{k} = (const {s}*){ptrs}[{k}];")
+        for m, dt in enumerate(self.out_dtypes):
+            s = storage_type(dt)
+            lines.append(f"{s}* __restrict__ o{m} = ({s}*){ptrs}[{len(self.inputs) + m}];")
+        return lines
+
+    def hoisted(self) -> list[str]:
+        return [f"const {compute_type(d.dtype)} x{k} = fz_ld(t{k}[0]);"
+                for k, d in enumerate(self.inputs) if d.layout == SCALAR]
+
+    def element_body(self, load, store) -> list[str]:
+        lines = []
+        for k, d in enumerate(self.inputs):
+            if d.layout != SCALAR:
+                lines.append(f"const {compute_type(d.dtype)} x{k} = fz_ld({load(k, d)});")
+        lines += self.body
+        for m, (o, dt) in enumerate(zip(self.outputs, self.out_dtypes)):
+            lines.append(f"{store(m)} = fz_st<{storage_type(dt)}>({self.vname[o.unique()]});")
+        return lines
+
+    def scalar_load(self, k, d):
+        return f"t{k}[i]" if d.layout == DENSE else f"t{k}[off{k}]"
+
+    def offsets(self, template, stride_ref) -> str:
+        if not self.strided:
+            return ""
+        return template.substitute(
+            decls=", ".join(f"off{k} = 0" for k in self.strided),
+            accumulate="\n".join(f"          off{k} += m * {stride_ref(j, k)};"
+                                 for j, k in enumerate(self.strided)),
+            max_dims=cuda_t.MAX_DIMS)
+
+    @staticmethod
+    def block(lines: list[str], indent: str) -> str:
+        return "\n".join(indent + ln for ln in lines)
+
+
+class _CpuGen(_Gen):
+    def source(self) -> str:
+        params = self.pointer_decls("ptrs")
+        params += [f"const double s{j} = scalars[{j}];" for j in range(self.n_scalars)]
+        params += [f"const int64_t* st{k} = strides + {j} * rank;" for j, k in enumerate(self.strided)]
+        body = self.element_body(self.scalar_load, lambda m: f"o{m}[i]")
+        return cpu_t.KERNEL.substitute(
+            name=self.name, prelude=cpu_t.PRELUDE, params=self.block(params, "  "),
+            hoisted=self.block(self.hoisted(), "  "), parallel_threshold=CPU_PARALLEL_THRESHOLD,
+            offsets=self.offsets(cpu_t.OFFSETS, lambda j, k: f"st{k}[d]"),
+            body=self.block(body, "    "))
+
+
+class _CudaGen(_Gen):
+    def source(self) -> str:
+        params = self.pointer_decls("args.ptrs")
+        params += [f"const double s{j} = args.scalars[{j}];" for j in range(self.n_scalars)]
+        body = self.element_body(self.scalar_load, lambda m: f"o{m}[i]")
+        return cuda_t.KERNEL.substitute(
+            name=self.name, prelude=cuda_t.PRELUDE,
+            index_t="int" if self.options.index32 else "long long",
+            max_dims=cuda_t.MAX_DIMS, n_strided_slots=max(1, len(self.strided)),
+            n_ptrs=len(self.inputs) + len(self.outputs), n_scalar_slots=max(1, self.n_scalars),
+            block_size=self.options.block_size,
+            params=self.block(params, "  "), hoisted=self.block(self.hoisted(), "  "),
+            vector_loop=self.vector_loop(),
+            offsets=self.offsets(cuda_t.OFFSETS, lambda j, k: f"args.strides[{j}][d]"),
+            body=self.block(body, "    "))
+
+    def vector_loop(self) -> str:
+        if not self.options.vectorize or self.strided:
+            return ""
+        vec = vector_width(self.inputs, self.out_dtypes)
+        if vec == 1:
+            return ""
+        dense = [k for k, d in enumerate(self.inputs) if d.layout == DENSE]
+        vloads = [f"const fz_vec<{storage_type(self.inputs[k].dtype)}, {vec}> xv{k} = "
+                  f"*reinterpret_cast<const fz_vec<{storage_type(self.inputs[k].dtype)}, {vec}>*>(t{k} + base);"
+                  for k in dense]
+        vdecls = [f"fz_vec<{storage_type(dt)}, {vec}> ov{m};" for m, dt in enumerate(self.out_dtypes)]
+        vstores = [f"*reinterpret_cast<fz_vec<{storage_type(dt)}, {vec}>*>(o{m} + base) = ov{m};"
+                   for m, dt in enumerate(self.out_dtypes)]
+        vbody = self.element_body(lambda k, d: f"xv{k}.v[k]", lambda m: f"ov{m}.v[k]")
+        return cuda_t.VECTOR_LOOP.substitute(
+            vec=vec, vloads=self.block(vloads, "      "), vdecls=self.block(vdecls, "      "),
+            vbody=self.block(vbody, "        "), vstores=self.block(vstores, "      "))

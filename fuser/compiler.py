@@ -1,0 +1,118 @@
+"""Compilation at run time: specialize a kernel spec to an arg spec and build it for the device.
+
+Types come from eager PyTorch itself: the group's graph runs once through the interpreter on zero-element
+(or 0-dim) tensors of the arg spec's dtypes, with every intermediate value as an output. That gives each
+value exactly eager's result dtype, type promotion included (int + float, 0-dim tensors, Python scalars),
+and an input combination eager rejects raises here, so the executor falls back and eager's own error
+reaches the user.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import codegen, ops
+from .descs import DTYPES, ArgSpec, TensorDesc
+from .fallback import run_graph
+from .kernel_cache import KernelSpec
+
+_counter_lock = threading.Lock()
+_n_compiled = 0
+_names = itertools.count()
+
+
+def n_compiled_kernels() -> int:
+    """Kernels compiled (or loaded) by this process so far."""
+    return _n_compiled
+
+
+def _count_compile() -> None:
+    global _n_compiled
+    with _counter_lock:
+        _n_compiled += 1
+
+
+@dataclass
+class CompiledKernel:
+    """A kernel ready to launch for one (spec, arg spec)."""
+
+    name: str
+    arg_spec: ArgSpec
+    out_dtypes: tuple[torch.dtype, ...]
+    source: str
+    strided: tuple[int, ...]  # indices of the strided tensor inputs, in kernel order
+    vec: int  # CUDA vector width (1: no vector path)
+    backend: object  # fuser.cpu.compiler.CpuKernel or fuser.cuda.launch.CudaKernel
+
+
+def _sample(desc: TensorDesc) -> torch.Tensor:
+    return torch.ones((), dtype=desc.dtype) if desc.zero_dim else torch.empty((0,), dtype=desc.dtype)
+
+
+def infer_types(spec: KernelSpec, arg_spec: ArgSpec) -> list[codegen.NodeTypes]:
+    """Result and compute dtype of every non-constant node of ``spec.graph`` for inputs like ``arg_spec``.
+
+    Raises whatever eager raises for such inputs.
+    """
+    g = spec.graph.copy()
+    nodes = [n for n in g.nodes() if n.kind() != "prim::Constant"]
+    n_out = len(list(g.outputs()))
+    for n in nodes:
+        g.registerOutput(n.output())
+    descs = iter(arg_spec.inputs)
+    samples = [_sample(next(descs)) if is_t else 1.0 for is_t in spec.input_is_tensor]
+    values = run_graph(g, samples)[n_out:]
+    by_value = {v.unique(): s for v, s in zip(g.inputs(), samples)}
+    by_value.update({n.output().unique(): val for n, val in zip(nodes, values)})
+    types = []
+    for n, val in zip(nodes, values):
+        op = ops.lookup(n.schema())
+        if op is not None and op.compute == "common":
+            a, b = (by_value[v.unique()] if v.unique() in by_value else v.toIValue() for v in n.inputs())
+            common = torch.result_type(a, b)
+        else:
+            common = val.dtype
+        types.append(codegen.NodeTypes(val.dtype, common))
+    return types
+
+
+def build(spec: KernelSpec, arg_spec: ArgSpec) -> Optional[CompiledKernel]:
+    """Generate and compile the kernel of ``spec`` for ``arg_spec``; None where fusion is not possible
+    for these inputs (the caller falls back)."""
+    if any(d.dtype not in DTYPES for d in arg_spec.inputs):
+        return None
+    try:
+        types = infer_types(spec, arg_spec)
+    except Exception:  # eager rejects these inputs: the fallback will raise eager's error
+        return None
+    if any(t.result not in DTYPES or t.compute not in DTYPES for t in types):
+        return None
+    target = "cuda" if arg_spec.device_type == "cuda" else "cpu"
+    name = f"fused_{spec.key}_{next(_names)}"
+    options = codegen.KernelOptions(index32=arg_spec.index32)
+    try:
+        source = codegen.generate(spec.graph, arg_spec.inputs, len(spec.input_is_tensor) - spec.n_tensor_inputs,
+                                  types, target, name, options)
+    except codegen.NotFusable:
+        return None
+    nodes = [n for n in spec.graph.nodes() if n.kind() != "prim::Constant"]
+    out_dtypes = tuple(types[nodes.index(v.node())].result for v in spec.graph.outputs())
+    strided = tuple(k for k, d in enumerate(arg_spec.inputs) if d.layout == "strided")
+    vec = codegen.vector_width(arg_spec.inputs, out_dtypes) if target == "cuda" and not strided else 1
+    if target == "cpu":
+        from .cpu import compiler as cpu_compiler
+        backend = cpu_compiler.compile_kernel(source, name)
+    else:
+        from .cuda import launch as cuda_launch
+        backend = cuda_launch.load_kernel(source, name, arg_spec, len(strided), len(out_dtypes),
+                                          len(spec.input_is_tensor) - spec.n_tensor_inputs, vec)
+    _count_compile()
+    if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
+        print(f"fuser: compiled {name} for {arg_spec}\n{source}", file=sys.stderr)
+    return CompiledKernel(name, arg_spec, out_dtypes, source, strided, vec, backend)

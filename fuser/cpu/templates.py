@@ -1,0 +1,119 @@
+"""C++ source templates of the CPU backend (data, filled by ``fuser.codegen`` with strict substitution).
+
+ABI of every CPU kernel (one ctypes signature for all):
+``void name(int64_t numel, int64_t rank, const int64_t* sizes, const int64_t* strides,
+void* const* ptrs, const double* scalars)``
+``sizes``: the compressed map dims; ``strides``: ``rank`` strides (in elements) per strided input, in input
+order; ``ptrs``: inputs then outputs; ``scalars``: the float arguments.
+"""
+from string import Template
+
+PRELUDE = r"""
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <limits>
+using std::isnan;
+
+struct fz_half { uint16_t x; };
+struct fz_bf16 { uint16_t x; };
+
+static inline float fz_ld(fz_half h) {
+  uint32_t sign = (uint32_t)(h.x & 0x8000u) << 16;
+  uint32_t exp = (h.x >> 10) & 0x1fu, mant = h.x & 0x3ffu, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal half: normalize into a float
+      exp = 113;
+      while (!(mant & 0x400u)) { mant <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float f; std::memcpy(&f, &bits, 4); return f;
+}
+static inline float fz_ld(fz_bf16 h) {
+  uint32_t bits = (uint32_t)h.x << 16; float f; std::memcpy(&f, &bits, 4); return f;
+}
+template <class T> static inline T fz_ld(T v) { return v; }
+
+template <class S, class C> static inline S fz_st(C v) { return (S)v; }
+template <> inline fz_half fz_st<fz_half, float>(float f) {
+  uint32_t x; std::memcpy(&x, &f, 4);
+  uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+  uint32_t a = x & 0x7fffffffu;
+  fz_half h;
+  if (a > 0x7f800000u) { h.x = sign | 0x7e00u; return h; }        // NaN stays NaN
+  if (a >= 0x477ff000u) { h.x = sign | 0x7c00u; return h; }       // rounds to inf
+  if (a < 0x38800000u) {                                          // half subnormal or zero
+    float af; std::memcpy(&af, &a, 4);
+    h.x = sign | (uint16_t)std::nearbyint(af * 16777216.0f);      // exact scaling, round half to even
+    return h;
+  }
+  uint32_t e = a - 0x38000000u;
+  h.x = sign | (uint16_t)((e + 0xfffu + ((e >> 13) & 1u)) >> 13); // round half to even
+  return h;
+}
+template <> inline fz_bf16 fz_st<fz_bf16, float>(float f) {
+  uint32_t x; std::memcpy(&x, &f, 4);
+  fz_bf16 h;
+  if ((x & 0x7fffffffu) > 0x7f800000u) { h.x = (uint16_t)((x >> 16) | 0x40u); return h; }
+  h.x = (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+  return h;
+}
+
+template <class T> static inline T fz_max(T a, T b) { return (a != a || a > b) ? a : b; }
+template <class T> static inline T fz_min(T a, T b) { return (a != a || a < b) ? a : b; }
+static inline float fz_remainder(float a, float b) {
+  float m = std::fmod(a, b);
+  if (m != 0.f && ((b < 0.f) != (m < 0.f))) m += b;
+  return m;
+}
+static inline double fz_remainder(double a, double b) {
+  double m = std::fmod(a, b);
+  if (m != 0.0 && ((b < 0.0) != (m < 0.0))) m += b;
+  return m;
+}
+#define FZ_INF_F std::numeric_limits<float>::infinity()
+#define FZ_NAN_F std::numeric_limits<float>::quiet_NaN()
+#define FZ_INF_D std::numeric_limits<double>::infinity()
+#define FZ_NAN_D std::numeric_limits<double>::quiet_NaN()
+// a missing clamp bound: -inf/+inf for floating types (NaN and infinities pass unchanged), else the limits
+template <class T> static inline T fz_lowest() {
+  return std::numeric_limits<T>::has_infinity ? -std::numeric_limits<T>::infinity() : std::numeric_limits<T>::lowest();
+}
+template <class T> static inline T fz_highest() {
+  return std::numeric_limits<T>::has_infinity ? std::numeric_limits<T>::infinity() : std::numeric_limits<T>::max();
+}
+#define FZ_LOWEST(T) fz_lowest<T>()
+#define FZ_HIGHEST(T) fz_highest<T>()
+"""
+
+KERNEL = Template(r"""// fuser CPU kernel ${name}
+${prelude}
+extern "C" void ${name}(int64_t numel, int64_t rank, const int64_t* sizes, const int64_t* strides,
+                        void* const* ptrs, const double* scalars) {
+  (void)rank; (void)sizes; (void)strides; (void)scalars;
+${params}
+${hoisted}
+#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
+  for (int64_t i = 0; i < numel; ++i) {
+${offsets}
+${body}
+  }
+}
+""")
+
+OFFSETS = Template(r"""    int64_t ${decls};
+    {
+      int64_t r = i;
+      for (int64_t d = rank - 1; d >= 0; --d) {
+        const int64_t q = r / sizes[d], m = r - q * sizes[d];
+        r = q;
+${accumulate}
+      }
+    }""")

@@ -1,0 +1,131 @@
+"""CUDA C++ source templates (data, filled by ``fuser.codegen`` with strict substitution).
+
+Every kernel takes one by-value struct ``FzArgs`` (mirrored by a ctypes Structure in ``fuser.cuda.launch``):
+the element count, the compressed map sizes, the strides of each strided input, a flag saying the
+16-byte vector path may run, the data pointers (inputs then outputs) and the float arguments.
+
+NVRTC compiles these without any header: integer types, half/bfloat16 conversions (PTX ``cvt``) and the
+helpers are defined here.
+"""
+from string import Template
+
+MAX_DIMS = 8  # compressed map dims; more falls back
+
+PRELUDE = r"""
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+
+struct __align__(2) fz_half { uint16_t x; };
+struct __align__(2) fz_bf16 { uint16_t x; };
+
+__device__ __forceinline__ float fz_ld(fz_half h) {
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.x)); return f;
+}
+__device__ __forceinline__ float fz_ld(fz_bf16 h) { return __int_as_float(((int)h.x) << 16); }
+template <class T> __device__ __forceinline__ T fz_ld(T v) { return v; }
+
+template <class S, class C> __device__ __forceinline__ S fz_st(C v) { return (S)v; }
+template <> __device__ __forceinline__ fz_half fz_st<fz_half, float>(float f) {
+  fz_half h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(f)); return h;
+}
+template <> __device__ __forceinline__ fz_bf16 fz_st<fz_bf16, float>(float f) {
+  unsigned int x = __float_as_uint(f);
+  fz_bf16 h;
+  if ((x & 0x7fffffffu) > 0x7f800000u) { h.x = (uint16_t)((x >> 16) | 0x40u); return h; }
+  h.x = (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+  return h;
+}
+
+template <class T> __device__ __forceinline__ T fz_max(T a, T b) { return (a != a || a > b) ? a : b; }
+template <class T> __device__ __forceinline__ T fz_min(T a, T b) { return (a != a || a < b) ? a : b; }
+__device__ __forceinline__ float fz_remainder(float a, float b) {
+  float m = fmodf(a, b);
+  if (m != 0.f && ((b < 0.f) != (m < 0.f))) m += b;
+  return m;
+}
+__device__ __forceinline__ double fz_remainder(double a, double b) {
+  double m = fmod(a, b);
+  if (m != 0.0 && ((b < 0.0) != (m < 0.0))) m += b;
+  return m;
+}
+template <class T> struct fz_limits;
+template <> struct fz_limits<float> { static __device__ __forceinline__ float lowest() { return -__int_as_float(0x7f800000); } static __device__ __forceinline__ float highest() { return __int_as_float(0x7f800000); } };
+template <> struct fz_limits<double> { static __device__ __forceinline__ double lowest() { return -__longlong_as_double(0x7ff0000000000000ll); } static __device__ __forceinline__ double highest() { return __longlong_as_double(0x7ff0000000000000ll); } };
+template <> struct fz_limits<bool> { static __device__ __forceinline__ bool lowest() { return false; } static __device__ __forceinline__ bool highest() { return true; } };
+template <> struct fz_limits<int8_t> { static __device__ __forceinline__ int8_t lowest() { return -128; } static __device__ __forceinline__ int8_t highest() { return 127; } };
+template <> struct fz_limits<uint8_t> { static __device__ __forceinline__ uint8_t lowest() { return 0; } static __device__ __forceinline__ uint8_t highest() { return 255; } };
+template <> struct fz_limits<int16_t> { static __device__ __forceinline__ int16_t lowest() { return -32768; } static __device__ __forceinline__ int16_t highest() { return 32767; } };
+template <> struct fz_limits<int32_t> { static __device__ __forceinline__ int32_t lowest() { return -2147483647 - 1; } static __device__ __forceinline__ int32_t highest() { return 2147483647; } };
+template <> struct fz_limits<int64_t> { static __device__ __forceinline__ int64_t lowest() { return -9223372036854775807ll - 1; } static __device__ __forceinline__ int64_t highest() { return 9223372036854775807ll; } };
+#define FZ_INF_F __int_as_float(0x7f800000)
+#define FZ_NAN_F __int_as_float(0x7fffffff)
+#define FZ_INF_D __longlong_as_double(0x7ff0000000000000ll)
+#define FZ_NAN_D __longlong_as_double(0x7fffffffffffffffll)
+#define FZ_LOWEST(T) fz_limits<T>::lowest()
+#define FZ_HIGHEST(T) fz_limits<T>::highest()
+
+// N elements of T moved as one access (16 bytes at most per instruction; the compiler splits larger)
+template <class T, int N> struct __align__(sizeof(T) * N) fz_vec { T v[N]; };
+"""
+
+KERNEL = Template(r"""// fuser CUDA kernel ${name}
+${prelude}
+typedef ${index_t} fz_index;
+struct FzArgs {
+  fz_index numel;
+  fz_index sizes[${max_dims}];
+  fz_index strides[${n_strided_slots}][${max_dims}];
+  int rank;
+  int vec;
+  void* ptrs[${n_ptrs}];
+  double scalars[${n_scalar_slots}];
+};
+
+extern "C" __global__ void __launch_bounds__(${block_size}) ${name}(const FzArgs args) {
+  const fz_index numel = args.numel;
+${params}
+${hoisted}
+  const fz_index step = (fz_index)blockDim.x * gridDim.x;
+  fz_index first = (fz_index)blockIdx.x * blockDim.x + threadIdx.x;
+${vector_loop}
+  for (fz_index i = first; i < numel; i += step) {
+${offsets}
+${body}
+  }
+}
+""")
+
+# Only emitted when every input is dense or a broadcast scalar; args.vec says the pointers are aligned.
+VECTOR_LOOP = Template(r"""  if (args.vec) {
+    const fz_index nvec = numel / ${vec};
+    for (fz_index v = first; v < nvec; v += step) {
+      const fz_index base = v * ${vec};
+${vloads}
+${vdecls}
+#pragma unroll
+      for (int k = 0; k < ${vec}; ++k) {
+${vbody}
+      }
+${vstores}
+    }
+    first = nvec * ${vec} + first;
+  }""")
+
+OFFSETS = Template(r"""    fz_index ${decls};
+    {
+      fz_index r = i;
+#pragma unroll
+      for (int d = ${max_dims} - 1; d >= 0; --d) {
+        if (d < args.rank) {
+          const fz_index q = r / args.sizes[d], m = r - q * args.sizes[d];
+          r = q;
+${accumulate}
+        }
+      }
+    }""")

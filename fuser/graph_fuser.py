@@ -1,0 +1,333 @@
+"""The fusion pass: group maximal regions of pointwise ops into ``prim::FusionGroup`` nodes.
+
+Within each block, consumers pull their producers into one group, scanning in reverse topological order and
+repeating until nothing changes, as the legacy fuser did. A group runs where its last member stood, so a
+union is valid only if no node between the group's first and last member needs a member's value (it would
+run before the group) and no node in that range has side effects (a mutation such as ``add_`` splits
+groups: a member moved past it could read the mutated value).
+
+The graphs seen here carry no dtype or device; which inputs a group can really run on is decided at run
+time by the executor, which falls back otherwise.
+
+After grouping, :func:`lower_fusion_groups` replaces each ``prim::FusionGroup`` by a call of the
+``fuser::fusion_group`` operator with the group's integer key.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from . import ops
+
+MAX_GROUP_ARGS = 128  # inputs + outputs of one group, as the legacy fuser capped it
+MIN_GROUP_SIZE = 2  # a single op gains nothing from fusion; eager runs it as one kernel already
+
+_TENSOR_TYPES = (torch._C.TensorType,)
+
+
+def _is_tensor(v: torch._C.Value) -> bool:
+    return isinstance(v.type(), _TENSOR_TYPES)
+
+
+def _is_constant(v: torch._C.Value) -> bool:
+    return v.node().kind() == "prim::Constant"
+
+
+def fusable_op(node: torch._C.Node) -> Optional[ops.OpDef]:
+    """The op-table entry of ``node`` if the pass may put it in a group, else None.
+
+    Non-tensor arguments must be constants, except ``float`` values, which become kernel arguments.
+    """
+    if not node.kind().startswith("aten::") or node.outputsSize() != 1 or list(node.blocks()):
+        return None
+    op = ops.lookup(node.schema())
+    if op is None or not _is_tensor(node.output()):
+        return None
+    for i, v in enumerate(node.inputs()):
+        if _is_tensor(v):
+            if _is_constant(v):
+                return None  # tensor constants stay outside, where TorchScript keeps them alive
+            continue
+        if _is_constant(v):
+            val = v.toIValue()
+            if op.variant_arg == i:
+                if val not in op.exprs:
+                    return None
+            elif not (val is None or isinstance(val, (bool, int, float))):
+                return None
+            continue
+        if v.type().kind() != "FloatType":
+            return None
+    return op
+
+
+def _has_side_effects(node: torch._C.Node) -> bool:
+    kind = node.kind()
+    if kind in ("prim::Constant", "prim::ListConstruct", "prim::TupleConstruct", "prim::ListUnpack",
+                "prim::TupleUnpack", "prim::FusionGroup", "fuser::fusion_group"):
+        return False
+    for block in node.blocks():
+        if any(_has_side_effects(n) for n in block.nodes()):
+            return True
+    if kind.startswith("aten::"):
+        schema = node.schema()
+        return schema == "(no schema)" or "!" in schema
+    # prim::SetAttr, prim::CallMethod, prim::Print, prim::RaiseException, unknown ops...
+    return kind not in _PURE_PRIMS
+
+
+_PURE_PRIMS = frozenset(("prim::GetAttr", "prim::If", "prim::Loop", "prim::dtype", "prim::device",
+                         "prim::NumToTensor", "prim::unchecked_cast", "prim::TupleIndex", "prim::ListIndex",
+                         "prim::shape", "prim::layout", "prim::requires_grad", "prim::ConstantChunk"))
+
+
+def _users_in_block(value: torch._C.Value, block: torch._C.Block) -> list[torch._C.Node]:
+    """The nodes of ``block`` that use ``value``, directly or inside their sub-blocks."""
+    users = []
+    for use in value.uses():
+        user = use.user
+        while user is not None and user.owningBlock() != block:
+            owner = user.owningBlock().owningNode()
+            user = owner
+        if user is not None:
+            users.append(user)
+    return users
+
+
+class _Group:
+    __slots__ = ("members",)
+
+    def __init__(self, node: torch._C.Node):
+        self.members = [node]
+
+
+class _BlockFuser:
+    def __init__(self, block: torch._C.Block):
+        self.block = block
+        self.nodes = list(block.nodes())
+        self.pos = {n: i for i, n in enumerate(self.nodes)}
+        self.ops = {n: fusable_op(n) for n in self.nodes}
+        self.barriers = [i for i, n in enumerate(self.nodes) if _has_side_effects(n)]
+        self.group_of: dict[torch._C.Node, _Group] = {}
+
+    def _group(self, node: torch._C.Node) -> _Group:
+        g = self.group_of.get(node)
+        if g is None:
+            g = self.group_of[node] = _Group(node)
+        return g
+
+    def _external_inputs(self, members: Iterable[torch._C.Node]) -> list[torch._C.Value]:
+        mset = set(members)
+        seen, out = set(), []
+        for m in sorted(mset, key=self.pos.__getitem__):
+            for v in m.inputs():
+                if v.node() in mset or (_is_constant(v) and not _is_tensor(v)):
+                    continue
+                if v.unique() not in seen:
+                    seen.add(v.unique())
+                    out.append(v)
+        return out
+
+    def _outputs(self, members: Iterable[torch._C.Node]) -> list[torch._C.Value]:
+        mset = set(members)
+        outs = []
+        for m in sorted(mset, key=self.pos.__getitem__):
+            v = m.output()
+            if any(u not in mset for u in _users_in_block(v, self.block)) or self._returned(v):
+                outs.append(v)
+        return outs
+
+    def _returned(self, v: torch._C.Value) -> bool:
+        return any(u.user.kind() == "prim::Return" and u.user.owningBlock() == self.block for u in v.uses())
+
+    def _valid(self, members: list[torch._C.Node]) -> bool:
+        mset = set(members)
+        lo = min(self.pos[m] for m in members)
+        hi = max(self.pos[m] for m in members)
+        if any(lo < b < hi for b in self.barriers):
+            return False
+        produced = {m.output().unique() for m in members}
+        for i in range(lo + 1, hi):
+            n = self.nodes[i]
+            if n in mset:
+                continue
+            if any(v.unique() in produced for v in _node_uses(n)):
+                return False
+        outs = self._outputs(members)
+        if any(self.ops[v.node()].aliases_input for v in outs):
+            return False
+        return len(self._external_inputs(members)) + len(outs) <= MAX_GROUP_ARGS
+
+    def run(self) -> list[list[torch._C.Node]]:
+        changed = True
+        while changed:
+            changed = False
+            for consumer in reversed(self.nodes):
+                if self.ops[consumer] is None:
+                    continue
+                group = self._group(consumer)
+                producers = [v.node() for v in self._external_inputs(group.members)]
+                producers = [p for p in producers if p in self.pos and self.ops[p] is not None]
+                for p in sorted(set(producers), key=self.pos.__getitem__, reverse=True):
+                    other = self._group(p)
+                    if other is group:
+                        continue
+                    merged = group.members + other.members
+                    if self._valid(merged):
+                        group.members = merged
+                        for m in other.members:
+                            self.group_of[m] = group
+                        changed = True
+        groups, seen = [], set()
+        for n in self.nodes:
+            g = self.group_of.get(n)
+            if g is not None and id(g) not in seen:
+                seen.add(id(g))
+                if len(g.members) >= MIN_GROUP_SIZE:
+                    groups.append(sorted(g.members, key=self.pos.__getitem__))
+        return groups
+
+
+def _node_uses(node: torch._C.Node) -> list[torch._C.Value]:
+    vals = list(node.inputs())
+    for block in node.blocks():
+        for n in block.nodes():
+            vals.extend(_node_uses(n))
+        vals.extend(block.outputs())
+    return vals
+
+
+def build_subgraph(members: list[torch._C.Node], inputs: list[torch._C.Value],
+                   outputs: list[torch._C.Value]) -> torch._C.Graph:
+    """A standalone graph of ``members`` (in order) with the given external inputs and outputs.
+
+    Non-tensor constants are cloned into the subgraph, so they are part of its identity.
+    """
+    sub = torch._C.Graph()
+    vmap: dict[int, torch._C.Value] = {}
+    for v in inputs:
+        nv = sub.addInput()
+        nv.setType(v.type())
+        vmap[v.unique()] = nv
+    for m in members:
+        for v in m.inputs():
+            if v.unique() not in vmap:
+                assert _is_constant(v), "precondition: every non-constant input is an external input"
+                c = sub.createClone(v.node(), lambda x: x)
+                sub.insertNode(c)
+                vmap[v.unique()] = c.output()
+        c = sub.createClone(m, lambda x: vmap[x.unique()])
+        sub.insertNode(c)
+        for a, b in zip(m.outputs(), c.outputs()):
+            vmap[a.unique()] = b
+    for v in outputs:
+        sub.registerOutput(vmap[v.unique()])
+    return sub
+
+
+def fuse_block(graph: torch._C.Graph, block: torch._C.Block) -> int:
+    """Group fusable nodes of ``block`` (and its nested blocks) into ``prim::FusionGroup`` nodes.
+
+    Returns the number of groups made.
+    """
+    made = 0
+    for node in list(block.nodes()):
+        for sub in node.blocks():
+            made += fuse_block(graph, sub)
+    fuser = _BlockFuser(block)
+    for members in fuser.run():
+        inputs = fuser._external_inputs(members)
+        # tensors first, then float scalars: the runtime op takes them as two lists
+        inputs = [v for v in inputs if _is_tensor(v)] + [v for v in inputs if not _is_tensor(v)]
+        outputs = fuser._outputs(members)
+        sub = build_subgraph(members, inputs, outputs)
+        group = graph.create("prim::FusionGroup", inputs, len(outputs))
+        group.g_("Subgraph", sub)
+        group.insertBefore(members[-1])
+        for old, new in zip(outputs, group.outputs()):
+            new.setType(old.type())
+            old.replaceAllUsesWith(new)
+        for m in reversed(members):
+            m.destroy()
+        made += 1
+    return made
+
+
+def fuse_graph(graph: torch._C.Graph) -> int:
+    """Run the fusion pass over a whole graph, in place. Returns the number of groups made."""
+    return fuse_block(graph, graph.block())
+
+
+def _all_nodes(block: torch._C.Block) -> Iterable[torch._C.Node]:
+    for n in list(block.nodes()):
+        yield n
+        for b in n.blocks():
+            yield from _all_nodes(b)
+
+
+def fusion_groups(graph: torch._C.Graph) -> list[torch._C.Node]:
+    """Every ``prim::FusionGroup`` node of ``graph``, nested blocks included."""
+    return [n for n in _all_nodes(graph.block()) if n.kind() == "prim::FusionGroup"]
+
+
+def lower_fusion_groups(graph: torch._C.Graph, register: Callable[[torch._C.Node], int]) -> None:
+    """Replace each ``prim::FusionGroup`` by ``fuser::fusion_group(tensors, scalars, key)``."""
+    for group in fusion_groups(graph):
+        key = register(group)
+        inputs = list(group.inputs())
+        tensors = [v for v in inputs if _is_tensor(v)]
+        scalars = [v for v in inputs if not _is_tensor(v)]
+        tlist = graph.create("prim::ListConstruct", tensors)
+        tlist.output().setType(torch._C.ListType.ofTensors())
+        slist = graph.create("prim::ListConstruct", scalars)
+        slist.output().setType(torch._C.ListType.ofFloats())
+        kconst = graph.create("prim::Constant")
+        kconst.i_("value", key)
+        kconst.output().setType(torch._C.IntType.get())
+        call = graph.create("fuser::fusion_group", [tlist.output(), slist.output(), kconst.output()], 1)
+        call.output().setType(torch._C.ListType.ofTensors())
+        unpack = graph.create("prim::ListUnpack", [call.output()], group.outputsSize())
+        for n in (tlist, slist, kconst, call, unpack):
+            n.insertBefore(group)
+        for old, new in zip(group.outputs(), unpack.outputs()):
+            new.setType(old.type())
+            old.replaceAllUsesWith(new)
+        group.destroy()
+
+
+def raise_fusion_calls(graph: torch._C.Graph, subgraph_of: Callable[[int], Optional[torch._C.Graph]]) -> None:
+    """The inverse of :func:`lower_fusion_groups`, for display: turn each ``fuser::fusion_group`` call
+    whose list inputs and unpacked outputs are still in place back into a ``prim::FusionGroup`` node."""
+    for call in [n for n in _all_nodes(graph.block()) if n.kind() == "fuser::fusion_group"]:
+        tlist, slist, kval = list(call.inputs())
+        if tlist.node().kind() != "prim::ListConstruct" or not _is_constant(kval):
+            continue
+        uses = call.output().uses()
+        if len(uses) != 1 or uses[0].user.kind() != "prim::ListUnpack":
+            continue
+        sub = subgraph_of(kval.toIValue())
+        if sub is None:
+            continue
+        if slist.node().kind() == "prim::ListConstruct":
+            scalars = list(slist.node().inputs())
+        elif _is_constant(slist):  # constant propagation folds a list of constants
+            scalars = []
+            for x in slist.toIValue():
+                c = graph.insertConstant(float(x))
+                c.node().moveBefore(call)
+                scalars.append(c)
+        else:
+            continue
+        unpack = uses[0].user
+        group = graph.create("prim::FusionGroup", list(tlist.node().inputs()) + scalars, unpack.outputsSize())
+        group.g_("Subgraph", sub.copy())
+        group.insertBefore(call)
+        for old, new in zip(unpack.outputs(), group.outputs()):
+            new.setType(old.type())
+            old.replaceAllUsesWith(new)
+        unpack.destroy()
+        call.destroy()
+        for n in (tlist.node(), slist.node(), kval.node()):
+            if not n.output().uses():
+                n.destroy()

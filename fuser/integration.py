@@ -1,0 +1,146 @@
+"""TorchScript integration: the ``fuser::fusion_group`` operator, applying the pass to scripted code, and
+``install()``'s hooks on ``torch.jit.script`` / ``torch.jit.trace``.
+
+There is no Python binding to register a pass with TorchScript's executor, so the pass runs on a function's
+graph before its first call: functions get a fresh ``ScriptFunction`` built from the fused graph (an
+executed function ignores later edits of its graph), modules get their methods' graphs edited in place.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Callable, Optional
+
+import torch
+
+from . import executor, fallback, graph_fuser
+from .kernel_cache import STORE
+
+_lib = torch.library.Library("fuser", "DEF")
+_lib.define("fusion_group(Tensor[] inputs, float[] scalars, int key) -> Tensor[]")
+
+
+def run_key(key: int, args: list) -> list[torch.Tensor]:
+    spec = STORE.get(key)
+    if spec is None:
+        raise KeyError(f"no fusion group registered under key {key} "
+                       f"(keys 0..{len(STORE) - 1} exist); register_fusion(node) returns valid keys")
+    out = executor.run(spec, args)
+    return out if out is not None else fallback.run(spec, args)
+
+
+def _fusion_group(inputs: list[torch.Tensor], scalars: list[float], key: int) -> list[torch.Tensor]:
+    spec = STORE.get(key)
+    tensors, floats = iter(inputs), iter(scalars)
+    args = [next(tensors) if is_t else next(floats) for is_t in spec.input_is_tensor]
+    return run_key(key, args)
+
+
+# CompositeImplicitAutograd: the function runs above autograd, so when an input requires grad the fallback's
+# eager ops record the graph as eager would (the executor never fuses such calls).
+_lib.impl("fusion_group", _fusion_group, "CompositeImplicitAutograd")
+
+
+def register(node: torch._C.Node) -> int:
+    if node.kind() != "prim::FusionGroup":
+        raise ValueError(f"register_fusion expects a prim::FusionGroup node, got {node.kind()}")
+    return STORE.register(node.g("Subgraph"))
+
+
+def fuse_graph_in_place(graph: torch._C.Graph) -> int:
+    """Inline calls, group fusable ops, lower groups to ``fuser::fusion_group``. Returns groups made."""
+    torch._C._jit_pass_inline(graph)
+    made = graph_fuser.fuse_graph(graph)
+    graph_fuser.lower_fusion_groups(graph, register)
+    return made
+
+
+_fused = weakref.WeakSet()  # objects that already went through the pass
+
+
+def fuse(scripted):
+    if isinstance(scripted, torch.jit.ScriptFunction):
+        if scripted in _fused:
+            return scripted
+        graph = scripted.graph.copy()
+        fuse_graph_in_place(graph)
+        fn = torch._C._create_function_from_graph(scripted.name, graph)
+        _fused.add(fn)
+        return fn
+    if isinstance(scripted, torch.jit.ScriptModule):
+        if scripted in _fused:
+            return scripted
+        for mod in [scripted, *scripted.modules()]:
+            if not isinstance(mod, torch.jit.ScriptModule):
+                continue
+            for name in mod._c._method_names():
+                fuse_graph_in_place(mod._c._get_method(name).graph)
+        _fused.add(scripted)
+        return scripted
+    raise TypeError(f"fuse expects a torch.jit.ScriptFunction or ScriptModule (from torch.jit.script or "
+                    f"torch.jit.trace), got {type(scripted).__name__}")
+
+
+def graph_for(scripted, *inputs) -> torch._C.Graph:
+    # the profiling executor optimizes after its profiled runs: run past them to see the graph that stays
+    for _ in range(torch._C._jit_get_num_profiled_runs() + 1):
+        scripted(*inputs)
+    graph = torch.jit.last_executed_optimized_graph().copy()
+
+    def subgraph(key: int) -> Optional[torch._C.Graph]:
+        spec = STORE.get(key)
+        return None if spec is None else spec.graph
+
+    graph_fuser.raise_fusion_calls(graph, subgraph)
+    return graph
+
+
+class _Installer:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.saved: Optional[tuple] = None
+
+    def install(self) -> None:
+        with self.lock:
+            if self.saved is not None:
+                return
+            script, trace = torch.jit.script, torch.jit.trace
+            self.saved = (script, trace, (torch._C._jit_can_fuse_on_cpu(), torch._C._jit_can_fuse_on_gpu()))
+            # NNC must not take the pointwise ops first. Its device switches are these (shared with the legacy
+            # C++ fuser); _jit_set_texpr_fuser_enabled(False) would also keep it off, but then the profiling
+            # executor never leaves its profiling plan and every call pays for prim::profile nodes.
+            torch._C._jit_override_can_fuse_on_cpu(False)
+            torch._C._jit_override_can_fuse_on_gpu(False)
+
+            def fused_script(obj, *args, **kwargs):
+                return _maybe_fuse(script(obj, *args, **kwargs))
+
+            def fused_trace(*args, **kwargs):
+                return _maybe_fuse(trace(*args, **kwargs))
+
+            fused_script.__wrapped__, fused_trace.__wrapped__ = script, trace
+            fused_script.__doc__, fused_trace.__doc__ = script.__doc__, trace.__doc__
+            torch.jit.script, torch.jit.trace = fused_script, fused_trace
+
+    def uninstall(self) -> None:
+        with self.lock:
+            if self.saved is None:
+                return
+            script, trace, (cpu, gpu) = self.saved
+            torch.jit.script, torch.jit.trace = script, trace
+            torch._C._jit_override_can_fuse_on_cpu(cpu)
+            torch._C._jit_override_can_fuse_on_gpu(gpu)
+            self.saved = None
+
+    @property
+    def installed(self) -> bool:
+        return self.saved is not None
+
+
+def _maybe_fuse(obj):
+    if isinstance(obj, (torch.jit.ScriptFunction, torch.jit.ScriptModule)):
+        return fuse(obj)
+    return obj
+
+
+INSTALLER = _Installer()

@@ -1,0 +1,159 @@
+"""The kernel-spec store: integer keys for registered fusion groups, and each spec's compiled kernels.
+
+Registration normalizes the group's subgraph into a canonical text (value names, shapes and source ranges
+left out), so alpha-equivalent groups share one key and one spec. Each spec compiles a kernel once per
+arg spec: the first thread to ask puts a future in the map and compiles outside the lock, later threads
+wait on the future. A failed compile leaves nothing behind, so the next call tries again.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+
+def _is_tensor(v: torch._C.Value) -> bool:
+    return isinstance(v.type(), torch._C.TensorType)
+
+
+def canonical_text(graph: torch._C.Graph) -> str:
+    """A text that is equal for two graphs exactly when they compute the same thing the same way."""
+    ids: dict[int, str] = {}
+    lines = []
+    for i, v in enumerate(graph.inputs()):
+        ids[v.unique()] = f"%i{i}"
+        lines.append(f"in {ids[v.unique()]}: {'Tensor' if _is_tensor(v) else v.type().kind()}")
+    for j, n in enumerate(graph.nodes()):
+        outs = []
+        for k, o in enumerate(n.outputs()):
+            ids[o.unique()] = f"%n{j}.{k}"
+            outs.append(ids[o.unique()])
+        if n.kind() == "prim::Constant":
+            val = n.output().toIValue() if n.outputsSize() == 1 else None
+            lines.append(f"{outs[0]} = const {type(val).__name__} {val!r}")
+            continue
+        if list(n.blocks()):
+            raise ValueError(f"a fusion group cannot hold a node with blocks: {n.kind()}")
+        args = ", ".join(ids[v.unique()] for v in n.inputs())
+        lines.append(f"{', '.join(outs)} = {n.schema()} ({args})")
+    lines.append("return " + ", ".join(ids[v.unique()] for v in graph.outputs()))
+    return "\n".join(lines)
+
+
+def _normalized_copy(graph: torch._C.Graph) -> torch._C.Graph:
+    g = graph.copy()
+    generic = torch._C.TensorType.get()
+    for v in g.inputs():
+        if _is_tensor(v):
+            v.setType(generic)
+    for n in g.nodes():
+        for o in n.outputs():
+            if _is_tensor(o):
+                o.setType(generic)
+    return g
+
+
+@dataclass
+class KernelSpec:
+    """A registered fusion group: its normalized graph and the kernels compiled for it.
+
+    ``input_is_tensor`` gives, per graph input, whether it is a tensor or a float argument.
+    ``output_deps`` gives, per output, the indices (among the tensor inputs) of the tensors it reads: its
+    shape is their broadcast shape, which the executor checks equals the group's map shape.
+    """
+
+    key: int
+    graph: torch._C.Graph
+    text: str
+    input_is_tensor: tuple[bool, ...]
+    output_deps: tuple[frozenset[int], ...]
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _futures: dict = field(default_factory=dict, repr=False)
+    _ready: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def n_tensor_inputs(self) -> int:
+        return sum(self.input_is_tensor)
+
+    def kernel_for(self, arg_spec, build: Callable[[], object]):
+        """The kernel for ``arg_spec``, built by ``build()`` exactly once however many threads ask.
+
+        ``build`` may return None (not fusable for these inputs); that answer is cached too. If it raises,
+        the entry is removed and every waiting caller sees the exception.
+        """
+        hit = self._ready.get(arg_spec, _MISSING)  # lock-free fast path: plain dict read
+        if hit is not _MISSING:
+            return hit
+        with self._lock:
+            fut = self._futures.get(arg_spec)
+            owner = fut is None
+            if owner:
+                fut = self._futures[arg_spec] = Future()
+        if owner:
+            try:
+                kernel = build()
+            except BaseException as e:
+                with self._lock:
+                    del self._futures[arg_spec]
+                fut.set_exception(e)
+                raise
+            with self._lock:
+                self._ready[arg_spec] = kernel
+            fut.set_result(kernel)
+            return kernel
+        return fut.result()
+
+    def kernels(self) -> dict:
+        """The kernels built so far, by arg spec (None where the spec was not fusable)."""
+        with self._lock:
+            return dict(self._ready)
+
+
+_MISSING = object()
+
+
+def _output_deps(graph: torch._C.Graph) -> tuple[frozenset[int], ...]:
+    tensor_index = {}
+    for v in graph.inputs():
+        if _is_tensor(v):
+            tensor_index[v.unique()] = len(tensor_index)
+    deps: dict[int, frozenset[int]] = {u: frozenset((k,)) for u, k in tensor_index.items()}
+    for n in graph.nodes():
+        d = frozenset().union(*(deps.get(v.unique(), frozenset()) for v in n.inputs()))
+        for o in n.outputs():
+            deps[o.unique()] = d
+    return tuple(deps.get(v.unique(), frozenset()) for v in graph.outputs())
+
+
+class KernelStore:
+    """Thread-safe map from canonical group text to :class:`KernelSpec`, with integer keys."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_text: dict[str, int] = {}
+        self._specs: dict[int, KernelSpec] = {}
+
+    def register(self, graph: torch._C.Graph) -> int:
+        text = canonical_text(graph)
+        with self._lock:
+            key = self._by_text.get(text)
+            if key is not None:
+                return key
+            key = len(self._specs)
+            g = _normalized_copy(graph)
+            self._specs[key] = KernelSpec(
+                key, g, text, tuple(_is_tensor(v) for v in g.inputs()), _output_deps(g))
+            self._by_text[text] = key
+            return key
+
+    def get(self, key: int) -> Optional[KernelSpec]:
+        return self._specs.get(key)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+
+STORE = KernelStore()

@@ -1,0 +1,192 @@
+"""The one table of fusable ops.
+
+Each entry maps TorchScript schemas to C expression templates, one per compute family:
+
+* ``f``: single-precision math (float32 values, and float16/bfloat16 values, which are computed in float),
+* ``d``: double-precision math (float64),
+* ``i``: integer and bool math; ``None`` where an integer compute type is not supported (the group then
+  falls back, e.g. integer ``fmod`` by zero raises in eager).
+
+Templates are :class:`string.Template` texts. ``$a $b $c $d`` are the node's inputs in schema order, already
+converted to the node's compute type; ``$T`` is that C type. Helpers named ``fz_*`` are defined once per
+target in the target's prelude (see ``fuser/cpu/templates.py`` and ``fuser/cuda/templates.py``).
+
+The pass (which ops may join a group), codegen (what C to emit) and the tests (which ops to check against
+eager) all read this table, so adding an op is one entry here.
+"""
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+ARG_NAMES = ("a", "b", "c", "d")
+
+
+@dataclass(frozen=True)
+class Exprs:
+    """Expression templates of one op (or one variant of it) per compute family."""
+
+    f: str
+    d: str
+    i: Optional[str] = None
+
+    def for_family(self, family: str) -> Optional[str]:
+        return {"f": self.f, "d": self.d, "i": self.i}[family]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """One fusable op.
+
+    compute: ``"result"`` computes in the result's dtype (most ops); ``"common"`` computes in the promoted
+    dtype of the operands and produces bool (comparisons).
+    none_as: for optional bounds, what a ``None`` constant stands for: ``"lowest"`` or ``"highest"`` of the
+    compute type (clamp's missing bound leaves values unchanged, NaN included).
+    variant_arg: index of a constant string argument that selects the expressions (gelu's ``approximate``).
+    aliases_input: the op may return its input itself (``type_as`` with equal dtypes); such a value must not
+    leave a group, because the group's outputs are always fresh tensors.
+    keep_args: inputs used in their own type rather than converted to the compute type (where's condition).
+    """
+
+    name: str
+    schemas: tuple[str, ...]
+    exprs: Mapping[Optional[str], Exprs]
+    compute: str = "result"
+    none_as: Mapping[int, str] = field(default_factory=dict)
+    variant_arg: Optional[int] = None
+    aliases_input: bool = False
+    keep_args: tuple[int, ...] = ()
+
+    def template(self, variant: Optional[str], family: str) -> Optional[string.Template]:
+        exprs = self.exprs.get(variant)
+        if exprs is None:
+            return None
+        text = exprs.for_family(family)
+        return None if text is None else string.Template(text)
+
+
+def _unary(name: str, f: str, d: str, i: Optional[str] = None) -> OpDef:
+    return OpDef(name, (f"aten::{name}(Tensor self) -> Tensor",), {None: Exprs(f, d, i)})
+
+
+_OPS: list[OpDef] = [
+    _unary("abs", "fabsf($a)", "fabs($a)", "($a < 0 ? ($T)(-$a) : $a)"),
+    _unary("acos", "acosf($a)", "acos($a)"),
+    _unary("asin", "asinf($a)", "asin($a)"),
+    _unary("atan", "atanf($a)", "atan($a)"),
+    _unary("ceil", "ceilf($a)", "ceil($a)", "$a"),
+    _unary("cos", "cosf($a)", "cos($a)"),
+    _unary("cosh", "coshf($a)", "cosh($a)"),
+    _unary("exp", "expf($a)", "exp($a)"),
+    _unary("expm1", "expm1f($a)", "expm1($a)"),
+    _unary("erf", "erff($a)", "erf($a)"),
+    _unary("erfc", "erfcf($a)", "erfc($a)"),
+    _unary("floor", "floorf($a)", "floor($a)", "$a"),
+    _unary("frac", "($a - truncf($a))", "($a - trunc($a))"),
+    _unary("lgamma", "lgammaf($a)", "lgamma($a)"),
+    _unary("log", "logf($a)", "log($a)"),
+    _unary("log10", "log10f($a)", "log10($a)"),
+    _unary("log1p", "log1pf($a)", "log1p($a)"),
+    _unary("log2", "log2f($a)", "log2($a)"),
+    _unary("neg", "(-$a)", "(-$a)", "($T)(-$a)"),
+    _unary("reciprocal", "(1.f / $a)", "(1.0 / $a)"),
+    _unary("relu", "(($a != $a || $a > 0.f) ? $a : 0.f)", "(($a != $a || $a > 0.0) ? $a : 0.0)",
+           "($a > 0 ? $a : ($T)0)"),
+    _unary("round", "nearbyintf($a)", "nearbyint($a)", "$a"),
+    _unary("rsqrt", "(1.f / sqrtf($a))", "(1.0 / sqrt($a))"),
+    _unary("sigmoid", "(1.f / (1.f + expf(-$a)))", "(1.0 / (1.0 + exp(-$a)))"),
+    _unary("sin", "sinf($a)", "sin($a)"),
+    _unary("sinh", "sinhf($a)", "sinh($a)"),
+    _unary("sqrt", "sqrtf($a)", "sqrt($a)"),
+    _unary("tan", "tanf($a)", "tan($a)"),
+    _unary("tanh", "tanhf($a)", "tanh($a)"),
+    _unary("trunc", "truncf($a)", "trunc($a)", "$a"),
+    _unary("silu", "($a / (1.f + expf(-$a)))", "($a / (1.0 + exp(-$a)))"),
+    OpDef(
+        "gelu",
+        ('aten::gelu(Tensor self, *, str approximate="none") -> Tensor',),
+        {
+            "none": Exprs("(0.5f * $a * (1.f + erff($a * 0.70710678118654752f)))",
+                          "(0.5 * $a * (1.0 + erf($a * 0.70710678118654752440)))"),
+            "tanh": Exprs(
+                "(0.5f * $a * (1.f + tanhf(0.79788456080286535f * ($a + 0.044715f * $a * $a * $a))))",
+                "(0.5 * $a * (1.0 + tanh(0.79788456080286535588 * ($a + 0.044715 * $a * $a * $a))))"),
+        },
+        variant_arg=1,
+    ),
+    OpDef("hardtanh", ("aten::hardtanh(Tensor self, Scalar min_val=-1, Scalar max_val=1) -> Tensor",),
+          {None: Exprs("fz_min(fz_max($a, $b), $c)", "fz_min(fz_max($a, $b), $c)")}),
+    OpDef("add", ("aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
+                  "aten::add.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor"),
+          {None: Exprs("($a + $c * $b)", "($a + $c * $b)", "($T)($a + $c * $b)")}),
+    OpDef("sub", ("aten::sub.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
+                  "aten::sub.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor"),
+          {None: Exprs("($a - $c * $b)", "($a - $c * $b)", "($T)($a - $c * $b)")}),
+    OpDef("mul", ("aten::mul.Tensor(Tensor self, Tensor other) -> Tensor",
+                  "aten::mul.Scalar(Tensor self, Scalar other) -> Tensor"),
+          {None: Exprs("($a * $b)", "($a * $b)", "($T)($a * $b)")}),
+    OpDef("div", ("aten::div.Tensor(Tensor self, Tensor other) -> Tensor",
+                  "aten::div.Scalar(Tensor self, Scalar other) -> Tensor"),
+          {None: Exprs("($a / $b)", "($a / $b)")}),
+    OpDef("atan2", ("aten::atan2(Tensor self, Tensor other) -> Tensor",),
+          {None: Exprs("atan2f($a, $b)", "atan2($a, $b)")}),
+    OpDef("fmod", ("aten::fmod.Tensor(Tensor self, Tensor other) -> Tensor",
+                   "aten::fmod.Scalar(Tensor self, Scalar other) -> Tensor"),
+          {None: Exprs("fmodf($a, $b)", "fmod($a, $b)")}),
+    OpDef("remainder", ("aten::remainder.Tensor(Tensor self, Tensor other) -> Tensor",
+                        "aten::remainder.Scalar(Tensor self, Scalar other) -> Tensor",
+                        "aten::remainder.Scalar_Tensor(Scalar self, Tensor other) -> Tensor"),
+          {None: Exprs("fz_remainder($a, $b)", "fz_remainder($a, $b)")}),
+    OpDef("maximum", ("aten::max.other(Tensor self, Tensor other) -> Tensor",
+                      "aten::maximum(Tensor self, Tensor other) -> Tensor"),
+          {None: Exprs("fz_max($a, $b)", "fz_max($a, $b)", "fz_max($a, $b)")}),
+    OpDef("minimum", ("aten::min.other(Tensor self, Tensor other) -> Tensor",
+                      "aten::minimum(Tensor self, Tensor other) -> Tensor"),
+          {None: Exprs("fz_min($a, $b)", "fz_min($a, $b)", "fz_min($a, $b)")}),
+    OpDef("pow", ("aten::pow.Tensor_Tensor(Tensor self, Tensor exponent) -> Tensor",
+                  "aten::pow.Tensor_Scalar(Tensor self, Scalar exponent) -> Tensor",
+                  "aten::pow.Scalar(Scalar self, Tensor exponent) -> Tensor"),
+          {None: Exprs("powf($a, $b)", "pow($a, $b)")}),
+    OpDef("where", ("aten::where.self(Tensor condition, Tensor self, Tensor other) -> Tensor",
+                    "aten::where.ScalarOther(Tensor condition, Tensor self, Scalar other) -> Tensor",
+                    "aten::where.ScalarSelf(Tensor condition, Scalar self, Tensor other) -> Tensor",
+                    "aten::where.Scalar(Tensor condition, Scalar self, Scalar other) -> Tensor"),
+          {None: Exprs("($a ? $b : $c)", "($a ? $b : $c)", "($a ? $b : $c)")}, keep_args=(0,)),
+    OpDef("type_as", ("aten::type_as(Tensor self, Tensor other) -> Tensor",),
+          {None: Exprs("$a", "$a", "$a")}, aliases_input=True),
+    OpDef("clamp", ("aten::clamp(Tensor self, Scalar? min=None, Scalar? max=None) -> Tensor",
+                    "aten::clamp.Tensor(Tensor self, Tensor? min=None, Tensor? max=None) -> Tensor"),
+          {None: Exprs("fz_min(fz_max($a, $b), $c)", "fz_min(fz_max($a, $b), $c)",
+                       "fz_min(fz_max($a, $b), $c)")},
+          none_as={1: "lowest", 2: "highest"}),
+    OpDef("clamp_min", ("aten::clamp_min(Tensor self, Scalar min) -> Tensor",
+                        "aten::clamp_min.Tensor(Tensor self, Tensor min) -> Tensor"),
+          {None: Exprs("fz_max($a, $b)", "fz_max($a, $b)", "fz_max($a, $b)")}),
+    OpDef("clamp_max", ("aten::clamp_max(Tensor self, Scalar max) -> Tensor",
+                        "aten::clamp_max.Tensor(Tensor self, Tensor max) -> Tensor"),
+          {None: Exprs("fz_min($a, $b)", "fz_min($a, $b)", "fz_min($a, $b)")}),
+    OpDef("threshold", ("aten::threshold(Tensor self, Scalar threshold, Scalar value) -> Tensor",),
+          {None: Exprs("($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)")}),
+    OpDef("lerp", ("aten::lerp.Scalar(Tensor self, Tensor end, Scalar weight) -> Tensor",
+                   "aten::lerp.Tensor(Tensor self, Tensor end, Tensor weight) -> Tensor"),
+          # eager's two-sided formula: exact at weight 0 and 1
+          {None: Exprs("(fabsf($c) < 0.5f ? $a + $c * ($b - $a) : $b - ($b - $a) * (1.f - $c))",
+                       "(fabs($c) < 0.5 ? $a + $c * ($b - $a) : $b - ($b - $a) * (1.0 - $c))")}),
+    OpDef("addcmul", ("aten::addcmul(Tensor self, Tensor tensor1, Tensor tensor2, *, Scalar value=1) -> Tensor",),
+          {None: Exprs("($a + $d * $b * $c)", "($a + $d * $b * $c)", "($T)($a + $d * $b * $c)")}),
+]
+
+for _cmp, _sym in (("eq", "=="), ("ne", "!="), ("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+    _OPS.append(OpDef(_cmp, (f"aten::{_cmp}.Tensor(Tensor self, Tensor other) -> Tensor",
+                             f"aten::{_cmp}.Scalar(Tensor self, Scalar other) -> Tensor"),
+                      {None: Exprs(f"($a {_sym} $b)", f"($a {_sym} $b)", f"($a {_sym} $b)")},
+                      compute="common"))
+
+OPS_BY_NAME: dict[str, OpDef] = {op.name: op for op in _OPS}
+OPS_BY_SCHEMA: dict[str, OpDef] = {s: op for op in _OPS for s in op.schemas}
+
+
+def lookup(schema: str) -> Optional[OpDef]:
+    """The table entry for a node's schema string, or None when the op is not fusable."""
+    return OPS_BY_SCHEMA.get(schema)
