@@ -9,11 +9,11 @@ order; ``ptrs``: inputs then outputs; ``scalars``: the float arguments.
 from string import Template
 
 PRELUDE = r"""
-#include <cstdint>
-#include <cstring>
-#include <cmath>
-#include <limits>
-using std::isnan;
+// C headers only: they parse in a fraction of <cmath>'s time, and compile time is most of a CPU kernel's
+// first call
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
 
 struct fz_half { uint16_t x; };
 struct fz_bf16 { uint16_t x; };
@@ -34,24 +34,24 @@ static inline float fz_ld(fz_half h) {
   } else {
     bits = sign | ((exp + 112) << 23) | (mant << 13);
   }
-  float f; std::memcpy(&f, &bits, 4); return f;
+  float f; memcpy(&f, &bits, 4); return f;
 }
 static inline float fz_ld(fz_bf16 h) {
-  uint32_t bits = (uint32_t)h.x << 16; float f; std::memcpy(&f, &bits, 4); return f;
+  uint32_t bits = (uint32_t)h.x << 16; float f; memcpy(&f, &bits, 4); return f;
 }
 template <class T> static inline T fz_ld(T v) { return v; }
 
 template <class S, class C> static inline S fz_st(C v) { return (S)v; }
 template <> inline fz_half fz_st<fz_half, float>(float f) {
-  uint32_t x; std::memcpy(&x, &f, 4);
+  uint32_t x; memcpy(&x, &f, 4);
   uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
   uint32_t a = x & 0x7fffffffu;
   fz_half h;
   if (a > 0x7f800000u) { h.x = sign | 0x7e00u; return h; }        // NaN stays NaN
   if (a >= 0x477ff000u) { h.x = sign | 0x7c00u; return h; }       // rounds to inf
   if (a < 0x38800000u) {                                          // half subnormal or zero
-    float af; std::memcpy(&af, &a, 4);
-    h.x = sign | (uint16_t)std::nearbyint(af * 16777216.0f);      // exact scaling, round half to even
+    float af; memcpy(&af, &a, 4);
+    h.x = sign | (uint16_t)nearbyintf(af * 16777216.0f);      // exact scaling, round half to even
     return h;
   }
   uint32_t e = a - 0x38000000u;
@@ -59,7 +59,7 @@ template <> inline fz_half fz_st<fz_half, float>(float f) {
   return h;
 }
 template <> inline fz_bf16 fz_st<fz_bf16, float>(float f) {
-  uint32_t x; std::memcpy(&x, &f, 4);
+  uint32_t x; memcpy(&x, &f, 4);
   fz_bf16 h;
   if ((x & 0x7fffffffu) > 0x7f800000u) { h.x = (uint16_t)((x >> 16) | 0x40u); return h; }
   h.x = (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
@@ -69,28 +69,29 @@ template <> inline fz_bf16 fz_st<fz_bf16, float>(float f) {
 template <class T> static inline T fz_max(T a, T b) { return (a != a || a > b) ? a : b; }
 template <class T> static inline T fz_min(T a, T b) { return (a != a || a < b) ? a : b; }
 static inline float fz_remainder(float a, float b) {
-  float m = std::fmod(a, b);
+  float m = fmodf(a, b);
   if (m != 0.f && ((b < 0.f) != (m < 0.f))) m += b;
   return m;
 }
 static inline double fz_remainder(double a, double b) {
-  double m = std::fmod(a, b);
+  double m = fmod(a, b);
   if (m != 0.0 && ((b < 0.0) != (m < 0.0))) m += b;
   return m;
 }
-#define FZ_INF_F std::numeric_limits<float>::infinity()
-#define FZ_NAN_F std::numeric_limits<float>::quiet_NaN()
-#define FZ_INF_D std::numeric_limits<double>::infinity()
-#define FZ_NAN_D std::numeric_limits<double>::quiet_NaN()
+#define FZ_INF_F __builtin_inff()
+#define FZ_NAN_F __builtin_nanf("")
+#define FZ_INF_D __builtin_inf()
+#define FZ_NAN_D __builtin_nan("")
 // a missing clamp bound: -inf/+inf for floating types (NaN and infinities pass unchanged), else the limits
-template <class T> static inline T fz_lowest() {
-  return std::numeric_limits<T>::has_infinity ? -std::numeric_limits<T>::infinity() : std::numeric_limits<T>::lowest();
-}
-template <class T> static inline T fz_highest() {
-  return std::numeric_limits<T>::has_infinity ? std::numeric_limits<T>::infinity() : std::numeric_limits<T>::max();
-}
-#define FZ_LOWEST(T) fz_lowest<T>()
-#define FZ_HIGHEST(T) fz_highest<T>()
+template <class T> struct fz_limits {
+  static inline T lowest() { return (T)((T)-1 < (T)0 ? (T)1 << (sizeof(T) * 8 - 1) : 0); }
+  static inline T highest() { return (T)~lowest(); }
+};
+template <> struct fz_limits<bool> { static inline bool lowest() { return false; } static inline bool highest() { return true; } };
+template <> struct fz_limits<float> { static inline float lowest() { return -FZ_INF_F; } static inline float highest() { return FZ_INF_F; } };
+template <> struct fz_limits<double> { static inline double lowest() { return -FZ_INF_D; } static inline double highest() { return FZ_INF_D; } };
+#define FZ_LOWEST(T) fz_limits<T>::lowest()
+#define FZ_HIGHEST(T) fz_limits<T>::highest()
 """
 
 KERNEL = Template(r"""// fuser CPU kernel ${name}

@@ -1,0 +1,15 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="fuser",
+    version="0.1.0",
+    description="A JIT fusion compiler for PyTorch's pointwise ops (TorchScript graph fuser rebuilt in Python)",
+    packages=find_packages(include=["fuser", "fuser.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.11",
+        "cuda-python>=12.6",  # cuda.bindings: NVRTC and the driver API
+        "nvidia-cuda-nvrtc",  # the NVRTC library itself, so kernels compile even on machines without a GPU
+    ],
+    extras_require={"test": ["pytest>=7"], "bench": ["matplotlib"]},
+)

@@ -1,0 +1,157 @@
+"""Test helpers: one-op graphs generated from the op table, inputs with NaN/inf, eager references."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fuser import ops
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+# constant values for Scalar arguments, by argument name (others get 0.75)
+_SCALARS = {"alpha": 2, "value": 2, "min_val": -0.5, "max_val": 0.5, "min": -0.5, "max": 0.5,
+            "threshold": 0.1, "weight": 0.3, "exponent": 2.0, "self": 1.5, "other": -0.75}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One way of calling one op: which args are tensors, float graph inputs, or constants."""
+
+    op: str
+    schema: str
+    variant: Optional[str] = None
+    scalars_as_inputs: bool = False  # Scalar args become `float` graph inputs (kernel arguments)
+    none_args: tuple[str, ...] = ()  # optional args passed as None
+
+    @property
+    def id(self) -> str:
+        s = torch._C.parse_schema(self.schema)
+        parts = [self.op, s.overload_name or "default"]
+        if self.variant:
+            parts.append(self.variant)
+        if self.scalars_as_inputs:
+            parts.append("floatarg")
+        if self.none_args:
+            parts.append("none_" + "_".join(self.none_args))
+        return "-".join(parts)
+
+
+def cases() -> list[Case]:
+    out = []
+    for op in ops._OPS:
+        for schema in op.schemas:
+            s = torch._C.parse_schema(schema)
+            types = [str(a.type) for a in s.arguments]
+            for variant in op.exprs:
+                out.append(Case(op.name, schema, variant))
+                if "Scalar" in types:
+                    out.append(Case(op.name, schema, variant, scalars_as_inputs=True))
+                optional = [a.name for a in s.arguments if str(a.type) == "Optional[number]"]
+                for name in optional:
+                    out.append(Case(op.name, schema, variant, none_args=(name,)))
+    return out
+
+
+@dataclass
+class Built:
+    graph: torch._C.Graph
+    tensor_args: list[str]  # names of tensor arguments, in graph-input order
+    float_args: list[str]  # names of float arguments, after the tensors
+    call_args: dict  # argument name -> ("tensor", name) | ("float", name) | ("const", value)
+    schema: torch._C.FunctionSchema
+
+
+def build(case: Case) -> Built:
+    s = torch._C.parse_schema(case.schema)
+    inputs, consts, call, tensors, floats = [], [], {}, [], []
+    for a in s.arguments:
+        t = str(a.type)
+        if t in ("Tensor", "Optional[Tensor]"):
+            tensors.append(a.name)
+            call[a.name] = ("tensor", a.name)
+        elif t == "str":
+            consts.append(f'  %{a.name} : str = prim::Constant[value="{case.variant}"]()')
+            call[a.name] = ("const", case.variant)
+        elif a.name in case.none_args:
+            consts.append(f"  %{a.name} : NoneType = prim::Constant()")
+            call[a.name] = ("const", None)
+        elif case.scalars_as_inputs:
+            floats.append(a.name)
+            call[a.name] = ("float", a.name)
+        else:
+            v = _SCALARS.get(a.name, 0.75)
+            ty = "int" if isinstance(v, int) else "float"
+            consts.append(f"  %{a.name} : {ty} = prim::Constant[value={v}]()")
+            call[a.name] = ("const", v)
+    inputs = [f"%{n} : Tensor" for n in tensors] + [f"%{n} : float" for n in floats]
+    args = ", ".join(f"%{a.name}" for a in s.arguments)
+    text = (f"graph({', '.join(inputs)}):\n" + "\n".join(consts) + ("\n" if consts else "")
+            + f"  %r : Tensor = {s.name}({args})\n  return (%r)\n")
+    return Built(torch.parse_ir(text), tensors, floats, call, s)
+
+
+def special_values(dtype: torch.dtype) -> list[float]:
+    if dtype.is_floating_point:
+        return [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1.0, -1.0, 0.5]
+    return [0, 1, -1]
+
+
+def random_tensor(shape, dtype, device="cpu", specials=True, gen=None) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen).to(device) > 0.5
+    if dtype.is_floating_point:
+        t = torch.randn(shape, generator=gen, dtype=torch.float64) * 2
+        if specials and t.numel() >= 16:
+            flat = t.view(-1)
+            vals = special_values(dtype)
+            idx = torch.randperm(flat.numel(), generator=gen)[: len(vals)]
+            flat[idx] = torch.tensor(vals, dtype=torch.float64)
+        return t.to(dtype).to(device)
+    return torch.randint(-5, 6, shape, generator=gen).to(dtype).to(device)
+
+
+def make_args(b: Built, dtype, shape=(37, 29), device="cpu", gen=None, cond_dtype=torch.bool):
+    tensors = {}
+    for n in b.tensor_args:
+        if n == "condition":
+            tensors[n] = random_tensor(shape, cond_dtype, device, gen=gen)
+        else:
+            tensors[n] = random_tensor(shape, dtype, device, gen=gen)
+    floats = {n: _SCALARS.get(n, 0.75) * 1.0 for n in b.float_args}
+    graph_args = [tensors[n] for n in b.tensor_args] + [floats[n] for n in b.float_args]
+    return graph_args, tensors, floats
+
+
+def eager(b: Built, tensors: dict, floats: dict):
+    """The op called directly through torch.ops (independent of the fuser and the graph)."""
+    s = b.schema
+    name = s.name.split("::")[1]
+    fn = getattr(getattr(torch.ops.aten, name), s.overload_name or "default")
+    pos, kw = [], {}
+    for a in s.arguments:
+        kind, v = b.call_args[a.name]
+        val = tensors[v] if kind == "tensor" else floats[v] if kind == "float" else v
+        if a.kwarg_only:
+            kw[a.name] = val
+        else:
+            pos.append(val)
+    return fn(*pos, **kw)
+
+
+def tolerances(dtype: torch.dtype) -> dict:
+    return {
+        torch.float16: dict(rtol=2e-3, atol=2e-3),
+        torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+        torch.float32: dict(rtol=2e-5, atol=2e-5),
+        torch.float64: dict(rtol=1e-10, atol=1e-10),
+    }.get(dtype, dict(rtol=0, atol=0))
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, dtype=None) -> None:
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.device == expected.device
+    tol = tolerances(dtype or expected.dtype)
+    torch.testing.assert_close(actual, expected, equal_nan=True, **tol)
