@@ -141,23 +141,44 @@ class _BlockFuser:
     def _returned(self, v: torch._C.Value) -> bool:
         return any(u.user.kind() == "prim::Return" and u.user.owningBlock() == self.block for u in v.uses())
 
-    def _valid(self, members: list[torch._C.Node]) -> bool:
+    def _check(self, members: list[torch._C.Node]) -> Optional[list[torch._C.Node]]:
+        """None if ``members`` cannot form a group; otherwise the nodes inside the group's span that use a
+        member's value and so must move after the group (possibly none)."""
         mset = set(members)
         lo = min(self.pos[m] for m in members)
         hi = max(self.pos[m] for m in members)
         if any(lo < b < hi for b in self.barriers):
-            return False
-        produced = {m.output().unique() for m in members}
+            return None
+        tainted = {m.output().unique() for m in members}
+        deferred, deferred_outs = [], set()
         for i in range(lo + 1, hi):
             n = self.nodes[i]
+            uses = {v.unique() for v in _node_uses(n)}
             if n in mset:
+                if uses & deferred_outs:
+                    return None  # a member needs a node that needs a member: a cycle
                 continue
-            if any(v.unique() in produced for v in _node_uses(n)):
-                return False
+            if uses & (tainted | deferred_outs):
+                g = self.group_of.get(n)
+                if g is not None and len(g.members) > 1:
+                    return None
+                deferred.append(n)
+                deferred_outs.update(o.unique() for o in n.outputs())
         outs = self._outputs(members)
         if any(self.ops[v.node()].aliases_input for v in outs):
-            return False
-        return len(self._external_inputs(members)) + len(outs) <= MAX_GROUP_ARGS
+            return None
+        if len(self._external_inputs(members)) + len(outs) > MAX_GROUP_ARGS:
+            return None
+        return deferred
+
+    def _defer(self, nodes: list[torch._C.Node], after: torch._C.Node) -> None:
+        """Move ``nodes`` (in order) right after ``after``; they only depend on values defined before it."""
+        for n in nodes:
+            n.moveAfter(after)
+            after = n
+        self.nodes = list(self.block.nodes())
+        self.pos = {n: i for i, n in enumerate(self.nodes)}
+        self.barriers = [i for i, n in enumerate(self.nodes) if _has_side_effects(n)]
 
     def run(self) -> list[list[torch._C.Node]]:
         changed = True
@@ -174,7 +195,10 @@ class _BlockFuser:
                     if other is group:
                         continue
                     merged = group.members + other.members
-                    if self._valid(merged):
+                    deferred = self._check(merged)
+                    if deferred is not None:
+                        if deferred:
+                            self._defer(deferred, max(merged, key=self.pos.__getitem__))
                         group.members = merged
                         for m in other.members:
                             self.group_of[m] = group

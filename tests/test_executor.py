@@ -1,0 +1,206 @@
+"""run_fusion on the CPU backend: shapes, layouts, dtypes and bad input, each against eager."""
+import pytest
+import torch
+from helpers import assert_same, random_tensor
+
+import fuser
+from fuser import executor
+from fuser.kernel_cache import STORE
+
+IR = """
+graph(%x : Tensor, %y : Tensor, %s : float):
+  %one : int = prim::Constant[value=1]()
+  %a : Tensor = aten::mul(%x, %y)
+  %b : Tensor = aten::add(%a, %s, %one)
+  %c : Tensor = aten::sigmoid(%b)
+  %d : Tensor = aten::gt(%c, %x)
+  return (%c, %d)
+"""
+
+
+def reference(x, y, s):
+    c = torch.sigmoid(x * y + s)
+    return c, c > x
+
+
+def _key():
+    return STORE.register(torch.parse_ir(IR))
+
+
+def _check(x, y, s=0.25, fused=True):
+    key = _key()
+    expected = reference(x, y, s)
+    out = executor.run(STORE.get(key), [x, y, s])
+    assert (out is not None) == fused
+    for a, b in zip(fuser.run_fusion(key, [x, y, s]), expected):
+        assert_same(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_same_shape(dtype):
+    _check(random_tensor((33, 17), dtype), random_tensor((33, 17), dtype))
+
+
+@pytest.mark.parametrize("shapes", [((4, 5), (5,)), ((4, 1), (1, 5)), ((3, 1, 6), (2, 1)), ((), (7, 3)),
+                                    ((2, 3, 4), (2, 1, 4)), ((1,), (6, 6))])
+def test_broadcast(shapes):
+    _check(random_tensor(shapes[0], torch.float32), random_tensor(shapes[1], torch.float32))
+
+
+def test_transposed_sliced_expanded_and_offset_views():
+    base = random_tensor((40, 30), torch.float32)
+    _check(base.t(), random_tensor((30, 40), torch.float32))
+    _check(base[::2, 1::3], random_tensor((20, 10), torch.float32).t().contiguous().t())
+    _check(random_tensor((5,), torch.float32).expand(7, 5), random_tensor((7, 5), torch.float32))
+    flat = random_tensor((101,), torch.float32)
+    _check(flat[1:], flat[:-1])
+
+
+def test_large_tensor_runs_in_parallel_chunks():
+    _check(random_tensor((512, 300), torch.float32), random_tensor((300,), torch.float32))
+
+
+def test_zero_dim_and_zero_element():
+    _check(torch.tensor(0.5), torch.tensor(-2.0))
+    key = _key()
+    before = fuser.n_compiled_kernels()
+    x, y = torch.empty(0, 4), torch.empty(0, 4)
+    out = fuser.run_fusion(key, [x, y, 1.0])
+    assert [o.shape for o in out] == [torch.Size([0, 4])] * 2
+    assert [o.dtype for o in out] == [torch.float32, torch.bool]
+    assert fuser.n_compiled_kernels() - before <= 1
+
+
+@pytest.mark.parametrize("dx,dy", [(torch.int32, torch.float32), (torch.float16, torch.float64),
+                                   (torch.int64, torch.int32), (torch.bool, torch.float16),
+                                   (torch.bfloat16, torch.float16), (torch.uint8, torch.int8)])
+def test_type_promotion_as_eager(dx, dy):
+    _check(random_tensor((9, 8), dx), random_tensor((9, 8), dy))
+
+
+def test_zero_dim_tensor_does_not_promote_like_a_dimensioned_one():
+    _check(random_tensor((6, 4), torch.float16), torch.tensor(3.0, dtype=torch.float64))
+
+
+def test_output_shapes_that_differ_fall_back():
+    ir = """
+    graph(%x : Tensor, %y : Tensor):
+      %a : Tensor = aten::sin(%x)
+      %b : Tensor = aten::mul(%a, %y)
+      return (%a, %b)
+    """
+    key = STORE.register(torch.parse_ir(ir))
+    x, y = torch.randn(5), torch.randn(3, 5)
+    assert executor.run(STORE.get(key), [x, y]) is None  # `a` has x's shape, not the map's
+    a, b = fuser.run_fusion(key, [x, y])
+    assert_same(a, x.sin())
+    assert_same(b, x.sin() * y)
+
+
+def test_non_broadcastable_shapes_raise_eagers_error():
+    key = _key()
+    x, y = torch.randn(3, 4), torch.randn(5)
+    with pytest.raises(RuntimeError) as fused_err:
+        fuser.run_fusion(key, [x, y, 1.0])
+    with pytest.raises(RuntimeError) as eager_err:
+        reference(x, y, 1.0)
+    # the interpreter prefixes its traceback; eager's own message is what it reports
+    assert str(eager_err.value).splitlines()[0] in str(fused_err.value)
+
+
+def test_mismatched_devices_fall_back_to_eager_error():
+    key = _key()
+    x, y = torch.randn(3), torch.randn(3, device="meta")
+    with pytest.raises(Exception) as fused_err:
+        fuser.run_fusion(key, [x, y, 1.0])
+    with pytest.raises(Exception) as eager_err:
+        reference(x, y, 1.0)
+    assert type(fused_err.value) is type(eager_err.value)
+
+
+def test_complex_falls_back():
+    key = _key()
+    x = torch.randn(4, dtype=torch.complex64)
+    y = torch.randn(4, dtype=torch.complex64)
+    assert executor.run(STORE.get(key), [x, y, 0.5]) is None
+    with pytest.raises(RuntimeError):  # eager: gt is not supported for complex
+        reference(x, y, 0.5)
+    with pytest.raises(RuntimeError):
+        fuser.run_fusion(key, [x, y, 0.5])
+
+
+def test_sparse_falls_back():
+    ir = """
+    graph(%x : Tensor, %y : Tensor):
+      %a : Tensor = aten::mul(%x, %y)
+      %b : Tensor = aten::mul(%a, %y)
+      return (%b)
+    """
+    key = STORE.register(torch.parse_ir(ir))
+    x = torch.randn(4, 4).to_sparse()
+    y = torch.randn(4, 4).to_sparse()
+    assert executor.run(STORE.get(key), [x, y]) is None
+    out = fuser.run_fusion(key, [x, y])[0]
+    assert_same(out.to_dense(), (x * y * y).to_dense())
+
+
+def test_requires_grad_falls_back_with_autograd():
+    key = _key()
+    x = torch.randn(5, requires_grad=True)
+    y = torch.randn(5)
+    c, d = fuser.run_fusion(key, [x, y, 0.5])
+    assert c.requires_grad
+    c.sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    reference(x2, y, 0.5)[0].sum().backward()
+    assert_same(x.grad, x2.grad)
+    with torch.no_grad():
+        assert executor.run(STORE.get(key), [x, y, 0.5]) is not None
+
+
+def test_cpu_fusion_off_uses_the_fallback():
+    fuser.override_can_fuse_on_cpu(False)
+    assert not fuser.can_fuse_on_cpu()
+    key = STORE.register(torch.parse_ir(IR.replace("aten::sigmoid", "aten::tanh")))
+    before = fuser.n_compiled_kernels()
+    x, y = torch.randn(8), torch.randn(8)
+    c, d = fuser.run_fusion(key, [x, y, 0.1])
+    assert fuser.n_compiled_kernels() == before
+    assert_same(c, torch.tanh(x * y + 0.1))
+
+
+def test_float_argument_changes_without_recompiling():
+    key = _key()
+    x, y = torch.randn(50), torch.randn(50)
+    fuser.run_fusion(key, [x, y, 0.0])
+    before = fuser.n_compiled_kernels()
+    for s in (0.5, -3.0, float("inf"), float("nan")):
+        for a, b in zip(fuser.run_fusion(key, [x, y, s]), reference(x, y, s)):
+            assert_same(a, b)
+    assert fuser.n_compiled_kernels() == before
+
+
+def test_one_kernel_serves_all_shapes():
+    key = _key()
+    fuser.run_fusion(key, [torch.randn(10), torch.randn(10), 1.0])
+    before = fuser.n_compiled_kernels()
+    for n in (1, 7, 1000, 4097):
+        _check(torch.randn(n), torch.randn(n))
+    _check(torch.randn(3, 5), torch.randn(3, 5))
+    assert fuser.n_compiled_kernels() == before
+
+
+def test_integer_overflow_wraps_like_eager():
+    ir = """
+    graph(%x : Tensor, %y : Tensor):
+      %one : int = prim::Constant[value=1]()
+      %a : Tensor = aten::mul(%x, %y)
+      %b : Tensor = aten::add(%a, %x, %one)
+      return (%b)
+    """
+    key = STORE.register(torch.parse_ir(ir))
+    x = torch.randint(-128, 127, (100,), dtype=torch.int8)
+    y = torch.randint(-128, 127, (100,), dtype=torch.int8)
+    out = executor.run(STORE.get(key), [x, y])
+    assert out is not None
+    assert torch.equal(out[0], x * y + x)

@@ -1,0 +1,215 @@
+"""The pass's grouping decisions, checked on the graphs it produces and on results against eager."""
+import torch
+from helpers import assert_same
+
+import fuser
+from fuser import graph_fuser
+
+
+def _groups(graph):
+    return graph_fuser.fusion_groups(graph)
+
+
+def _fused_graph(fn):
+    """The graph of ``fn`` after the pass, before lowering (prim::FusionGroup nodes visible)."""
+    g = torch.jit.script(fn).graph.copy()
+    torch._C._jit_pass_inline(g)
+    graph_fuser.fuse_graph(g)
+    g.lint()
+    return g
+
+
+def _kinds(graph):
+    return [n.kind() for n in graph.nodes() if n.kind() != "prim::Constant"]
+
+
+def _sub_kinds(group):
+    return [n.kind() for n in group.g("Subgraph").nodes() if n.kind() != "prim::Constant"]
+
+
+def lstm_cell(ingate, forgetgate, cellgate, outgate, cx):
+    cy = torch.sigmoid(forgetgate) * cx + torch.sigmoid(ingate) * torch.tanh(cellgate)
+    hy = torch.sigmoid(outgate) * torch.tanh(cy)
+    return hy, cy
+
+
+def gelu_block(x, b):
+    y = x + b
+    return 0.5 * y * (1 + torch.tanh(0.7978845608 * (y + 0.044715 * y * y * y)))
+
+
+def test_lstm_cell_is_one_group():
+    g = _fused_graph(lstm_cell)
+    groups = _groups(g)
+    assert len(groups) == 1
+    assert sorted(_sub_kinds(groups[0])).count("aten::sigmoid") == 3
+    assert groups[0].outputsSize() == 2
+    assert _kinds(g) == ["prim::FusionGroup", "prim::TupleConstruct"]
+
+
+def test_gelu_block_is_one_group():
+    g = _fused_graph(gelu_block)
+    assert len(_groups(g)) == 1
+    assert _kinds(g) == ["prim::FusionGroup"]
+
+
+def test_mutation_splits_groups():
+    def f(x, y):
+        a = (x * 2).sigmoid()
+        y.add_(1)  # a member moved past this would read the new y
+        return a + y, a.tanh() * y
+
+    g = _fused_graph(f)
+    kinds = _kinds(g)
+    assert "aten::add_" in kinds
+    assert kinds.index("aten::add_") > kinds.index("prim::FusionGroup")
+    for group in _groups(g):
+        assert group.isBefore(g.findNode("aten::add_")) or group.isAfter(g.findNode("aten::add_"))
+
+    fused = fuser.fuse(torch.jit.script(f))
+    x, y = torch.randn(5), torch.randn(5)
+    y2 = y.clone()
+    for a, b in zip(fused(x, y), f(x, y2)):
+        assert_same(a, b)
+    assert_same(y, y2)
+
+
+def test_float_argument_becomes_group_input_and_int_argument_does_not():
+    def f(x, s: float, k: int):
+        a = (x * s).sin() + 1
+        return a * k, (a - s).relu() + 2
+
+    g = _fused_graph(f)
+    groups = _groups(g)
+    assert len(groups) == 1
+    types = [v.type().kind() for v in groups[0].inputs()]
+    assert types == ["TensorType", "FloatType"]
+    # the multiplication by a non-constant int stays outside
+    assert "aten::mul" in _kinds(g)
+    fused = fuser.fuse(torch.jit.script(f))
+    x = torch.randn(7, 3)
+    for a, b in zip(fused(x, 0.3, 3), f(x, 0.3, 3)):
+        assert_same(a, b)
+
+
+def test_constants_are_copied_into_the_group():
+    def f(x):
+        return (x + 2.5).clamp(-1.0, None) * 3
+
+    g = _fused_graph(f)
+    (group,) = _groups(g)
+    assert [v.type().kind() for v in group.inputs()] == ["TensorType"]
+    consts = [n.output().toIValue() for n in group.g("Subgraph").nodes() if n.kind() == "prim::Constant"]
+    assert 2.5 in consts and -1.0 in consts and None in consts
+
+
+def test_value_used_outside_becomes_extra_output():
+    def f(x, y):
+        a = x * y
+        b = a.sigmoid() + 1
+        return b, a.sum()
+
+    g = _fused_graph(f)
+    (group,) = _groups(g)
+    assert group.outputsSize() == 2
+    fused = fuser.fuse(torch.jit.script(f))
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    for a, b in zip(fused(x, y), f(x, y)):
+        assert_same(a, b)
+
+
+def test_no_move_past_a_dependent_use():
+    def f(x):
+        a = x.sin()
+        s = a.sum()  # needs a before the consumer below can run
+        return (a * s).cos()
+
+    g = _fused_graph(f)
+    # sin cannot join (a*s).cos(): the group would run after sum, which needs sin's value
+    for group in _groups(g):
+        assert not ("aten::sin" in _sub_kinds(group) and "aten::cos" in _sub_kinds(group))
+    fused = fuser.fuse(torch.jit.script(f))
+    x = torch.randn(6)
+    assert_same(fused(x), f(x))
+
+
+def test_single_ops_are_left_alone():
+    def f(x, y):
+        return torch.mm(x, y).relu()
+
+    g = _fused_graph(f)
+    assert _groups(g) == []
+
+
+def test_nested_blocks_are_fused_separately():
+    def f(x, flag: bool):
+        y = x * 2 + 1
+        if flag:
+            z = y.sigmoid() * y
+        else:
+            z = y.tanh() - y
+        return z
+
+    g = _fused_graph(f)
+    assert len(_groups(g)) == 3  # before the if, and one in each branch
+    fused = fuser.fuse(torch.jit.script(f))
+    x = torch.randn(8)
+    assert_same(fused(x, True), f(x, True))
+    assert_same(fused(x, False), f(x, False))
+
+
+def test_group_argument_cap():
+    n = 140
+    lines = [f"graph({', '.join(f'%x{i} : Tensor' for i in range(n))}):", "  %one : int = prim::Constant[value=1]()"]
+    lines += [f"  %s{i} : Tensor = aten::sin(%x{i})" for i in range(n)]
+    acc = "s0"
+    for i in range(1, n):
+        lines.append(f"  %a{i} : Tensor = aten::add(%{acc}, %s{i}, %one)")
+        acc = f"a{i}"
+    lines.append(f"  return (%{acc})")
+    g = torch.parse_ir("\n".join(lines))
+    graph_fuser.fuse_graph(g)
+    g.lint()
+    groups = _groups(g)
+    assert len(groups) >= 2
+    for group in groups:
+        assert group.inputsSize() + group.outputsSize() <= graph_fuser.MAX_GROUP_ARGS
+    xs = [torch.randn(3) for _ in range(n)]
+    expected = sum(x.sin() for x in xs)
+    fuser.integration.fuse_graph_in_place(g)
+    fn = torch._C._create_function_from_graph("f", g)
+    assert_same(fn(*xs), expected)
+
+
+def test_type_as_result_is_not_a_group_output():
+    def f(x, y):
+        a = (x * 2).type_as(y)
+        a.add_(1)  # mutating an alias of x * 2 (when dtypes match) must stay eager
+        return a
+
+    fused = fuser.fuse(torch.jit.script(f))
+    x, y = torch.randn(3), torch.randn(3)
+    assert_same(fused(x, y), f(x, y))
+    for group in _groups(_fused_graph(f)):
+        outs = {v.node().kind() for v in group.g("Subgraph").outputs()}
+        assert "aten::type_as" not in outs
+
+
+def test_fused_modules_and_traced_functions():
+    class Cell(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.act = torch.nn.Tanh()
+
+        def forward(self, x, y):
+            return self.act(x * y + 1) * torch.sigmoid(y)
+
+    m = fuser.fuse(torch.jit.script(Cell()))
+    x, y = torch.randn(5, 3), torch.randn(5, 3)
+    assert_same(m(x, y), Cell()(x, y))
+    assert any(n.kind() == "fuser::fusion_group" for n in m.graph.nodes())
+
+    traced = fuser.fuse(torch.jit.trace(gelu_block, (torch.randn(4, 8), torch.randn(8))))
+    x, b = torch.randn(16, 8), torch.randn(8)
+    assert_same(traced(x, b), gelu_block(x, b))
+    assert any(n.kind() == "fuser::fusion_group" for n in traced.graph.nodes())
