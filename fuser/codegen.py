@@ -118,6 +118,8 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
             arg = ops.ARG_NAMES[i]
             if v.node().kind() == "prim::Constant":
                 val = v.toIValue()
+                if isinstance(val, torch.Tensor):  # a 0-dim constant (traced Python scalar)
+                    val = val.item()
                 if val is None:
                     bound = op.none_as.get(i)
                     if bound is None:

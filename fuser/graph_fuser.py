@@ -34,6 +34,20 @@ def _is_constant(v: torch._C.Value) -> bool:
     return v.node().kind() == "prim::Constant"
 
 
+def _inlined_constant(v: torch._C.Value) -> bool:
+    """Constants copied into a group: non-tensors, and 0-dim tensors (traced Python scalars, which reach
+    Python ops as plain numbers, so they cannot be passed as tensor inputs). Larger tensor constants are
+    group inputs."""
+    if not _is_constant(v):
+        return False
+    if not _is_tensor(v):
+        return True
+    val = v.toIValue()  # a wrapped number comes back as a Python number
+    if isinstance(val, torch.Tensor):
+        return val.dim() == 0 and val.device.type == "cpu"
+    return isinstance(val, (bool, int, float))
+
+
 def fusable_op(node: torch._C.Node) -> Optional[ops.OpDef]:
     """The op-table entry of ``node`` if the pass may put it in a group, else None.
 
@@ -46,8 +60,6 @@ def fusable_op(node: torch._C.Node) -> Optional[ops.OpDef]:
         return None
     for i, v in enumerate(node.inputs()):
         if _is_tensor(v):
-            if _is_constant(v):
-                return None  # tensor constants stay outside, where TorchScript keeps them alive
             continue
         if _is_constant(v):
             val = v.toIValue()
@@ -122,7 +134,7 @@ class _BlockFuser:
         seen, out = set(), []
         for m in sorted(mset, key=self.pos.__getitem__):
             for v in m.inputs():
-                if v.node() in mset or (_is_constant(v) and not _is_tensor(v)):
+                if v.node() in mset or _inlined_constant(v):
                     continue
                 if v.unique() not in seen:
                     seen.add(v.unique())
@@ -237,7 +249,7 @@ def build_subgraph(members: list[torch._C.Node], inputs: list[torch._C.Value],
     for m in members:
         for v in m.inputs():
             if v.unique() not in vmap:
-                assert _is_constant(v), "precondition: every non-constant input is an external input"
+                assert _inlined_constant(v), "precondition: every other input is an external input"
                 c = sub.createClone(v.node(), lambda x: x)
                 sub.insertNode(c)
                 vmap[v.unique()] = c.output()

@@ -98,6 +98,7 @@ def graph_for(scripted, *inputs) -> torch._C.Graph:
 class _Installer:
     def __init__(self):
         self.lock = threading.Lock()
+        self.local = threading.local()
         self.saved: Optional[tuple] = None
 
     def install(self) -> None:
@@ -113,10 +114,10 @@ class _Installer:
             torch._C._jit_override_can_fuse_on_gpu(False)
 
             def fused_script(obj, *args, **kwargs):
-                return _maybe_fuse(script(obj, *args, **kwargs))
+                return self._outermost(script, obj, *args, **kwargs)
 
             def fused_trace(*args, **kwargs):
-                return _maybe_fuse(trace(*args, **kwargs))
+                return self._outermost(trace, *args, **kwargs)
 
             fused_script.__wrapped__, fused_trace.__wrapped__ = script, trace
             fused_script.__doc__, fused_trace.__doc__ = script.__doc__, trace.__doc__
@@ -131,6 +132,18 @@ class _Installer:
             torch._C._jit_override_can_fuse_on_cpu(cpu)
             torch._C._jit_override_can_fuse_on_gpu(gpu)
             self.saved = None
+
+    def _outermost(self, fn, *args, **kwargs):
+        # torch.jit.trace checks its result by tracing again through the module attribute, and scripting can
+        # script helpers: only the outermost call's result is fused, so inner results stay stock
+        if getattr(self.local, "depth", 0):
+            return fn(*args, **kwargs)
+        self.local.depth = 1
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            self.local.depth = 0
+        return _maybe_fuse(result)
 
     @property
     def installed(self) -> bool:

@@ -33,7 +33,9 @@ def canonical_text(graph: torch._C.Graph) -> str:
             outs.append(ids[o.unique()])
         if n.kind() == "prim::Constant":
             val = n.output().toIValue() if n.outputsSize() == 1 else None
-            lines.append(f"{outs[0]} = const {type(val).__name__} {val!r}")
+            if isinstance(val, torch.Tensor):  # repr would round the value
+                val = (val.dtype, tuple(val.shape), str(val.device), val.tolist())
+            lines.append(f"{outs[0]} = const {n.output().type().kind()} {type(val).__name__} {val!r}")
             continue
         if list(n.blocks()):
             raise ValueError(f"a fusion group cannot hold a node with blocks: {n.kind()}")

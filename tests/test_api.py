@@ -1,0 +1,143 @@
+"""The public API: names, install/uninstall, the debug entry points and compiler errors."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import assert_same
+
+import fuser
+from fuser.errors import CompileError
+
+API = ["install", "uninstall", "fuse", "graph_for", "register_fusion", "run_fusion", "debug_launch_graph",
+       "debug_get_fused_kernel_code", "can_fuse_on_cpu", "can_fuse_on_gpu", "override_can_fuse_on_cpu",
+       "override_can_fuse_on_gpu", "n_compiled_kernels", "n_cached_kernel_specs"]
+
+
+def gelu_block(x, b):
+    y = x + b
+    return 0.5 * y * (1 + torch.tanh(0.7978845608 * (y + 0.044715 * y * y * y)))
+
+
+def lstm_update(ingate, forgetgate, cellgate, outgate, cx):
+    cy = torch.sigmoid(forgetgate) * cx + torch.sigmoid(ingate) * torch.tanh(cellgate)
+    hy = torch.sigmoid(outgate) * torch.tanh(cy)
+    return hy, cy
+
+
+def _n_groups(graph):
+    return sum(1 for n in graph.nodes() if n.kind() == "prim::FusionGroup")
+
+
+def test_api_names():
+    for name in API:
+        assert callable(getattr(fuser, name)), name
+        assert getattr(fuser, name).__doc__, f"{name} has no docstring"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_install_fuses_gelu_block_into_one_group(dtype):
+    fuser.install()
+    fn = torch.jit.script(gelu_block)
+    x, b = torch.randn(64, 96, dtype=dtype), torch.randn(96, dtype=dtype)
+    g = fuser.graph_for(fn, x, b)
+    assert _n_groups(g) == 1
+    assert [n.kind() for n in g.nodes() if n.kind() != "prim::Constant"] == ["prim::FusionGroup"]
+    before = fuser.n_compiled_kernels()
+    assert_same(fn(x, b), gelu_block(x, b))
+    assert fuser.n_compiled_kernels() == before  # graph_for's calls compiled it already
+
+
+def test_install_fuses_lstm_update_into_one_group():
+    fuser.install()
+    fn = torch.jit.script(lstm_update)
+    args = [torch.randn(16, 32) for _ in range(5)]
+    g = fuser.graph_for(fn, *args)
+    assert _n_groups(g) == 1
+    for a, b in zip(fn(*args), lstm_update(*args)):
+        assert_same(a, b)
+
+
+def test_install_and_uninstall_trace_and_nnc_switches():
+    cpu, gpu = torch._C._jit_can_fuse_on_cpu(), torch._C._jit_can_fuse_on_gpu()
+    fuser.install()
+    assert fuser.is_installed()
+    assert not torch._C._jit_can_fuse_on_cpu() and not torch._C._jit_can_fuse_on_gpu()
+    traced = torch.jit.trace(gelu_block, (torch.randn(4, 8), torch.randn(8)))
+    assert any(n.kind() == "fuser::fusion_group" for n in traced.graph.nodes())
+    fuser.uninstall()
+    assert not fuser.is_installed()
+    assert (torch._C._jit_can_fuse_on_cpu(), torch._C._jit_can_fuse_on_gpu()) == (cpu, gpu)
+
+    def plain(x, y):
+        return (x * y).sin() + y
+
+    stock = torch.jit.script(plain)
+    assert not any(n.kind() == "fuser::fusion_group" for n in stock.graph.nodes())
+
+
+def test_debug_launch_graph_and_kernel_code():
+    g = torch.parse_ir("""
+    graph(%x : Tensor, %y : Tensor):
+      %a : Tensor = aten::mul(%x, %y)
+      %b : Tensor = aten::relu(%a)
+      return (%b, %a)
+    """)
+    x, y = torch.randn(10, 3), torch.randn(10, 3)
+    b, a = fuser.debug_launch_graph(g, [x, y])
+    assert_same(a, x * y)
+    assert_same(b, torch.relu(x * y))
+    code = fuser.debug_get_fused_kernel_code(g, [x, y])
+    assert 'extern "C" void' in code and "fz_st<float>" in code
+    with pytest.raises(RuntimeError, match="not fused"):
+        fuser.debug_get_fused_kernel_code(g, [x, torch.randn(4)])
+
+
+def test_register_fusion_takes_a_fusion_group_node():
+    fuser.install()
+    fn = torch.jit.script(gelu_block)
+    x, b = torch.randn(4, 6), torch.randn(6)
+    g = fuser.graph_for(fn, x, b)
+    (node,) = [n for n in g.nodes() if n.kind() == "prim::FusionGroup"]
+    key = fuser.register_fusion(node)
+    assert_same(fuser.run_fusion(key, [x, b])[0], gelu_block(x, b))
+    other = torch.parse_ir("graph(%x : Tensor):\n  %a : Tensor = aten::sin(%x)\n  return (%a)\n")
+    with pytest.raises(ValueError):
+        fuser.register_fusion(next(iter(other.nodes())))
+    with pytest.raises(KeyError):
+        fuser.run_fusion(10 ** 9, [x])
+
+
+def test_fusion_debug_env_prints_kernel_source():
+    code = (
+        "import torch, fuser\n"
+        "g = torch.parse_ir('graph(%x : Tensor):\\n  %a : Tensor = aten::exp(%x)\\n"
+        "  %b : Tensor = aten::neg(%a)\\n  return (%b)\\n')\n"
+        "print(fuser.debug_launch_graph(g, [torch.ones(3)])[0].tolist())\n")
+    env = dict(os.environ, PYTORCH_FUSION_DEBUG="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    assert "extern \"C\" void fused_" in r.stderr and "expf" in r.stderr
+    assert "-2.71828" in r.stdout
+
+
+def test_cpu_compile_error_carries_log_and_numbered_source():
+    from fuser.cpu import compiler
+    src = 'extern "C" void k() {\n  this is not C++;\n}\n'
+    with pytest.raises(CompileError) as e:
+        compiler.compile_kernel(src, "k")
+    msg = str(e.value)
+    assert "error" in e.value.log
+    assert " 2 |   this is not C++;" in msg
+
+
+def test_nvrtc_compile_error_carries_log_and_numbered_source():
+    from fuser.cuda import driver
+    src = 'extern "C" __global__ void k() {\n  undefined_thing();\n}\n'
+    with pytest.raises(CompileError) as e:
+        driver.compile_source(src, "k", driver.NvrtcOptions(90))
+    assert "undefined_thing" in e.value.log
+    assert "2 |   undefined_thing();" in str(e.value)
+    assert "--gpu-architecture=sm_90" in str(e.value)
