@@ -205,6 +205,7 @@ class Config:
     """Iteration counts."""
 
     warmup: int  # calls after the first; must exceed the profiling executor's profiled runs
+    warmup_s: float  # then keep calling for this long: clocks and caches settle over more than a few calls
     batch_calls: int  # back-to-back calls per timed batch (large rows)
     batches: int
     host_calls: int  # calls per host-time repeat (small rows)
@@ -213,10 +214,11 @@ class Config:
     copy_repeats: int
 
 
-FULL = Config(warmup=max(5, torch._C._jit_get_num_profiled_runs() + 3), batch_calls=20, batches=7,
-              host_calls=2000, host_repeats=5, copy_bytes=2 ** 30, copy_repeats=10)
-QUICK = Config(warmup=max(4, torch._C._jit_get_num_profiled_runs() + 2), batch_calls=5, batches=3,
-               host_calls=100, host_repeats=3, copy_bytes=2 ** 24, copy_repeats=5)
+_PROFILED_RUNS = torch._C._jit_get_num_profiled_runs()
+FULL = Config(warmup=max(5, _PROFILED_RUNS + 3), warmup_s=0.3, batch_calls=20, batches=7, host_calls=2000,
+              host_repeats=5, copy_bytes=2 ** 30, copy_repeats=10)
+QUICK = Config(warmup=max(4, _PROFILED_RUNS + 2), warmup_s=0.02, batch_calls=5, batches=3, host_calls=100,
+               host_repeats=3, copy_bytes=2 ** 24, copy_repeats=5)
 
 
 def _sync(device: torch.device) -> None:
@@ -227,6 +229,19 @@ def _sync(device: torch.device) -> None:
 def _call_rotating(fn: Callable, sets: list, n: int) -> None:
     for i in range(n):
         fn(*sets[i % len(sets)])
+
+
+def warm_up(fn: Callable, sets: list, device: torch.device, cfg: Config) -> int:
+    """Run past the executors' profiling and optimizing calls, then for ``cfg.warmup_s`` more (a fixed few
+    calls once left the first timed batches of a row several times slower than the rest). Returns calls."""
+    _call_rotating(fn, sets, cfg.warmup)
+    _sync(device)
+    calls, t0 = cfg.warmup, time.perf_counter()
+    while time.perf_counter() - t0 < cfg.warmup_s:
+        _call_rotating(fn, sets, len(sets))
+        _sync(device)
+        calls += len(sets)
+    return calls
 
 
 def device_time_per_call_us(fn: Callable, sets: list, device: torch.device, cfg: Config) -> list[float]:
@@ -331,8 +346,7 @@ def run_cell(wl: Workload, system: str, size: str, sets: list, ref, device: torc
             cell["kernels_compiled_first_call"] = fuser.n_compiled_kernels() - kernels_before
             cell["max_abs_err"] = max_abs_error(out, ref)
             del out
-            _call_rotating(fn, sets, cfg.warmup)
-            _sync(device)
+            cell["warmup_calls"] = warm_up(fn, sets, device, cfg)
             if size == "large":
                 samples = device_time_per_call_us(fn, sets, device, cfg)
                 cell["device_us_samples"] = samples

@@ -207,11 +207,20 @@ class _CpuGen(_Gen):
         params += [f"const double s{j} = scalars[{j}];" for j in range(self.n_scalars)]
         params += [f"const int64_t* st{k} = strides + {j} * rank;" for j, k in enumerate(self.strided)]
         body = self.element_body(self.scalar_load, lambda m: f"o{m}[i]")
+        if self.strided:
+            loop = cpu_t.LOOP_ROWS.substitute(
+                parallel_threshold=CPU_PARALLEL_THRESHOLD,
+                bases=", ".join(f"base{k} = 0" for k in self.strided),
+                accumulate="\n".join(f"        base{k} += m * st{k}[d];" for k in self.strided),
+                offsets="\n".join(f"      const int64_t off{k} = base{k} + j * st{k}[rank - 1];"
+                                  for k in self.strided),
+                body=self.block(body, "      "))
+        else:
+            loop = cpu_t.LOOP_FLAT.substitute(parallel_threshold=CPU_PARALLEL_THRESHOLD,
+                                              body=self.block(body, "    "))
         return cpu_t.KERNEL.substitute(
             name=self.name, prelude=cpu_t.PRELUDE, params=self.block(params, "  "),
-            hoisted=self.block(self.hoisted(), "  "), parallel_threshold=CPU_PARALLEL_THRESHOLD,
-            offsets=self.offsets(cpu_t.OFFSETS, lambda j, k: f"st{k}[d]"),
-            body=self.block(body, "    "))
+            hoisted=self.block(self.hoisted(), "  "), loop=loop)
 
 
 class _CudaGen(_Gen):

@@ -101,20 +101,32 @@ extern "C" void ${name}(int64_t numel, int64_t rank, const int64_t* sizes, const
   (void)rank; (void)sizes; (void)strides; (void)scalars;
 ${params}
 ${hoisted}
-#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
-  for (int64_t i = 0; i < numel; ++i) {
-${offsets}
-${body}
-  }
+${loop}
 }
 """)
 
-OFFSETS = Template(r"""    int64_t ${decls};
+# every input dense or a broadcast scalar: element i of the map is element i of each tensor
+LOOP_FLAT = Template(r"""#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
+  for (int64_t i = 0; i < numel; ++i) {
+${body}
+  }""")
+
+# strided inputs: one divmod walk over the outer dims per row of the innermost dim, not per element
+LOOP_ROWS = Template(r"""  const int64_t inner = sizes[rank - 1], rows = numel / inner;
+#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
+  for (int64_t row = 0; row < rows; ++row) {
+    int64_t ${bases};
     {
-      int64_t r = i;
-      for (int64_t d = rank - 1; d >= 0; --d) {
+      int64_t r = row;
+      for (int64_t d = rank - 2; d >= 0; --d) {
         const int64_t q = r / sizes[d], m = r - q * sizes[d];
         r = q;
 ${accumulate}
       }
-    }""")
+    }
+    for (int64_t j = 0; j < inner; ++j) {
+      const int64_t i = row * inner + j;
+${offsets}
+${body}
+    }
+  }""")
