@@ -231,6 +231,18 @@ def _call_rotating(fn: Callable, sets: list, n: int) -> None:
         fn(*sets[i % len(sets)])
 
 
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Keep Python's cyclic GC out of timed loops, as timeit does: a collection in one batch is noise."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def warm_up(fn: Callable, sets: list, device: torch.device, cfg: Config) -> int:
     """Run past the executors' profiling and optimizing calls, then for ``cfg.warmup_s`` more (a fixed few
     calls once left the first timed batches of a row several times slower than the rest). Returns calls."""
@@ -347,12 +359,11 @@ def run_cell(wl: Workload, system: str, size: str, sets: list, ref, device: torc
             cell["max_abs_err"] = max_abs_error(out, ref)
             del out
             cell["warmup_calls"] = warm_up(fn, sets, device, cfg)
-            if size == "large":
-                samples = device_time_per_call_us(fn, sets, device, cfg)
-                cell["device_us_samples"] = samples
-            else:
-                samples = host_time_per_call_us(fn, sets, device, cfg)
-                cell["host_us_samples"] = samples
+            with _no_gc():
+                if size == "large":
+                    samples = cell["device_us_samples"] = device_time_per_call_us(fn, sets, device, cfg)
+                else:
+                    samples = cell["host_us_samples"] = host_time_per_call_us(fn, sets, device, cfg)
             cell["us_per_call"] = statistics.median(samples)
             if system == "fuser":
                 cell["fuser_kernels_compiled_total"] = fuser.n_compiled_kernels() - kernels_before

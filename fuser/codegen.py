@@ -18,9 +18,10 @@ import torch
 from . import ops
 from .cpu import templates as cpu_t
 from .cuda import templates as cuda_t
-from .descs import DENSE, SCALAR, STRIDED, TensorDesc, compute_type, family, storage_type
+from .descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, TensorDesc, compute_type, family, storage_type
 
 TARGETS = ("cpu", "cuda")
+REDUCED = (torch.float16, torch.bfloat16)
 CPU_PARALLEL_THRESHOLD = 32768  # elements; below it OpenMP's start-up costs more than it saves
 
 
@@ -64,9 +65,15 @@ def _compute_nodes(graph: torch._C.Graph) -> list[torch._C.Node]:
     return [n for n in graph.nodes() if n.kind() != "prim::Constant"]
 
 
+def has_vector_path(inputs: Sequence[TensorDesc], target: str) -> bool:
+    """Whether a kernel gets the 16-byte vector loop: CUDA, and every input dense, a broadcast scalar, or
+    strided with a contiguous or repeated innermost dim."""
+    return target == "cuda" and all(d.layout != STRIDED for d in inputs)
+
+
 def vector_width(inputs: Sequence[TensorDesc], out_dtypes: Sequence[torch.dtype]) -> int:
-    """Elements per thread on the CUDA vector path: 16 bytes of the narrowest dense tensor, at most 8."""
-    sizes = [torch.empty((), dtype=d.dtype).element_size() for d in inputs if d.layout == DENSE]
+    """Elements per thread on the CUDA vector path: 16 bytes of the narrowest vector-loaded tensor, at most 8."""
+    sizes = [torch.empty((), dtype=d.dtype).element_size() for d in inputs if d.layout in (DENSE, ROWS)]
     sizes += [torch.empty((), dtype=d).element_size() for d in out_dtypes]
     return max(1, min(8, 16 // min(sizes))) if sizes else 1
 
@@ -93,10 +100,11 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
     # every value: C name and C compute type
     vname: dict[int, str] = {}
     vtype: dict[int, str] = {}
+    vdtype: dict[int, Optional[torch.dtype]] = {}  # None: a float argument
     for k, (v, d) in enumerate(zip(g_inputs, inputs)):
-        vname[v.unique()], vtype[v.unique()] = f"x{k}", compute_type(d.dtype)
+        vname[v.unique()], vtype[v.unique()], vdtype[v.unique()] = f"x{k}", compute_type(d.dtype), d.dtype
     for j, v in enumerate(g_inputs[len(inputs):]):
-        vname[v.unique()], vtype[v.unique()] = f"s{j}", "double"
+        vname[v.unique()], vtype[v.unique()], vdtype[v.unique()] = f"s{j}", "double", None
 
     body: list[str] = []
     for j, (node, nt) in enumerate(zip(nodes, node_types)):
@@ -112,6 +120,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
         if tmpl is None:
             raise NotFusable(f"{op.name} has no {family(nt.compute)!r} expression ({nt.compute}, variant "
                              f"{variant!r})")
+        rounding = target in op.round_operands and nt.compute in REDUCED
         for i, v in enumerate(node.inputs()):
             if i == op.variant_arg:
                 continue
@@ -126,14 +135,20 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
                         raise NotFusable(f"{op.name}: argument {i} is None")
                     consts[arg] = f"FZ_{bound.upper()}({ctype})"
                 else:
+                    if rounding and not isinstance(val, bool):
+                        val = torch.tensor(val, dtype=torch.float64).to(nt.compute).item()
                     consts[arg] = literal(val, ctype)
             else:
                 name_, t = vname[v.unique()], vtype[v.unique()]
-                consts[arg] = name_ if (t == ctype or i in op.keep_args) else f"(({ctype}){name_})"
+                # round anything not loaded straight from memory in this dtype: eager compares stored values
+                if rounding and (vdtype[v.unique()] != nt.compute or v.node().kind() != "prim::Param"):
+                    consts[arg] = f"fz_ld(fz_st<{storage_type(nt.compute)}>(({ctype}){name_}))"
+                else:
+                    consts[arg] = name_ if (t == ctype or i in op.keep_args) else f"(({ctype}){name_})"
         consts["T"] = ctype
         out = node.output()
         rtype = compute_type(nt.result)
-        vname[out.unique()], vtype[out.unique()] = f"v{j}", rtype
+        vname[out.unique()], vtype[out.unique()], vdtype[out.unique()] = f"v{j}", rtype, nt.result
         body.append(f"const {rtype} v{j} = ({rtype})({tmpl.substitute(consts)});")
 
     outputs = list(graph.outputs())
@@ -158,7 +173,7 @@ class _Gen:
         self.name, self.inputs, self.n_scalars = name, inputs, n_scalars
         self.outputs, self.out_dtypes, self.vname = outputs, out_dtypes, vname
         self.body, self.options = body, options
-        self.strided = [k for k, d in enumerate(inputs) if d.layout == STRIDED]
+        self.strided = [k for k, d in enumerate(inputs) if d.layout in STRIDED_LAYOUTS]
 
     def pointer_decls(self, ptrs: str) -> list[str]:
         lines = []
@@ -187,10 +202,11 @@ class _Gen:
     def scalar_load(self, k, d):
         return f"t{k}[i]" if d.layout == DENSE else f"t{k}[off{k}]"
 
-    def offsets(self, template, stride_ref) -> str:
+    def offsets(self, template, stride_ref, index="i") -> str:
         if not self.strided:
             return ""
         return template.substitute(
+            index=index,
             decls=", ".join(f"off{k} = 0" for k in self.strided),
             accumulate="\n".join(f"          off{k} += m * {stride_ref(j, k)};"
                                  for j, k in enumerate(self.strided)),
@@ -240,19 +256,27 @@ class _CudaGen(_Gen):
             body=self.block(body, "    "))
 
     def vector_loop(self) -> str:
-        if not self.options.vectorize or self.strided:
+        if not self.options.vectorize or not has_vector_path(self.inputs, "cuda"):
             return ""
         vec = vector_width(self.inputs, self.out_dtypes)
         if vec == 1:
             return ""
-        dense = [k for k, d in enumerate(self.inputs) if d.layout == DENSE]
-        vloads = [f"const fz_vec<{storage_type(self.inputs[k].dtype)}, {vec}> xv{k} = "
-                  f"*reinterpret_cast<const fz_vec<{storage_type(self.inputs[k].dtype)}, {vec}>*>(t{k} + base);"
-                  for k in dense]
+        vloads = []
+        if self.strided:
+            vloads.append(self.offsets(cuda_t.OFFSETS, lambda j, k: f"args.strides[{j}][d]", index="base"))
+        for k, d in enumerate(self.inputs):
+            st = storage_type(d.dtype)
+            if d.layout in (DENSE, ROWS):
+                where = "base" if d.layout == DENSE else f"off{k}"
+                vloads.append(f"const fz_vec<{st}, {vec}> xv{k} = "
+                              f"*reinterpret_cast<const fz_vec<{st}, {vec}>*>(t{k} + {where});")
+            elif d.layout == REPEAT:
+                vloads.append(f"const {compute_type(d.dtype)} xr{k} = fz_ld(t{k}[off{k}]);")
         vdecls = [f"fz_vec<{storage_type(dt)}, {vec}> ov{m};" for m, dt in enumerate(self.out_dtypes)]
         vstores = [f"*reinterpret_cast<fz_vec<{storage_type(dt)}, {vec}>*>(o{m} + base) = ov{m};"
                    for m, dt in enumerate(self.out_dtypes)]
-        vbody = self.element_body(lambda k, d: f"xv{k}.v[k]", lambda m: f"ov{m}.v[k]")
+        vbody = self.element_body(lambda k, d: f"xr{k}" if d.layout == REPEAT else f"xv{k}.v[k]",
+                                  lambda m: f"ov{m}.v[k]")
         return cuda_t.VECTOR_LOOP.substitute(
             vec=vec, vloads=self.block(vloads, "      "), vdecls=self.block(vdecls, "      "),
             vbody=self.block(vbody, "        "), vstores=self.block(vstores, "      "))

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from . import codegen, ops
-from .descs import DTYPES, ArgSpec, TensorDesc
+from .descs import DTYPES, STRIDED_LAYOUTS, ArgSpec, TensorDesc
 from .fallback import run_graph
 from .kernel_cache import KernelSpec
 
@@ -103,14 +103,14 @@ def build(spec: KernelSpec, arg_spec: ArgSpec) -> Optional[CompiledKernel]:
         return None
     nodes = [n for n in spec.graph.nodes() if n.kind() != "prim::Constant"]
     out_dtypes = tuple(types[nodes.index(v.node())].result for v in spec.graph.outputs())
-    strided = tuple(k for k, d in enumerate(arg_spec.inputs) if d.layout == "strided")
-    vec = codegen.vector_width(arg_spec.inputs, out_dtypes) if target == "cuda" and not strided else 1
+    strided = tuple(k for k, d in enumerate(arg_spec.inputs) if d.layout in STRIDED_LAYOUTS)
+    vec = codegen.vector_width(arg_spec.inputs, out_dtypes) if codegen.has_vector_path(arg_spec.inputs, target) else 1
     if target == "cpu":
         from .cpu import compiler as cpu_compiler
         backend = cpu_compiler.compile_kernel(source, name)
     else:
         from .cuda import launch as cuda_launch
-        backend = cuda_launch.load_kernel(source, name, arg_spec, len(strided), len(out_dtypes),
+        backend = cuda_launch.load_kernel(source, name, arg_spec, len(strided), out_dtypes,
                                           len(spec.input_is_tensor) - spec.n_tensor_inputs, vec)
     _count_compile()
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):

@@ -6,8 +6,13 @@ broadcast map* (not on sizes, so one kernel serves every shape):
 * ``DENSE``: the input has the map's shape and is contiguous, so element ``i`` of the map is element ``i``
   of the input;
 * ``SCALAR``: one element broadcast to the whole map (every stride is 0);
-* ``STRIDED``: anything else (broadcast rows, transposes, slices); its strides over the compressed map
+* ``ROWS``: strided, but contiguous along the innermost map dim (a chunk of a wider tensor, a row slice);
+* ``REPEAT``: strided with stride 0 along the innermost dim (a column broadcast across it);
+* ``STRIDED``: anything else (transposes, steps); strides of every strided class over the compressed map
   dims are kernel arguments.
+
+``ROWS`` and ``REPEAT`` differ from ``STRIDED`` only for the CUDA vector path, which reads a row-contiguous
+input with 16-byte loads and a repeated one with one load per vector.
 """
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ from typing import Optional
 
 import torch
 
-DENSE, SCALAR, STRIDED = "dense", "scalar", "strided"
+DENSE, SCALAR, ROWS, REPEAT, STRIDED = "dense", "scalar", "rows", "repeat", "strided"
+STRIDED_LAYOUTS = (ROWS, REPEAT, STRIDED)  # layouts whose strides are kernel arguments
 
 # dtype -> (C storage type, C compute type, compute family of fuser.ops)
 DTYPES: dict[torch.dtype, tuple[str, str, str]] = {

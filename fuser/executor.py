@@ -15,7 +15,7 @@ import torch
 
 from . import compiler, settings
 from .cuda import templates as cuda_t
-from .descs import DENSE, DTYPES, SCALAR, STRIDED, ArgSpec, TensorDesc
+from .descs import DENSE, DTYPES, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, ArgSpec, TensorDesc
 from .kernel_cache import KernelSpec
 
 INDEX32_LIMIT = 2 ** 31 - 2 ** 24  # leaves room for a grid-stride step past the last element
@@ -133,13 +133,13 @@ def plan(spec: KernelSpec, args: Sequence) -> Union[Plan, str]:
             elif st == dense:
                 layouts.append(DENSE)
             else:
-                layouts.append(STRIDED)
+                layouts.append(ROWS if st[-1] == 1 else REPEAT if st[-1] == 0 else STRIDED)
                 strided.append(st)
         if strided and device.type == "cuda" and len(sizes) > cuda_t.MAX_DIMS:
             return f"{len(sizes)} dims after compression (the CUDA kernels take {cuda_t.MAX_DIMS})"
     extent = numel
     for t, layout in zip(tensors, layouts):
-        if layout == STRIDED:
+        if layout in STRIDED_LAYOUTS:
             extent = max(extent, 1 + sum((s - 1) * x for s, x in zip(t.shape, t.stride())))
     descs = tuple(TensorDesc(t.dtype, lay, t.dim() == 0) for t, lay in zip(tensors, layouts))
     arg_spec = ArgSpec(device.type, device.index, descs, extent < INDEX32_LIMIT)
@@ -151,32 +151,93 @@ def kernel_for(spec: KernelSpec, p: Plan) -> Optional[compiler.CompiledKernel]:
     return spec.kernel_for(p.arg_spec, lambda: compiler.build(spec, p.arg_spec))
 
 
+class Geometry:
+    """What a launch needs that depends only on the inputs' dtypes, shapes and strides: computed once per
+    such signature and reused by every later call with the same signature."""
+
+    __slots__ = ("kernel", "shape", "numel", "sizes", "strides", "device", "out_dtypes", "cpu_args", "vec_shape")
+
+    def __init__(self, p: Plan, kernel: compiler.CompiledKernel):
+        self.kernel, self.shape, self.numel = kernel, p.shape, p.numel
+        self.sizes, self.strides = p.sizes, p.strides
+        # the vector path reads whole vectors inside one row: rows must hold whole vectors and start aligned
+        vec = kernel.vec
+        self.vec_shape = vec > 1 and (not p.strides or (
+            p.sizes[-1] % vec == 0 and all(x % vec == 0 for st in p.strides for x in st[:-1])))
+        self.device = p.tensors[0].device
+        self.out_dtypes = kernel.out_dtypes
+        self.cpu_args = None
+        if self.device.type == "cpu":
+            flat = [x for st in p.strides for x in st]
+            self.cpu_args = ((ctypes.c_int64 * len(p.sizes))(*p.sizes), (ctypes.c_int64 * max(1, len(flat)))(*flat))
+
+
+_NOT_FUSABLE = object()
+MAX_SIGNATURES = 256  # per spec; past it, old signatures are dropped (a bounded cache, not a leak)
+
+
+def _signature(tensors) -> tuple:
+    return tuple((t.dtype, t.device, t.shape, t.stride()) for t in tensors)
+
+
 def run(spec: KernelSpec, args: Sequence) -> Optional[list[torch.Tensor]]:
-    """Outputs of the fused kernel for ``args``, or None when the caller must fall back."""
-    p = plan(spec, args)
-    if isinstance(p, str):
-        return None
-    kernel = kernel_for(spec, p)
-    if kernel is None:
-        return None
-    device = p.tensors[0].device
-    outputs = [torch.empty(p.shape, dtype=dt, device=device) for dt in kernel.out_dtypes]
-    if p.numel == 0:
-        return outputs
-    if device.type == "cpu":
-        _launch_cpu(kernel, p, outputs)
+    """Outputs of the fused kernel for ``args``, or None when the caller must fall back.
+
+    The hot path: split the arguments, check autograd and the device switch, look the input signature up
+    in the spec's geometry cache, allocate outputs, launch. Everything else happens once per signature.
+    """
+    if spec.all_tensors:
+        tensors, scalars = args, ()
+        if not all(type(t) is torch.Tensor or isinstance(t, torch.Tensor) for t in tensors):
+            return None
     else:
-        kernel.backend.launch(p, outputs)
+        tensors, scalars = [], []
+        for a, is_t in zip(args, spec.input_is_tensor):
+            if is_t:
+                tensors.append(a)
+            elif isinstance(a, (float, int)) and not isinstance(a, bool):
+                scalars.append(float(a))
+            else:
+                return None
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            return None
+    if len(args) != len(spec.input_is_tensor) or not tensors:
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    try:
+        sig = _signature(tensors)
+    except RuntimeError:  # sparse and other layouts without strides
+        return None
+    geo = spec.geometries.get(sig)
+    if geo is None:
+        p = plan(spec, args)
+        kernel = None if isinstance(p, str) else kernel_for(spec, p)
+        geo = _NOT_FUSABLE if kernel is None else Geometry(p, kernel)
+        if isinstance(p, str) and p.endswith("fusion is off"):
+            return None  # a switch, not a property of the inputs: do not remember it
+        if len(spec.geometries) >= MAX_SIGNATURES:
+            spec.geometries.clear()
+        spec.geometries[sig] = geo
+    if geo is _NOT_FUSABLE:
+        return None
+    device = geo.device
+    if not (settings.can_fuse_on_cpu() if device.type == "cpu" else settings.can_fuse_on_gpu()):
+        return None
+    outputs = [torch.empty(geo.shape, dtype=dt, device=device) for dt in geo.out_dtypes]
+    if geo.numel == 0:
+        return outputs
+    if geo.cpu_args is not None:
+        _launch_cpu(geo, tensors, scalars, outputs)
+    else:
+        geo.kernel.backend.launch(geo, tensors, scalars, outputs)
     return outputs
 
 
-def _launch_cpu(kernel: compiler.CompiledKernel, p: Plan, outputs: list[torch.Tensor]) -> None:
-    rank = len(p.sizes)
-    sizes = (ctypes.c_int64 * rank)(*p.sizes)
-    flat = [x for st in p.strides for x in st]
-    strides = (ctypes.c_int64 * max(1, len(flat)))(*flat)
-    ptrs = (ctypes.c_void_p * (len(p.tensors) + len(outputs)))(
-        *[t.data_ptr() for t in p.tensors], *[o.data_ptr() for o in outputs])
-    scalars = (ctypes.c_double * max(1, len(p.scalars)))(*p.scalars)
-    kernel.backend.launch(p.numel, rank, ctypes.addressof(sizes), ctypes.addressof(strides),
-                          ctypes.addressof(ptrs), ctypes.addressof(scalars))
+def _launch_cpu(geo: Geometry, tensors, scalars, outputs: list[torch.Tensor]) -> None:
+    sizes, strides = geo.cpu_args
+    ptrs = (ctypes.c_void_p * (len(tensors) + len(outputs)))(
+        *[t.data_ptr() for t in tensors], *[o.data_ptr() for o in outputs])
+    scal = (ctypes.c_double * max(1, len(scalars)))(*scalars)
+    geo.kernel.backend.launch(geo.numel, len(geo.sizes), ctypes.addressof(sizes), ctypes.addressof(strides),
+                              ctypes.addressof(ptrs), ctypes.addressof(scal))

@@ -75,6 +75,11 @@ class KernelSpec:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _futures: dict = field(default_factory=dict, repr=False)
     _ready: dict = field(default_factory=dict, repr=False)
+    # input signature -> fuser.executor.Geometry (or a marker for "falls back"); plain dict, GIL-atomic ops
+    geometries: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.all_tensors = all(self.input_is_tensor)
 
     @property
     def n_tensor_inputs(self) -> int:

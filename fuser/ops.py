@@ -47,6 +47,9 @@ class OpDef:
     aliases_input: the op may return its input itself (``type_as`` with equal dtypes); such a value must not
     leave a group, because the group's outputs are always fresh tensors.
     keep_args: inputs used in their own type rather than converted to the compute type (where's condition).
+    round_operands: targets on which eager rounds scalars and operands of other dtypes to a float16/bfloat16
+    compute dtype before the op. It changes discrete results (``bf16(x) == 0.1`` is true in eager on the
+    CPU), so it is matched per target; arithmetic ops keep full-precision scalars, within tolerance of either.
     """
 
     name: str
@@ -57,6 +60,7 @@ class OpDef:
     variant_arg: Optional[int] = None
     aliases_input: bool = False
     keep_args: tuple[int, ...] = ()
+    round_operands: tuple[str, ...] = ()
 
     def template(self, variant: Optional[str], family: str) -> Optional[string.Template]:
         exprs = self.exprs.get(variant)
@@ -167,7 +171,8 @@ _OPS: list[OpDef] = [
                         "aten::clamp_max.Tensor(Tensor self, Tensor max) -> Tensor"),
           {None: Exprs("fz_min($a, $b)", "fz_min($a, $b)", "fz_min($a, $b)")}),
     OpDef("threshold", ("aten::threshold(Tensor self, Scalar threshold, Scalar value) -> Tensor",),
-          {None: Exprs("($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)")}),
+          {None: Exprs("($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)")},
+          round_operands=("cuda",)),
     OpDef("lerp", ("aten::lerp.Scalar(Tensor self, Tensor end, Scalar weight) -> Tensor",
                    "aten::lerp.Tensor(Tensor self, Tensor end, Tensor weight) -> Tensor"),
           # eager's two-sided formula: exact at weight 0 and 1
@@ -181,7 +186,7 @@ for _cmp, _sym in (("eq", "=="), ("ne", "!="), ("ge", ">="), ("gt", ">"), ("le",
     _OPS.append(OpDef(_cmp, (f"aten::{_cmp}.Tensor(Tensor self, Tensor other) -> Tensor",
                              f"aten::{_cmp}.Scalar(Tensor self, Scalar other) -> Tensor"),
                       {None: Exprs(f"($a {_sym} $b)", f"($a {_sym} $b)", f"($a {_sym} $b)")},
-                      compute="common"))
+                      compute="common", round_operands=("cpu", "cuda")))
 
 OPS_BY_NAME: dict[str, OpDef] = {op.name: op for op in _OPS}
 OPS_BY_SCHEMA: dict[str, OpDef] = {s: op for op in _OPS for s in op.schemas}

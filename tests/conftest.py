@@ -12,8 +12,21 @@ import fuser  # noqa: E402
 from fuser import settings  # noqa: E402
 
 
+SEED = int(os.environ.get("FUSER_TEST_SEED", str(int.from_bytes(os.urandom(4), "little"))))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
+def pytest_report_header(config):
+    return f"fuser test seed: FUSER_TEST_SEED={SEED} (fresh random inputs each run; set it to replay one)"
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    import zlib
+    torch.manual_seed(SEED ^ zlib.crc32(request.node.nodeid.encode()))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -155,3 +155,37 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, dtype=None) -> Non
     assert actual.device == expected.device
     tol = tolerances(dtype or expected.dtype)
     torch.testing.assert_close(actual, expected, equal_nan=True, **tol)
+
+
+def check_scalar_rounding(dtype: torch.dtype, device: str) -> None:
+    """Values next to a scalar that is not representable in ``dtype``: discrete results (comparisons,
+    threshold) depend on whether eager rounds the scalar first; the fused kernel must decide as eager does."""
+    from fuser import executor
+    from fuser.kernel_cache import STORE
+    base = torch.tensor(0.1, dtype=dtype)
+    vals = [base, torch.nextafter(base.float(), torch.tensor(1.0)).to(dtype),
+            torch.nextafter(base.float(), torch.tensor(0.0)).to(dtype)]
+    x = torch.stack(vals * 11).to(device)
+    for op in ("eq", "ne", "lt", "le", "gt", "ge"):
+        g = torch.parse_ir(f"""
+        graph(%x : Tensor):
+          %s : float = prim::Constant[value=0.1]()
+          %r : Tensor = aten::{op}(%x, %s)
+          return (%r)
+        """)
+        key = STORE.register(g)
+        out = executor.run(STORE.get(key), [x])
+        assert out is not None
+        expected = getattr(torch, op)(x, 0.1)
+        assert torch.equal(out[0], expected), (op, x, out[0], expected)
+    g = torch.parse_ir("""
+    graph(%x : Tensor):
+      %t : float = prim::Constant[value=0.1]()
+      %v : float = prim::Constant[value=2.]()
+      %r : Tensor = aten::threshold(%x, %t, %v)
+      return (%r)
+    """)
+    key = STORE.register(g)
+    out = executor.run(STORE.get(key), [x])
+    assert out is not None
+    assert torch.equal(out[0], torch.threshold(x, 0.1, 2.0)), (x, out[0])

@@ -1,7 +1,7 @@
 """run_fusion on the CPU backend: shapes, layouts, dtypes and bad input, each against eager."""
 import pytest
 import torch
-from helpers import assert_same, random_tensor
+from helpers import assert_same, check_scalar_rounding, random_tensor
 
 import fuser
 from fuser import executor
@@ -204,3 +204,8 @@ def test_integer_overflow_wraps_like_eager():
     out = executor.run(STORE.get(key), [x, y])
     assert out is not None
     assert torch.equal(out[0], x * y + x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scalar_rounding_at_reduced_precision_matches_eager(dtype):
+    check_scalar_rounding(dtype, "cpu")

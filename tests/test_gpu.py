@@ -4,7 +4,7 @@ import threading
 
 import pytest
 import torch
-from helpers import Case, assert_same, build, cases, eager, make_args, random_tensor
+from helpers import Case, assert_same, build, cases, check_scalar_rounding, eager, make_args, random_tensor
 
 import fuser
 from fuser import executor, ops
@@ -201,3 +201,8 @@ def test_scripted_models_on_cuda():
         args = [torch.randn(256, 512, device="cuda", dtype=dtype) for _ in range(5)]
         for a, r in zip(lf(*args), lstm_update(*[t.double() for t in args])):
             assert_same(a, r.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scalar_rounding_at_reduced_precision_matches_eager(dtype):
+    check_scalar_rounding(dtype, "cuda")

@@ -6,7 +6,7 @@ from helpers import Case, assert_same, build, cases, eager, make_args
 
 import fuser
 from fuser import codegen, compiler, executor, ops
-from fuser.descs import DENSE, STRIDED, ArgSpec, TensorDesc, family
+from fuser.descs import DENSE, REPEAT, ROWS, STRIDED, ArgSpec, TensorDesc, family
 from fuser.kernel_cache import STORE
 
 CASES = cases()
@@ -52,14 +52,14 @@ def test_op_cpu_vs_eager(case, dtype):
 @pytest.mark.parametrize("arch", (80, 90))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_op_cuda_source_compiles(case, arch):
-    """Generate each op's CUDA kernel for fp32 (dense, vector path) and fp16/int32 (strided) inputs and
-    compile it with NVRTC."""
+    """Generate each op's CUDA kernel for every layout class (dense and row-strided inputs take the vector
+    path) in several dtypes and compile it with NVRTC."""
     from fuser.cuda import driver
     b = build(case)
     spec = STORE.get(STORE.register(b.graph))
     n_t = spec.n_tensor_inputs
     for dtype, layout in ((torch.float32, DENSE), (torch.float16, STRIDED), (torch.int32, STRIDED),
-                          (torch.float64, DENSE)):
+                          (torch.float64, DENSE), (torch.bfloat16, ROWS), (torch.float32, REPEAT)):
         descs = tuple(TensorDesc(torch.bool if n == "condition" else dtype, layout) for n in b.tensor_args)
         assert len(descs) == n_t
         arg_spec = ArgSpec("cuda", 0, descs, True)

@@ -53,9 +53,10 @@ class CudaKernel:
     """A loaded kernel of one arg spec; :meth:`launch` runs it for a :class:`fuser.executor.Plan`."""
 
     def __init__(self, name: str, image: bytes, device_index: int, index32: bool, n_strided: int,
-                 n_ptrs: int, n_scalars: int, vec: int):
+                 n_ptrs: int, n_scalars: int, vec: int, vec_align: tuple):
         from cuda.bindings import driver
         self.name, self.device_index, self.vec = name, device_index, vec
+        self.vec_align = vec_align  # per pointer: bytes it must be aligned to for the vector path (0: any)
         self.n_strided = n_strided
         with torch.cuda.device(device_index):
             _ensure_context(device_index)
@@ -78,45 +79,51 @@ class CudaKernel:
             args = loc.args = self._struct()
             loc.params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
             loc.params_addr = ctypes.addressof(loc.params)
-        return args, loc.params_addr
+            loc.geometry = None
+        return loc
 
-    def launch(self, p, outputs) -> None:
-        args, params = self._buffers()
-        args.numel = p.numel
-        rank = len(p.sizes)
-        args.rank = rank
-        for d, s in enumerate(p.sizes):
-            args.sizes[d] = s
-        for j, st in enumerate(p.strides):
-            row = args.strides[j]
-            for d, x in enumerate(st):
-                row[d] = x
+    def launch(self, geo, tensors, scalars, outputs) -> None:
+        """Launch on the current stream of the device for inputs of geometry ``geo`` (fuser.executor)."""
+        loc = self._buffers()
+        args = loc.args
+        if loc.geometry is not geo:  # sizes and strides change only with the input signature
+            args.numel = geo.numel
+            args.rank = len(geo.sizes)
+            for d, s in enumerate(geo.sizes):
+                args.sizes[d] = s
+            for j, st in enumerate(geo.strides):
+                row = args.strides[j]
+                for d, x in enumerate(st):
+                    row[d] = x
+            loc.geometry = geo
         ptrs = args.ptrs
+        vec_ok = geo.vec_shape
+        align = self.vec_align
         k = 0
-        vec_ok = self.vec > 1
-        for t in p.tensors:
+        for t in tensors:
             ptr = t.data_ptr()
             ptrs[k] = ptr
-            k += 1
-            if vec_ok and ptr % (t.element_size() * self.vec) and p.arg_spec.inputs[k - 1].layout == "dense":
+            if vec_ok and align[k] and ptr % align[k]:
                 vec_ok = False
+            k += 1
         for o in outputs:
             ptr = o.data_ptr()
             ptrs[k] = ptr
-            k += 1
-            if vec_ok and ptr % (o.element_size() * self.vec):
+            if vec_ok and ptr % align[k]:
                 vec_ok = False
-        args.vec = 1 if vec_ok else 0
-        for j, s in enumerate(p.scalars):
+            k += 1
+        args.vec = vec_ok
+        for j, s in enumerate(scalars):
             args.scalars[j] = s
-        work = p.numel // self.vec if vec_ok else p.numel
-        grid = min(self.max_blocks, max(1, (work + BLOCK_SIZE - 1) // BLOCK_SIZE))
-        stream = torch.cuda.current_stream(self.device_index).cuda_stream
-        if torch.cuda.current_device() != self.device_index:
-            with torch.cuda.device(self.device_index):
-                self._do_launch(grid, stream, params)
+        work = geo.numel // self.vec if vec_ok else geo.numel
+        grid = min(self.max_blocks, (work + BLOCK_SIZE - 1) // BLOCK_SIZE) or 1
+        index = self.device_index
+        stream = _raw_stream(index)
+        if _current_device() != index:
+            with torch.cuda.device(index):
+                self._do_launch(grid, stream, loc.params_addr)
         else:
-            self._do_launch(grid, stream, params)
+            self._do_launch(grid, stream, loc.params_addr)
 
     def _do_launch(self, grid: int, stream: int, params: int) -> None:
         err, = self._launch(self._function, grid, 1, 1, BLOCK_SIZE, 1, 1, 0, stream, params, 0)
@@ -132,11 +139,21 @@ def _unload(library) -> None:
         pass
 
 
-def load_kernel(source: str, name: str, arg_spec, n_strided: int, n_outputs: int, n_scalars: int,
+def load_kernel(source: str, name: str, arg_spec, n_strided: int, out_dtypes, n_scalars: int,
                 vec: int) -> CudaKernel:
     """Compile ``source`` with NVRTC for the arg spec's device and load it."""
     index = arg_spec.device_index if arg_spec.device_index is not None else torch.cuda.current_device()
     options = options_for(torch.cuda.get_device_capability(index))
     image = compile_source(source, name, options)
-    return CudaKernel(name, image, index, arg_spec.index32, n_strided, len(arg_spec.inputs) + n_outputs,
-                      n_scalars, vec)
+    size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
+    align = tuple(size(d.dtype) * vec if d.layout in ("dense", "rows") else 0 for d in arg_spec.inputs)
+    align += tuple(size(dt) * vec for dt in out_dtypes)
+    return CudaKernel(name, image, index, arg_spec.index32, n_strided, len(arg_spec.inputs) + len(out_dtypes),
+                      n_scalars, vec, align)
+
+
+def _raw_stream(index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+_current_device = torch.cuda.current_device

@@ -101,7 +101,8 @@ ${body}
 }
 """)
 
-# Only emitted when every input is dense or a broadcast scalar; args.vec says the pointers are aligned.
+# Only emitted when no input is generically strided; args.vec says pointers, row length and row starts suit
+# whole vectors (fuser.executor.Geometry and the launcher check).
 VECTOR_LOOP = Template(r"""  if (args.vec) {
     const fz_index nvec = numel / ${vec};
     for (fz_index v = first; v < nvec; v += step) {
@@ -119,7 +120,7 @@ ${vstores}
 
 OFFSETS = Template(r"""    fz_index ${decls};
     {
-      fz_index r = i;
+      fz_index r = ${index};
 #pragma unroll
       for (int d = ${max_dims} - 1; d >= 0; --d) {
         if (d < args.rank) {
