@@ -71,11 +71,15 @@ def has_vector_path(inputs: Sequence[TensorDesc], target: str) -> bool:
     return target == "cuda" and all(d.layout != STRIDED for d in inputs)
 
 
+VECTOR_BYTES = 32  # per thread and loop trip, of the narrowest tensor: two 16-byte accesses in flight
+
+
 def vector_width(inputs: Sequence[TensorDesc], out_dtypes: Sequence[torch.dtype]) -> int:
-    """Elements per thread on the CUDA vector path: 16 bytes of the narrowest vector-loaded tensor, at most 8."""
+    """Elements per thread and trip on the CUDA vector path: 32 bytes of the narrowest vector-accessed tensor
+    (two 16-byte loads in flight per thread keep enough bytes moving to cover memory latency), at most 16."""
     sizes = [torch.empty((), dtype=d.dtype).element_size() for d in inputs if d.layout in (DENSE, ROWS)]
     sizes += [torch.empty((), dtype=d).element_size() for d in out_dtypes]
-    return max(1, min(8, 16 // min(sizes))) if sizes else 1
+    return max(1, min(16, VECTOR_BYTES // min(sizes))) if sizes else 1
 
 
 def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int,

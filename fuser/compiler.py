@@ -8,7 +8,7 @@ reaches the user.
 """
 from __future__ import annotations
 
-import itertools
+import hashlib
 import os
 import sys
 import threading
@@ -24,11 +24,10 @@ from .kernel_cache import KernelSpec
 
 _counter_lock = threading.Lock()
 _n_compiled = 0
-_names = itertools.count()
 
 
 def n_compiled_kernels() -> int:
-    """Kernels compiled (or loaded) by this process so far."""
+    """Kernels compiled by this process so far (kernels loaded from the disk cache are not compiled)."""
     return _n_compiled
 
 
@@ -94,7 +93,8 @@ def build(spec: KernelSpec, arg_spec: ArgSpec) -> Optional[CompiledKernel]:
     if any(t.result not in DTYPES or t.compute not in DTYPES for t in types):
         return None
     target = "cuda" if arg_spec.device_type == "cuda" else "cpu"
-    name = f"fused_{spec.key}_{next(_names)}"
+    # deterministic across processes (the disk cache keys on the source, which holds the name)
+    name = "fused_" + hashlib.sha256(f"{spec.text}\n{arg_spec!r}\n{target}".encode()).hexdigest()[:16]
     options = codegen.KernelOptions(index32=arg_spec.index32)
     try:
         source = codegen.generate(spec.graph, arg_spec.inputs, len(spec.input_is_tensor) - spec.n_tensor_inputs,
@@ -107,12 +107,13 @@ def build(spec: KernelSpec, arg_spec: ArgSpec) -> Optional[CompiledKernel]:
     vec = codegen.vector_width(arg_spec.inputs, out_dtypes) if codegen.has_vector_path(arg_spec.inputs, target) else 1
     if target == "cpu":
         from .cpu import compiler as cpu_compiler
-        backend = cpu_compiler.compile_kernel(source, name)
+        backend, compiled = cpu_compiler.compile_kernel(source, name), True
     else:
         from .cuda import launch as cuda_launch
-        backend = cuda_launch.load_kernel(source, name, arg_spec, len(strided), out_dtypes,
-                                          len(spec.input_is_tensor) - spec.n_tensor_inputs, vec)
-    _count_compile()
+        backend, compiled = cuda_launch.load_kernel(source, name, arg_spec, len(strided), out_dtypes,
+                                                    len(spec.input_is_tensor) - spec.n_tensor_inputs, vec)
+    if compiled:
+        _count_compile()
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: compiled {name} for {arg_spec}\n{source}", file=sys.stderr)
     return CompiledKernel(name, arg_spec, out_dtypes, source, strided, vec, backend)

@@ -88,7 +88,6 @@ def plan(spec: KernelSpec, args: Sequence) -> Union[Plan, str]:
     if not tensors:
         return "no tensor inputs"
     device = tensors[0].device
-    grad = torch.is_grad_enabled()
     for t in tensors:
         if t.device != device:
             return f"inputs on several devices ({device}, {t.device})"
@@ -96,16 +95,12 @@ def plan(spec: KernelSpec, args: Sequence) -> Union[Plan, str]:
             return f"unsupported layout {t.layout}"
         if t.dtype not in DTYPES:
             return f"unsupported dtype {t.dtype}"
-        if grad and t.requires_grad:
-            return "an input requires grad"
-    if device.type == "cpu":
-        if not settings.can_fuse_on_cpu():
-            return "CPU fusion is off"
-    elif device.type == "cuda":
-        if not settings.can_fuse_on_gpu():
-            return "GPU fusion is off"
-    else:
+    if device.type not in ("cpu", "cuda"):
         return f"no fuser for device type {device.type}"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "an input requires grad (autograd needs the interpreter)"
+    if not settings.fusion_enabled(device.type):
+        return f"{device.type} fusion is off"
 
     shapes = [t.shape for t in tensors]
     first = shapes[0]
@@ -155,7 +150,8 @@ class Geometry:
     """What a launch needs that depends only on the inputs' dtypes, shapes and strides: computed once per
     such signature and reused by every later call with the same signature."""
 
-    __slots__ = ("kernel", "shape", "numel", "sizes", "strides", "device", "out_dtypes", "cpu_args", "vec_shape")
+    __slots__ = ("kernel", "shape", "numel", "sizes", "strides", "device", "out_dtypes", "cpu_args", "vec_shape",
+                 "requires_grad")
 
     def __init__(self, p: Plan, kernel: compiler.CompiledKernel):
         self.kernel, self.shape, self.numel = kernel, p.shape, p.numel
@@ -165,6 +161,7 @@ class Geometry:
         self.vec_shape = vec > 1 and (not p.strides or (
             p.sizes[-1] % vec == 0 and all(x % vec == 0 for st in p.strides for x in st[:-1])))
         self.device = p.tensors[0].device
+        self.requires_grad = any(t.requires_grad for t in p.tensors)
         self.out_dtypes = kernel.out_dtypes
         self.cpu_args = None
         if self.device.type == "cpu":
@@ -176,20 +173,15 @@ _NOT_FUSABLE = object()
 MAX_SIGNATURES = 256  # per spec; past it, old signatures are dropped (a bounded cache, not a leak)
 
 
-def _signature(tensors) -> tuple:
-    return tuple((t.dtype, t.device, t.shape, t.stride()) for t in tensors)
-
-
 def run(spec: KernelSpec, args: Sequence) -> Optional[list[torch.Tensor]]:
     """Outputs of the fused kernel for ``args``, or None when the caller must fall back.
 
-    The hot path: split the arguments, check autograd and the device switch, look the input signature up
-    in the spec's geometry cache, allocate outputs, launch. Everything else happens once per signature.
+    The hot path: split the arguments, look the input signature (dtypes, devices, shapes, strides,
+    requires_grad) up in the spec's geometry cache, check autograd and the device switch, allocate outputs,
+    launch. Everything else happens once per signature.
     """
     if spec.all_tensors:
         tensors, scalars = args, ()
-        if not all(type(t) is torch.Tensor or isinstance(t, torch.Tensor) for t in tensors):
-            return None
     else:
         tensors, scalars = [], []
         for a, is_t in zip(args, spec.input_is_tensor):
@@ -199,30 +191,29 @@ def run(spec: KernelSpec, args: Sequence) -> Optional[list[torch.Tensor]]:
                 scalars.append(float(a))
             else:
                 return None
-        if not all(isinstance(t, torch.Tensor) for t in tensors):
-            return None
     if len(args) != len(spec.input_is_tensor) or not tensors:
         return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return None
     try:
-        sig = _signature(tensors)
-    except RuntimeError:  # sparse and other layouts without strides
+        sig = tuple([(t.dtype, t.device, t.shape, t.stride(), t.requires_grad) for t in tensors])
+    except (AttributeError, RuntimeError, TypeError):  # not tensors, or layouts without strides
         return None
     geo = spec.geometries.get(sig)
     if geo is None:
-        p = plan(spec, args)
+        with torch.no_grad():  # the geometry is the same with or without grad; the check below decides
+            p = plan(spec, args)
         kernel = None if isinstance(p, str) else kernel_for(spec, p)
-        geo = _NOT_FUSABLE if kernel is None else Geometry(p, kernel)
         if isinstance(p, str) and p.endswith("fusion is off"):
             return None  # a switch, not a property of the inputs: do not remember it
+        geo = _NOT_FUSABLE if kernel is None else Geometry(p, kernel)
         if len(spec.geometries) >= MAX_SIGNATURES:
             spec.geometries.clear()
         spec.geometries[sig] = geo
     if geo is _NOT_FUSABLE:
         return None
+    if geo.requires_grad and torch.is_grad_enabled():
+        return None  # autograd must record the ops: the interpreter runs them
     device = geo.device
-    if not (settings.can_fuse_on_cpu() if device.type == "cpu" else settings.can_fuse_on_gpu()):
+    if not settings.enabled.get(device.type) and not settings.fusion_enabled(device.type):
         return None
     outputs = [torch.empty(geo.shape, dtype=dt, device=device) for dt in geo.out_dtypes]
     if geo.numel == 0:

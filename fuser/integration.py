@@ -31,9 +31,13 @@ def run_key(key: int, args: list) -> list[torch.Tensor]:
 
 def _fusion_group(inputs: list[torch.Tensor], scalars: list[float], key: int) -> list[torch.Tensor]:
     spec = STORE.get(key)
-    tensors, floats = iter(inputs), iter(scalars)
-    args = [next(tensors) if is_t else next(floats) for is_t in spec.input_is_tensor]
-    return run_key(key, args)
+    if spec.all_tensors:
+        args = inputs
+    else:
+        tensors, floats = iter(inputs), iter(scalars)
+        args = [next(tensors) if is_t else next(floats) for is_t in spec.input_is_tensor]
+    out = executor.run(spec, args)
+    return out if out is not None else fallback.run(spec, args)
 
 
 # CompositeImplicitAutograd: the function runs above autograd, so when an input requires grad the fallback's

@@ -8,6 +8,8 @@ import torch
 
 _override_cpu: Optional[bool] = None
 _override_gpu: Optional[bool] = None
+# device type -> fusion on; filled lazily, cleared by the overrides. The executor reads it on every call.
+enabled: dict[str, bool] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,11 +39,21 @@ def can_fuse_on_gpu() -> bool:
     return _gpu_available() if _override_gpu is None else (_override_gpu and _gpu_available())
 
 
-def override_can_fuse_on_cpu(value: bool) -> None:
+def fusion_enabled(device_type: str) -> bool:
+    on = enabled.get(device_type)
+    if on is None:
+        on = enabled[device_type] = (can_fuse_on_cpu() if device_type == "cpu" else
+                                     can_fuse_on_gpu() if device_type == "cuda" else False)
+    return on
+
+
+def override_can_fuse_on_cpu(value: Optional[bool]) -> None:
     global _override_cpu
-    _override_cpu = bool(value)
+    _override_cpu = None if value is None else bool(value)
+    enabled.clear()
 
 
-def override_can_fuse_on_gpu(value: bool) -> None:
+def override_can_fuse_on_gpu(value: Optional[bool]) -> None:
     global _override_gpu
-    _override_gpu = bool(value)
+    _override_gpu = None if value is None else bool(value)
+    enabled.clear()

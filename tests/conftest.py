@@ -42,6 +42,6 @@ def pytest_collection_modifyitems(config, items):
 def _clean_state():
     """Each test starts with fusion on where possible and the pass uninstalled."""
     yield
-    settings._override_cpu = None
-    settings._override_gpu = None
+    settings.override_can_fuse_on_cpu(None)
+    settings.override_can_fuse_on_gpu(None)
     fuser.uninstall()

@@ -13,7 +13,8 @@ import weakref
 import torch
 
 from . import templates
-from .driver import call, check, compile_source, options_for
+from .. import disk_cache
+from .driver import call, check, compile_source, nvrtc_version, options_for
 
 BLOCK_SIZE = 256
 
@@ -37,16 +38,19 @@ def _args_struct(index32: bool, n_strided: int, n_ptrs: int, n_scalars: int):
     return FzArgs
 
 
-def _ensure_context(device_index: int) -> None:
-    """Make torch's primary context of the device current on this thread (torch creates it)."""
+def _primary_context(device_index: int):
+    """torch's context of the device (its primary context), made current on this thread.
+
+    A thread that only ever used torch's caching allocator may have no current context yet: the runtime
+    sets one lazily, and the driver API needs it, so every thread's first launch calls this."""
     from cuda.bindings import driver
-    with torch.cuda.device(device_index):
-        torch.cuda.current_stream(device_index)  # initializes the device in torch if needed
-        torch.cuda.synchronize(device_index)
-    ctx = call(driver.cuCtxGetCurrent)
-    if int(ctx) == 0 or call(driver.cuCtxGetDevice) != device_index:
-        dev = call(driver.cuDeviceGet, device_index)
-        call(driver.cuCtxSetCurrent, call(driver.cuDevicePrimaryCtxRetain, dev))
+    torch.cuda.init()
+    dev = call(driver.cuDeviceGet, device_index)
+    ctx = call(driver.cuDevicePrimaryCtxRetain, dev)
+    current = call(driver.cuCtxGetCurrent)
+    if int(current) != int(ctx):
+        call(driver.cuCtxSetCurrent, ctx)
+    return ctx
 
 
 class CudaKernel:
@@ -59,7 +63,7 @@ class CudaKernel:
         self.vec_align = vec_align  # per pointer: bytes it must be aligned to for the vector path (0: any)
         self.n_strided = n_strided
         with torch.cuda.device(device_index):
-            _ensure_context(device_index)
+            _primary_context(device_index)
             self._library = call(driver.cuLibraryLoadData, image, [], [], 0, [], [], 0)
             weakref.finalize(self, _unload, self._library)
             kernel = call(driver.cuLibraryGetKernel, self._library, name.encode())
@@ -80,6 +84,7 @@ class CudaKernel:
             loc.params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
             loc.params_addr = ctypes.addressof(loc.params)
             loc.geometry = None
+            loc.context_ready = False
         return loc
 
     def launch(self, geo, tensors, scalars, outputs) -> None:
@@ -121,12 +126,15 @@ class CudaKernel:
         stream = _raw_stream(index)
         if _current_device() != index:
             with torch.cuda.device(index):
-                self._do_launch(grid, stream, loc.params_addr)
+                self._do_launch(loc, grid, stream)
         else:
-            self._do_launch(grid, stream, loc.params_addr)
+            self._do_launch(loc, grid, stream)
 
-    def _do_launch(self, grid: int, stream: int, params: int) -> None:
-        err, = self._launch(self._function, grid, 1, 1, BLOCK_SIZE, 1, 1, 0, stream, params, 0)
+    def _do_launch(self, loc, grid: int, stream: int) -> None:
+        if not loc.context_ready:  # this thread's first launch: it may have no current context yet
+            _primary_context(self.device_index)
+            loc.context_ready = True
+        err, = self._launch(self._function, grid, 1, 1, BLOCK_SIZE, 1, 1, 0, stream, loc.params_addr, 0)
         if err != self._success:
             check(err, "cuLaunchKernel")
 
@@ -140,16 +148,26 @@ def _unload(library) -> None:
 
 
 def load_kernel(source: str, name: str, arg_spec, n_strided: int, out_dtypes, n_scalars: int,
-                vec: int) -> CudaKernel:
-    """Compile ``source`` with NVRTC for the arg spec's device and load it."""
+                vec: int) -> tuple[CudaKernel, bool]:
+    """Compile ``source`` with NVRTC for the arg spec's device (or take it from the disk cache) and load it.
+    Returns the kernel and whether NVRTC ran."""
     index = arg_spec.device_index if arg_spec.device_index is not None else torch.cuda.current_device()
     options = options_for(torch.cuda.get_device_capability(index))
-    image = compile_source(source, name, options)
+    compiled = []
+
+    def build() -> bytes:
+        compiled.append(True)
+        return compile_source(source, name, options)
+
+    fields = [("nvrtc", repr(nvrtc_version())), ("arch", repr(options)),
+              ("flags", b" ".join(options.flags())), ("name", name), ("source", source)]
+    image = disk_cache.get_or_build(fields, build, ".cubin" if options.cubin else ".ptx")
     size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
     align = tuple(size(d.dtype) * vec if d.layout in ("dense", "rows") else 0 for d in arg_spec.inputs)
     align += tuple(size(dt) * vec for dt in out_dtypes)
-    return CudaKernel(name, image, index, arg_spec.index32, n_strided, len(arg_spec.inputs) + len(out_dtypes),
-                      n_scalars, vec, align)
+    kernel = CudaKernel(name, image, index, arg_spec.index32, n_strided, len(arg_spec.inputs) + len(out_dtypes),
+                        n_scalars, vec, align)
+    return kernel, bool(compiled)
 
 
 def _raw_stream(index: int) -> int:

@@ -35,10 +35,14 @@ template <> __device__ __forceinline__ fz_half fz_st<fz_half, float>(float f) {
   fz_half h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(f)); return h;
 }
 template <> __device__ __forceinline__ fz_bf16 fz_st<fz_bf16, float>(float f) {
-  unsigned int x = __float_as_uint(f);
   fz_bf16 h;
+#if __CUDA_ARCH__ >= 800
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.x) : "f"(f));  // one instruction from Ampere on
+#else
+  unsigned int x = __float_as_uint(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) { h.x = (uint16_t)((x >> 16) | 0x40u); return h; }
   h.x = (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+#endif
   return h;
 }
 
@@ -70,8 +74,9 @@ template <> struct fz_limits<int64_t> { static __device__ __forceinline__ int64_
 #define FZ_LOWEST(T) fz_limits<T>::lowest()
 #define FZ_HIGHEST(T) fz_limits<T>::highest()
 
-// N elements of T moved as one access (16 bytes at most per instruction; the compiler splits larger)
-template <class T, int N> struct __align__(sizeof(T) * N) fz_vec { T v[N]; };
+// N elements of T moved together: 16-byte accesses (the compiler splits a 32-byte struct into two, both
+// issued before either is used); alignment capped at 16, the widest access
+template <class T, int N> struct __align__(sizeof(T) * N < 16 ? sizeof(T) * N : 16) fz_vec { T v[N]; };
 """
 
 KERNEL = Template(r"""// fuser CUDA kernel ${name}

@@ -1,0 +1,66 @@
+"""Where a small fused call's host time goes, stage by stage (run on a CUDA machine):
+PYTHONPATH=. python3 scripts/host_profile.py"""
+import time
+import warnings
+
+import torch
+
+import fuser
+from fuser import executor, integration
+from fuser.cuda import launch
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def per_call_us(fn, *args, n=20000):
+    for _ in range(200):
+        fn(*args)
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn(*args)
+    _sync()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def f(a, b, c):
+    return a * b + c
+
+
+def main():
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a, b, c = (torch.randn(1024, device=dev) for _ in range(3))
+    ff = fuser.fuse(torch.jit.script(f))
+    for _ in range(5):
+        ff(a, b, c)
+    key = next(n.inputsAt(2).toIValue() for n in ff.graph.nodes() if n.kind() == "fuser::fusion_group")
+    spec = fuser.interface.STORE.get(key)
+    geo = next(iter(spec.geometries.values()))
+    out = [torch.empty(1024, device=dev)]
+    rows = [
+        ("eager a*b+c", per_call_us(f, a, b, c)),
+        ("scripted fused call", per_call_us(ff, a, b, c)),
+        ("torch.ops.fuser.fusion_group", per_call_us(torch.ops.fuser.fusion_group, [a, b, c], [], key)),
+        ("integration._fusion_group", per_call_us(integration._fusion_group, [a, b, c], [], key)),
+        ("executor.run", per_call_us(executor.run, spec, [a, b, c])),
+        ("torch.empty", per_call_us(lambda: torch.empty(geo.shape, dtype=torch.float32, device=geo.device))),
+    ]
+    if dev == "cuda":
+        k = geo.kernel.backend
+        rows += [
+            ("backend.launch", per_call_us(k.launch, geo, [a, b, c], (), out)),
+            ("raw stream", per_call_us(launch._raw_stream, 0)),
+            ("current device", per_call_us(launch._current_device)),
+            ("cuLaunchKernel only", per_call_us(k._do_launch, k._buffers(), 1, launch._raw_stream(0))),
+        ]
+    for name, us in rows:
+        print(f"{name:32s} {us:8.2f} us")
+
+
+if __name__ == "__main__":
+    main()
