@@ -350,12 +350,15 @@ def run_cell(wl: Workload, system: str, size: str, sets: list, ref, device: torc
     try:
         with SYSTEM_CONTEXTS[system](wl) as fn:
             kernels_before = fuser.n_compiled_kernels()
+            built_before = set(_fuser_build_ms())
             _sync(device)
             t0 = time.perf_counter()
             out = fn(*sets[0])
             _sync(device)
             cell["first_call_ms"] = (time.perf_counter() - t0) * 1e3
             cell["kernels_compiled_first_call"] = fuser.n_compiled_kernels() - kernels_before
+            if system == "fuser":  # the kernel builds themselves (types, codegen, NVRTC, load)
+                cell["kernel_build_ms"] = [ms for name, ms in _fuser_build_ms().items() if name not in built_before]
             cell["max_abs_err"] = max_abs_error(out, ref)
             del out
             cell["warmup_calls"] = warm_up(fn, sets, device, cfg)
@@ -441,6 +444,17 @@ def format_table(rows: list[dict], systems: Sequence[str]) -> str:
     return "\n".join(out)
 
 
+def _fuser_build_ms() -> dict:
+    """name -> build time (ms) of every kernel fuser has built in this process."""
+    from fuser.kernel_cache import STORE
+    out = {}
+    for key in range(len(STORE)):
+        for k in STORE.get(key).kernels().values():
+            if k is not None:
+                out[k.name] = k.build_ms
+    return out
+
+
 def fuser_first_calls(rows: list[dict]) -> dict:
     """Per 'workload/dtype': fuser's first-call wall time (ms) from the first row that ran it, the one where
     its kernels were compiled (a later size with the same arg spec reuses them)."""
@@ -450,7 +464,8 @@ def fuser_first_calls(rows: list[dict]) -> dict:
         key = f"{r['workload']}/{r['dtype']}"
         if key not in result and "first_call_ms" in cell:
             result[key] = {"ms": cell["first_call_ms"], "size": r["size"],
-                           "kernels_compiled": cell["kernels_compiled_first_call"]}
+                           "kernels_compiled": cell["kernels_compiled_first_call"],
+                           "kernel_build_ms": cell.get("kernel_build_ms", [])}
     return result
 
 
@@ -543,7 +558,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if first_calls:
         print("\nfuser_first_call_ms (first call of the fused function, compile included):")
         for key, v in first_calls.items():
-            print(f"  {key:<22} {v['ms']:8.1f} ms  ({v['kernels_compiled']} kernels compiled, {v['size']})")
+            builds = ", ".join(f"{ms:.1f}" for ms in v["kernel_build_ms"]) or "-"
+            print(f"  {key:<22} {v['ms']:8.1f} ms  ({v['kernels_compiled']} kernels compiled, {v['size']}; "
+                  f"kernel build ms: {builds})")
     print(f"\ntotal {elapsed:.1f}s")
 
     result = {

@@ -10,6 +10,7 @@ fuser, and only stores convert back to the storage type.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -45,6 +46,7 @@ class KernelOptions:
     index32: bool = True
     block_size: int = 256
     vectorize: bool = True
+    fast_reduced: bool = True  # CUDA: ops.OpDef.fast expressions for float16/bfloat16 results
 
 
 def literal(value, ctype: str) -> str:
@@ -71,12 +73,14 @@ def has_vector_path(inputs: Sequence[TensorDesc], target: str) -> bool:
     return target == "cuda" and all(d.layout != STRIDED for d in inputs)
 
 
-VECTOR_BYTES = 32  # per thread and loop trip, of the narrowest tensor: two 16-byte accesses in flight
+# per thread and loop trip, of the narrowest tensor (FUSER_VECTOR_BYTES sets it for experiments; it changes
+# the source, so cached kernels follow it). On an H200, 16 beat 32 on a*b+c and fp32 rows, lost on fp16 GELU.
+VECTOR_BYTES = int(os.environ.get("FUSER_VECTOR_BYTES", "16"))
 
 
 def vector_width(inputs: Sequence[TensorDesc], out_dtypes: Sequence[torch.dtype]) -> int:
-    """Elements per thread and trip on the CUDA vector path: 32 bytes of the narrowest vector-accessed tensor
-    (two 16-byte loads in flight per thread keep enough bytes moving to cover memory latency), at most 16."""
+    """Elements per thread and trip on the CUDA vector path: ``VECTOR_BYTES`` of the narrowest vector-accessed
+    tensor (16: one 16-byte access each), at most 16."""
     sizes = [torch.empty((), dtype=d.dtype).element_size() for d in inputs if d.layout in (DENSE, ROWS)]
     sizes += [torch.empty((), dtype=d).element_size() for d in out_dtypes]
     return max(1, min(16, VECTOR_BYTES // min(sizes))) if sizes else 1
@@ -121,6 +125,8 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
         if op.variant_arg is not None:
             variant = node.inputsAt(op.variant_arg).toIValue()
         tmpl = op.template(variant, family(nt.compute))
+        if target == "cuda" and options.fast_reduced and nt.result in REDUCED and family(nt.compute) == "f":
+            tmpl = op.fast_template(variant) or tmpl
         if tmpl is None:
             raise NotFusable(f"{op.name} has no {family(nt.compute)!r} expression ({nt.compute}, variant "
                              f"{variant!r})")

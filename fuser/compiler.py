@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -48,6 +49,7 @@ class CompiledKernel:
     strided: tuple[int, ...]  # indices of the strided tensor inputs, in kernel order
     vec: int  # CUDA vector width (1: no vector path)
     backend: object  # fuser.cpu.compiler.CpuKernel or fuser.cuda.launch.CudaKernel
+    build_ms: float = 0.0  # wall time of build(): types, codegen, compile (or disk-cache load), load
 
 
 def _sample(desc: TensorDesc) -> torch.Tensor:
@@ -84,6 +86,7 @@ def infer_types(spec: KernelSpec, arg_spec: ArgSpec) -> list[codegen.NodeTypes]:
 def build(spec: KernelSpec, arg_spec: ArgSpec) -> Optional[CompiledKernel]:
     """Generate and compile the kernel of ``spec`` for ``arg_spec``; None where fusion is not possible
     for these inputs (the caller falls back)."""
+    t0 = time.perf_counter()
     if any(d.dtype not in DTYPES for d in arg_spec.inputs):
         return None
     try:
@@ -95,7 +98,8 @@ def build(spec: KernelSpec, arg_spec: ArgSpec) -> Optional[CompiledKernel]:
     target = "cuda" if arg_spec.device_type == "cuda" else "cpu"
     # deterministic across processes (the disk cache keys on the source, which holds the name)
     name = "fused_" + hashlib.sha256(f"{spec.text}\n{arg_spec!r}\n{target}".encode()).hexdigest()[:16]
-    options = codegen.KernelOptions(index32=arg_spec.index32)
+    options = codegen.KernelOptions(index32=arg_spec.index32,
+                                    fast_reduced=os.environ.get("FUSER_FAST_REDUCED", "1") != "0")
     try:
         source = codegen.generate(spec.graph, arg_spec.inputs, len(spec.input_is_tensor) - spec.n_tensor_inputs,
                                   types, target, name, options)
@@ -116,4 +120,5 @@ def build(spec: KernelSpec, arg_spec: ArgSpec) -> Optional[CompiledKernel]:
         _count_compile()
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: compiled {name} for {arg_spec}\n{source}", file=sys.stderr)
-    return CompiledKernel(name, arg_spec, out_dtypes, source, strided, vec, backend)
+    return CompiledKernel(name, arg_spec, out_dtypes, source, strided, vec, backend,
+                          (time.perf_counter() - t0) * 1e3)

@@ -61,6 +61,7 @@ class OpDef:
     aliases_input: bool = False
     keep_args: tuple[int, ...] = ()
     round_operands: tuple[str, ...] = ()
+    fast: Mapping[Optional[str], str] = field(default_factory=dict)
 
     def template(self, variant: Optional[str], family: str) -> Optional[string.Template]:
         exprs = self.exprs.get(variant)
@@ -70,8 +71,9 @@ class OpDef:
         return None if text is None else string.Template(text)
 
 
-def _unary(name: str, f: str, d: str, i: Optional[str] = None) -> OpDef:
-    return OpDef(name, (f"aten::{name}(Tensor self) -> Tensor",), {None: Exprs(f, d, i)})
+def _unary(name: str, f: str, d: str, i: Optional[str] = None, fast: Optional[str] = None) -> OpDef:
+    return OpDef(name, (f"aten::{name}(Tensor self) -> Tensor",), {None: Exprs(f, d, i)},
+                 fast={None: fast} if fast else {})
 
 
 _OPS: list[OpDef] = [
@@ -82,7 +84,7 @@ _OPS: list[OpDef] = [
     _unary("ceil", "ceilf($a)", "ceil($a)", "$a"),
     _unary("cos", "cosf($a)", "cos($a)"),
     _unary("cosh", "coshf($a)", "cosh($a)"),
-    _unary("exp", "expf($a)", "exp($a)"),
+    _unary("exp", "expf($a)", "exp($a)", fast="__expf($a)"),
     _unary("expm1", "expm1f($a)", "expm1($a)"),
     _unary("erf", "erff($a)", "erf($a)"),
     _unary("erfc", "erfcf($a)", "erfc($a)"),
@@ -99,14 +101,16 @@ _OPS: list[OpDef] = [
            "($a > 0 ? $a : ($T)0)"),
     _unary("round", "nearbyintf($a)", "nearbyint($a)", "$a"),
     _unary("rsqrt", "(1.f / sqrtf($a))", "(1.0 / sqrt($a))"),
-    _unary("sigmoid", "(1.f / (1.f + expf(-$a)))", "(1.0 / (1.0 + exp(-$a)))"),
+    _unary("sigmoid", "(1.f / (1.f + expf(-$a)))", "(1.0 / (1.0 + exp(-$a)))",
+           fast="__fdividef(1.f, 1.f + __expf(-$a))"),
     _unary("sin", "sinf($a)", "sin($a)"),
     _unary("sinh", "sinhf($a)", "sinh($a)"),
     _unary("sqrt", "sqrtf($a)", "sqrt($a)"),
     _unary("tan", "tanf($a)", "tan($a)"),
-    _unary("tanh", "tanhf($a)", "tanh($a)"),
+    _unary("tanh", "tanhf($a)", "tanh($a)", fast="fz_tanh_fast($a)"),
     _unary("trunc", "truncf($a)", "trunc($a)", "$a"),
-    _unary("silu", "($a / (1.f + expf(-$a)))", "($a / (1.0 + exp(-$a)))"),
+    _unary("silu", "($a / (1.f + expf(-$a)))", "($a / (1.0 + exp(-$a)))",
+           fast="__fdividef($a, 1.f + __expf(-$a))"),
     OpDef(
         "gelu",
         ('aten::gelu(Tensor self, *, str approximate="none") -> Tensor',),
@@ -118,6 +122,7 @@ _OPS: list[OpDef] = [
                 "(0.5 * $a * (1.0 + tanh(0.79788456080286535588 * ($a + 0.044715 * $a * $a * $a))))"),
         },
         variant_arg=1,
+        fast={"tanh": "(0.5f * $a * (1.f + fz_tanh_fast(0.79788456080286535f * ($a + 0.044715f * $a * $a * $a))))"},
     ),
     OpDef("hardtanh", ("aten::hardtanh(Tensor self, Scalar min_val=-1, Scalar max_val=1) -> Tensor",),
           {None: Exprs("fz_min(fz_max($a, $b), $c)", "fz_min(fz_max($a, $b), $c)")}),

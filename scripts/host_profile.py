@@ -56,8 +56,13 @@ def main():
             ("backend.launch", per_call_us(k.launch, geo, [a, b, c], (), out)),
             ("raw stream", per_call_us(launch._raw_stream, 0)),
             ("current device", per_call_us(launch._current_device)),
-            ("cuLaunchKernel only", per_call_us(k._do_launch, k._buffers(), 1, launch._raw_stream(0))),
+            ("cuLaunchKernel (ctypes)", per_call_us(k._do_launch, k._buffers(), 1, launch._raw_stream(0))),
         ]
+        if k._raw_launch is not None:
+            raw, k._raw_launch = k._raw_launch, None
+            rows.append(("cuLaunchKernel (cuda-python)", per_call_us(k._do_launch, k._buffers(), 1, launch._raw_stream(0))))
+            rows.append(("backend.launch (cuda-python)", per_call_us(k.launch, geo, [a, b, c], (), out)))
+            k._raw_launch = raw
     for name, us in rows:
         print(f"{name:32s} {us:8.2f} us")
 

@@ -7,6 +7,8 @@ refilled per call, so a launch costs a few attribute stores and one ``cuLaunchKe
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import threading
 import weakref
 
@@ -17,6 +19,23 @@ from .. import disk_cache
 from .driver import call, check, compile_source, nvrtc_version, options_for
 
 BLOCK_SIZE = 256
+# The launch itself: "ctypes" calls the driver's cuLaunchKernel directly (measured cheaper per call than the
+# cuda-python binding, which converts its arguments each time); "cuda-python" uses the binding.
+LAUNCH = os.environ.get("FUSER_LAUNCH", "ctypes")
+
+
+@functools.lru_cache(maxsize=None)
+def _raw_cu_launch():
+    """libcuda's cuLaunchKernel through ctypes, or None where the library cannot be opened."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    fn = lib.cuLaunchKernel
+    u = ctypes.c_uint
+    fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _args_struct(index32: bool, n_strided: int, n_ptrs: int, n_scalars: int):
@@ -75,6 +94,8 @@ class CudaKernel:
         self._local = threading.local()
         self._launch = driver.cuLaunchKernel
         self._success = driver.CUresult.CUDA_SUCCESS
+        self._raw_launch = _raw_cu_launch() if LAUNCH == "ctypes" else None
+        self._function_ptr = int(self._function)
 
     def _buffers(self):
         loc = self._local
@@ -134,6 +155,12 @@ class CudaKernel:
         if not loc.context_ready:  # this thread's first launch: it may have no current context yet
             _primary_context(self.device_index)
             loc.context_ready = True
+        if self._raw_launch is not None:
+            err = self._raw_launch(self._function_ptr, grid, 1, 1, BLOCK_SIZE, 1, 1, 0, stream, loc.params_addr, None)
+            if err:
+                from cuda.bindings import driver
+                check(driver.CUresult(err), "cuLaunchKernel")
+            return
         err, = self._launch(self._function, grid, 1, 1, BLOCK_SIZE, 1, 1, 0, stream, loc.params_addr, 0)
         if err != self._success:
             check(err, "cuLaunchKernel")
