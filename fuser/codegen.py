@@ -83,7 +83,8 @@ def vector_width(inputs: Sequence[TensorDesc], out_dtypes: Sequence[torch.dtype]
     tensor (16: one 16-byte access each), at most 16."""
     sizes = [torch.empty((), dtype=d.dtype).element_size() for d in inputs if d.layout in (DENSE, ROWS)]
     sizes += [torch.empty((), dtype=d).element_size() for d in out_dtypes]
-    return max(1, min(16, VECTOR_BYTES // min(sizes))) if sizes else 1
+    # ... and at most 32 bytes of the widest, so a float tensor beside a bool one keeps to 8 registers
+    return max(1, min(16, VECTOR_BYTES // min(sizes), 32 // max(sizes))) if sizes else 1
 
 
 def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int,

@@ -50,6 +50,10 @@ class OpDef:
     round_operands: targets on which eager rounds scalars and operands of other dtypes to a float16/bfloat16
     compute dtype before the op. It changes discrete results (``bf16(x) == 0.1`` is true in eager on the
     CPU), so it is matched per target; arithmetic ops keep full-precision scalars, within tolerance of either.
+    fast: per variant, a CUDA float expression used when the result is float16/bfloat16. Such a result keeps
+    at most 11 significant bits, so an approximation with relative error near 2^-20 (``__expf``,
+    ``__fdividef``) cannot change it beyond a rare last-bit tie, and it costs a fraction of the instructions:
+    those kernels are otherwise bound by arithmetic, not memory.
     """
 
     name: str
@@ -68,6 +72,10 @@ class OpDef:
         if exprs is None:
             return None
         text = exprs.for_family(family)
+        return None if text is None else string.Template(text)
+
+    def fast_template(self, variant: Optional[str]) -> Optional[string.Template]:
+        text = self.fast.get(variant)
         return None if text is None else string.Template(text)
 
 

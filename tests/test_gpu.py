@@ -240,3 +240,28 @@ def test_second_process_compiles_nothing(tmp_path):
     print("second process: compiled, disk hits, rebuild ms:", outs[1])
     assert outs[0][0] == "1"  # compiled once (the rebuild in the first process comes from disk)
     assert outs[1][0] == "0" and int(outs[1][1]) >= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("op", ["exp", "sigmoid", "tanh", "silu", "gelu_tanh"])
+def test_fast_math_for_half_results_stays_within_one_ulp_of_eager(op, dtype):
+    """Half-precision results use cheaper transcendental expressions (ops.OpDef.fast); over a wide range of
+    inputs they stay within one unit in the last place of eager's correctly rounded result."""
+    approximate = ', approximate="tanh"' if op == "gelu_tanh" else ""
+    name = "gelu" if op == "gelu_tanh" else op
+    extra = '\n  %mode : str = prim::Constant[value="tanh"]()' if approximate else ""
+    call = f"aten::gelu(%x, %mode)" if approximate else f"aten::{name}(%x)"
+    g = torch.parse_ir(f"graph(%x : Tensor):{extra}\n  %r : Tensor = {call}\n  %s : Tensor = aten::neg(%r)\n"
+                       "  return (%s)\n")
+    lo, hi = (-12.0, 11.0) if op == "exp" else (-60.0, 60.0)
+    x = torch.cat([torch.linspace(lo, hi, 1 << 20), torch.linspace(-1, 1, 1 << 16),
+                   torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])]).to(dtype).cuda()
+    key = STORE.register(g)
+    (out,) = executor.run(STORE.get(key), [x])
+    ref = -(torch.nn.functional.gelu(x, approximate="tanh") if op == "gelu_tanh" else getattr(torch, name)(x))
+    assert torch.equal(out.isnan(), ref.isnan())
+    ok = ~ref.isnan()
+    a, r = out[ok].double(), ref[ok].double()
+    ulp = torch.finfo(dtype).eps * torch.clamp(r.abs(), min=torch.finfo(dtype).tiny)
+    diff = (a - r).abs()
+    assert bool(((diff <= ulp) | (a == r)).all()), f"max diff {float((diff / ulp).max()):.2f} ulp"

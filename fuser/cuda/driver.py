@@ -6,6 +6,7 @@ CI and checks that generated kernels compile for every target architecture.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 from ..errors import CompileError, DriverError
@@ -61,10 +62,15 @@ class NvrtcOptions:
 
     arch: int
     cubin: bool = True
+    # NVRTC's --Ofast-compile level ("" for none; "min", "mid", "max" trade optimization for compile time)
+    fast_compile: str = os.environ.get("FUSER_NVRTC_FAST_COMPILE", "")
 
     def flags(self) -> list[bytes]:
         target = f"sm_{self.arch}" if self.cubin else f"compute_{self.arch}"
-        return [f"--gpu-architecture={target}".encode(), b"-std=c++17", b"-lineinfo", b"-DNDEBUG"]
+        flags = [f"--gpu-architecture={target}".encode(), b"-std=c++17", b"-DNDEBUG"]
+        if self.fast_compile:
+            flags.append(f"--Ofast-compile={self.fast_compile}".encode())
+        return flags
 
 
 def options_for(capability: tuple[int, int]) -> NvrtcOptions:
