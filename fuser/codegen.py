@@ -213,11 +213,11 @@ class _Gen:
     def scalar_load(self, k, d):
         return f"t{k}[i]" if d.layout == DENSE else f"t{k}[off{k}]"
 
-    def offsets(self, template, stride_ref, index="i") -> str:
+    def offsets(self, template, stride_ref, index="i", unroll=1) -> str:
         if not self.strided:
             return ""
         return template.substitute(
-            index=index,
+            index=index, unroll=unroll,
             decls=", ".join(f"off{k} = 0" for k in self.strided),
             accumulate="\n".join(f"          off{k} += m * {stride_ref(j, k)};"
                                  for j, k in enumerate(self.strided)),
@@ -274,7 +274,8 @@ class _CudaGen(_Gen):
             return ""
         vloads = []
         if self.strided:
-            vloads.append(self.offsets(cuda_t.OFFSETS, lambda j, k: f"args.strides[{j}][d]", index="base"))
+            vloads.append(self.offsets(cuda_t.OFFSETS, lambda j, k: f"args.strides[{j}][d]", index="base",
+                                       unroll=cuda_t.MAX_DIMS))
         for k, d in enumerate(self.inputs):
             st = storage_type(d.dtype)
             if d.layout in (DENSE, ROWS):

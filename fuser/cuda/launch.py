@@ -19,6 +19,8 @@ from .. import disk_cache
 from .driver import call, check, compile_source, nvrtc_version, options_for
 
 BLOCK_SIZE = 256
+# Blocks launched, in multiples of what the GPU holds at once (FUSER_GRID_WAVES; 0: one trip per thread)
+GRID_WAVES = int(os.environ.get("FUSER_GRID_WAVES", "1"))
 # The launch itself: "cuda-python" uses the binding with a prebuilt parameter array; "ctypes" calls libcuda's
 # cuLaunchKernel directly. On an H200 host the binding took 3.9 us a launch and ctypes 5.2 us.
 LAUNCH = os.environ.get("FUSER_LAUNCH", "cuda-python")
@@ -89,7 +91,7 @@ class CudaKernel:
             self._function = call(driver.cuKernelGetFunction, kernel)
             per_sm = call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, self._function, BLOCK_SIZE, 0)
         props = torch.cuda.get_device_properties(device_index)
-        self.max_blocks = max(1, per_sm) * props.multi_processor_count
+        self.max_blocks = max(1, per_sm) * props.multi_processor_count * GRID_WAVES if GRID_WAVES > 0 else 2 ** 31 - 1
         self._struct = _args_struct(index32, n_strided, n_ptrs, n_scalars)
         self._local = threading.local()
         self._launch = driver.cuLaunchKernel
