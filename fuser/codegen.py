@@ -216,8 +216,9 @@ class _Gen:
     def offsets(self, template, stride_ref, index="i", unroll=1) -> str:
         if not self.strided:
             return ""
+        divide = ("fz_div(r, args.magic[d], args.shift[d])" if self.options.index32 else "r / args.sizes[d]")
         return template.substitute(
-            index=index, unroll=unroll,
+            index=index, unroll=unroll, divide=divide,
             decls=", ".join(f"off{k} = 0" for k in self.strided),
             accumulate="\n".join(f"          off{k} += m * {stride_ref(j, k)};"
                                  for j, k in enumerate(self.strided)),

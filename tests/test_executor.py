@@ -210,3 +210,16 @@ def test_integer_overflow_wraps_like_eager():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_scalar_rounding_at_reduced_precision_matches_eager(dtype):
     check_scalar_rounding(dtype, "cpu")
+
+
+def test_cuda_index_divider_matches_integer_division():
+    """The CUDA kernels divide 32-bit indices by host-computed magic numbers; check the arithmetic here."""
+    import random
+    from fuser.cuda.launch import divider
+    rng = random.Random(0)
+    for d in [1, 2, 3, 7, 4096, 16383, 65535, 2 ** 31 - 1] + [rng.randrange(1, 2 ** 31) for _ in range(300)]:
+        magic, shift = divider(d)
+        for n in [0, 1, d - 1, d, d + 1, 2 ** 31 - 1] + [rng.randrange(0, 2 ** 31) for _ in range(50)]:
+            if n < 2 ** 31:
+                q = (((n * magic) >> 32) + n) >> shift  # no 32-bit overflow: the sum stays below 2n
+                assert q == n // d, (n, d)

@@ -49,6 +49,8 @@ def _args_struct(index32: bool, n_strided: int, n_ptrs: int, n_scalars: int):
         _fields_ = [
             ("numel", idx),
             ("sizes", idx * d),
+            ("magic", ctypes.c_uint32 * d),
+            ("shift", ctypes.c_uint32 * d),
             ("strides", (idx * d) * max(1, n_strided)),
             ("rank", ctypes.c_int32),
             ("vec", ctypes.c_int32),
@@ -119,6 +121,7 @@ class CudaKernel:
             args.rank = len(geo.sizes)
             for d, s in enumerate(geo.sizes):
                 args.sizes[d] = s
+                args.magic[d], args.shift[d] = divider(s)
             for j, st in enumerate(geo.strides):
                 row = args.strides[j]
                 for d, x in enumerate(st):
@@ -166,6 +169,17 @@ class CudaKernel:
         err, = self._launch(self._function, grid, 1, 1, BLOCK_SIZE, 1, 1, 0, stream, loc.params_addr, 0)
         if err != self._success:
             check(err, "cuLaunchKernel")
+
+
+@functools.lru_cache(maxsize=4096)
+def divider(d: int) -> tuple[int, int]:
+    """(magic, shift) with n // d == (umulhi(n, magic) + n) >> shift for 0 <= n < 2**31 and 1 <= d < 2**31
+    (Granlund and Montgomery's round-up method, as the kernels' fz_div uses it); (0, 0) for larger d."""
+    if not 1 <= d < 2 ** 31:
+        return 0, 0
+    shift = (d - 1).bit_length()
+    magic = ((1 << 32) * ((1 << shift) - d)) // d + 1
+    return magic & 0xFFFFFFFF, shift
 
 
 def _unload(library) -> None:
