@@ -18,7 +18,9 @@ from .cuda import templates as cuda_t
 from .descs import DENSE, DTYPES, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, ArgSpec, TensorDesc
 from .kernel_cache import KernelSpec
 
-INDEX32_LIMIT = 2 ** 31 - 2 ** 24  # leaves room for a grid-stride step past the last element
+# 32-bit index math while every offset stays below this: a grid-stride step (at most about the element
+# count) added to the last index must not overflow a signed 32-bit int
+INDEX32_LIMIT = 2 ** 30 - 2 ** 20
 
 
 @dataclass
@@ -151,7 +153,7 @@ class Geometry:
     such signature and reused by every later call with the same signature."""
 
     __slots__ = ("kernel", "shape", "numel", "sizes", "strides", "device", "out_dtypes", "cpu_args", "vec_shape",
-                 "requires_grad", "out_like")
+                 "requires_grad", "out_like", "grid_vec", "grid_scalar")
 
     def __init__(self, p: Plan, kernel: compiler.CompiledKernel):
         self.kernel, self.shape, self.numel = kernel, p.shape, p.numel
@@ -170,6 +172,7 @@ class Geometry:
         self.out_like = None if like is None else [
             (like, None if dt == p.tensors[like].dtype else dt) for dt in kernel.out_dtypes]
         self.cpu_args = None
+        self.grid_vec = self.grid_scalar = None  # CUDA launch grids, filled by the launcher on first use
         if self.device.type == "cpu":
             flat = [x for st in p.strides for x in st]
             self.cpu_args = ((ctypes.c_int64 * len(p.sizes))(*p.sizes), (ctypes.c_int64 * max(1, len(flat)))(*flat))

@@ -16,6 +16,7 @@ import torch
 from . import executor, fallback, graph_fuser
 from .kernel_cache import STORE
 
+_SPECS = STORE._specs  # key -> spec; read without a lock on the hot path (a plain dict read under the GIL)
 _lib = torch.library.Library("fuser", "DEF")
 _lib.define("fusion_group(Tensor[] inputs, float[] scalars, int key) -> Tensor[]")
 
@@ -30,7 +31,7 @@ def run_key(key: int, args: list) -> list[torch.Tensor]:
 
 
 def _fusion_group(inputs: list[torch.Tensor], scalars: list[float], key: int) -> list[torch.Tensor]:
-    spec = STORE.get(key)
+    spec = _SPECS[key]
     if spec.all_tensors:
         args = inputs
     else:
