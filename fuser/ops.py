@@ -53,8 +53,9 @@ class OpDef:
     fast: per variant, a CUDA float expression used when the result is float16/bfloat16. Such a result keeps
     at most 11 significant bits, so an approximation with relative error near 2^-20 (``__expf``) cannot
     change it beyond a rare last-bit tie, and it costs a fraction of the instructions: those kernels are
-    otherwise bound by arithmetic, not memory. (``__expf`` flushes results below 2^-126 to zero, which only
-    bfloat16 could have held: an absolute change under 1.2e-38.)
+    otherwise bound by arithmetic, not memory. (``__expf`` flushes results below 2^-126 to zero, and
+    ``__fdividef`` returns 0 for divisors above 2^126: results under 1.2e-38 that only bfloat16 could have
+    held become 0, an absolute change below any tolerance.)
     """
 
     name: str
@@ -111,7 +112,7 @@ _OPS: list[OpDef] = [
     _unary("round", "nearbyintf($a)", "nearbyint($a)", "$a"),
     _unary("rsqrt", "(1.f / sqrtf($a))", "(1.0 / sqrt($a))"),
     _unary("sigmoid", "(1.f / (1.f + expf(-$a)))", "(1.0 / (1.0 + exp(-$a)))",
-           fast="__frcp_rn(1.f + __expf(-$a))"),
+           fast="__fdividef(1.f, 1.f + __expf(-$a))"),
     _unary("sin", "sinf($a)", "sin($a)"),
     _unary("sinh", "sinhf($a)", "sinh($a)"),
     _unary("sqrt", "sqrtf($a)", "sqrt($a)"),
@@ -119,7 +120,7 @@ _OPS: list[OpDef] = [
     _unary("tanh", "tanhf($a)", "tanh($a)", fast="fz_tanh_fast($a)"),
     _unary("trunc", "truncf($a)", "trunc($a)", "$a"),
     _unary("silu", "($a / (1.f + expf(-$a)))", "($a / (1.0 + exp(-$a)))",
-           fast="($a * __frcp_rn(1.f + __expf(-$a)))"),
+           fast="__fdividef($a, 1.f + __expf(-$a))"),
     OpDef(
         "gelu",
         ('aten::gelu(Tensor self, *, str approximate="none") -> Tensor',),
@@ -132,7 +133,7 @@ _OPS: list[OpDef] = [
         },
         variant_arg=1,
         # 0.5 * (1 + tanh(u)) == sigmoid(2u): no cancellation in the negative tail, and about half the work
-        fast={"tanh": "($a * __frcp_rn(1.f + __expf(-1.5957691216057308f * ($a + 0.044715f * $a * $a * $a))))"},
+        fast={"tanh": "__fdividef($a, 1.f + __expf(-1.5957691216057308f * ($a + 0.044715f * $a * $a * $a)))"},
     ),
     OpDef("hardtanh", ("aten::hardtanh(Tensor self, Scalar min_val=-1, Scalar max_val=1) -> Tensor",),
           {None: Exprs("fz_min(fz_max($a, $b), $c)", "fz_min(fz_max($a, $b), $c)")}),

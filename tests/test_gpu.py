@@ -244,9 +244,10 @@ def test_second_process_compiles_nothing(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("op", ["exp", "sigmoid", "tanh", "silu", "gelu_tanh"])
-def test_fast_math_for_half_results_stays_within_one_ulp_of_eager(op, dtype):
+def test_fast_math_for_half_results_is_as_accurate_as_eager(op, dtype):
     """Half-precision results use cheaper transcendental expressions (ops.OpDef.fast); over a wide range of
-    inputs they stay within one unit in the last place of eager's correctly rounded result."""
+    inputs each result is within one unit in the last place of the float64 truth, or closer to it than
+    eager's (which for GELU's tanh form cancels badly in the negative tail)."""
     approximate = ', approximate="tanh"' if op == "gelu_tanh" else ""
     name = "gelu" if op == "gelu_tanh" else op
     extra = '\n  %mode : str = prim::Constant[value="tanh"]()' if approximate else ""
@@ -261,9 +262,12 @@ def test_fast_math_for_half_results_stays_within_one_ulp_of_eager(op, dtype):
     fns = {"exp": torch.exp, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "silu": torch.nn.functional.silu,
            "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
     ref = -fns[op](x)
+    exact = -fns[op](x.double())  # the float64 truth for these inputs
     assert torch.equal(out.isnan(), ref.isnan())
     ok = ~ref.isnan()
-    a, r = out[ok].double(), ref[ok].double()
-    ulp = torch.finfo(dtype).eps * torch.clamp(r.abs(), min=torch.finfo(dtype).tiny)
-    diff = (a - r).abs()
-    assert bool(((diff <= ulp) | (a == r)).all()), f"max diff {float((diff / ulp).max()):.2f} ulp"
+    a, r, e = out[ok].double(), ref[ok].double(), exact[ok]
+    ulp = torch.finfo(dtype).eps * torch.clamp(e.abs(), min=torch.finfo(dtype).tiny)
+    # within one ulp of the truth, or no farther from it than eager's own result
+    good = ((a - e).abs() <= ulp) | ((a - e).abs() <= (r - e).abs()) | (a == r)
+    worst = float(((a - e).abs() / ulp)[~good].max()) if not bool(good.all()) else 0.0
+    assert bool(good.all()), f"{int((~good).sum())} results off by up to {worst:.2f} ulp"
