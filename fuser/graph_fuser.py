@@ -262,6 +262,108 @@ def build_subgraph(members: list[torch._C.Node], inputs: list[torch._C.Value],
     return sub
 
 
+CHUNK_SCHEMA = "aten::chunk(Tensor(a -> *) self, int chunks, int dim=0) -> Tensor(a)[]"
+
+
+def _chunk_tree(block_nodes: list, pos: dict, chunk: torch._C.Node) -> Optional[list[torch._C.Node]]:
+    """The fusable nodes whose only use is (transitively) the chunked value, in order; None if none."""
+    root = chunk.inputsAt(0).node()
+    if root not in pos or fusable_op(root) is None or fusable_op(root).aliases_input:
+        return None
+    tree, todo = {root}, [root]
+    while todo:
+        n = todo.pop()
+        for v in n.inputs():
+            p = v.node()
+            if p in tree or p not in pos or not _is_tensor(v) or _is_constant(v):
+                continue
+            op = fusable_op(p)
+            if op is None or op.aliases_input:
+                continue
+            if all(u.user in tree for u in v.uses()):
+                tree.add(p)
+                todo.append(p)
+    # a node may have joined before one of its other users did; keep only nodes whose uses stay inside
+    changed = True
+    while changed:
+        changed = False
+        for n in list(tree):
+            if n is not root and not all(u.user in tree for u in n.output().uses()):
+                tree.discard(n)
+                changed = True
+    if not all(u.user == chunk for u in root.output().uses()):
+        return None
+    return sorted(tree, key=pos.__getitem__)
+
+
+def move_chunks(graph: torch._C.Graph, block: torch._C.Block) -> int:
+    """Chunk motion: ``(a * b + c).chunk(n, d)`` becomes the same pointwise tree applied to the chunks of
+    its inputs, so the ops before a chunk join the group of the ops after it (an LSTM cell's gate sums).
+
+    Inputs are chunked by ``fuser::broadcasting_chunk`` at run time: an input broadcast along the chunked
+    dim (a bias row, a 0-dim tensor) is passed whole to every chunk, so shapes and type promotion stay
+    eager's. Returns the number of chunks moved.
+    """
+    moved = 0
+    while True:
+        nodes = list(block.nodes())
+        pos = {n: i for i, n in enumerate(nodes)}
+        for chunk in nodes:
+            if chunk.kind() != "aten::chunk" or chunk.schema() != CHUNK_SCHEMA:
+                continue
+            if not (_is_constant(chunk.inputsAt(1)) and _is_constant(chunk.inputsAt(2))):
+                continue
+            uses = chunk.output().uses()
+            if len(uses) != 1 or uses[0].user.kind() != "prim::ListUnpack":
+                continue
+            tree = _chunk_tree(nodes, pos, chunk)
+            if tree is None:
+                continue
+            lo = pos[tree[0]]
+            if any(_has_side_effects(nodes[i]) for i in range(lo + 1, pos[chunk])):
+                continue  # a tree node moved past this could read a mutated value
+            _rewrite_chunk(graph, chunk, uses[0].user, tree)
+            moved += 1
+            break
+        else:
+            return moved
+
+
+def _rewrite_chunk(graph, chunk, unpack, tree) -> None:
+    tset = set(tree)
+    leaves, seen = [], set()
+    for n in tree:
+        for v in n.inputs():
+            if v.node() not in tset and _is_tensor(v) and v.unique() not in seen:
+                seen.add(v.unique())
+                leaves.append(v)
+    n_out = unpack.outputsSize()
+    lst = graph.create("prim::ListConstruct", leaves)
+    lst.output().setType(torch._C.ListType.ofTensors())
+    nconst = graph.insertConstant(n_out)
+    call = graph.create("fuser::broadcasting_chunk",
+                        [lst.output(), chunk.inputsAt(1), chunk.inputsAt(2), nconst], 1)
+    call.output().setType(torch._C.ListType.ofTensors())
+    parts = graph.create("prim::ListUnpack", [call.output()], len(leaves) * n_out)
+    nconst.node().moveBefore(chunk)
+    for n in (lst, call, parts):
+        n.insertBefore(chunk)
+    part_values = list(parts.outputs())
+    for v in part_values:
+        v.setType(torch._C.TensorType.get())
+    for k in range(n_out):
+        vmap = {leaf.unique(): part_values[j * n_out + k] for j, leaf in enumerate(leaves)}
+        for n in tree:
+            clone = graph.createClone(n, lambda x: vmap.get(x.unique(), x))
+            clone.insertBefore(chunk)
+            vmap[n.output().unique()] = clone.output()
+        unpack.outputsAt(k).replaceAllUsesWith(vmap[chunk.inputsAt(0).unique()])
+    unpack.destroy()
+    chunk.destroy()
+    for n in reversed(tree):
+        n.destroy()
+
+
 def fuse_block(graph: torch._C.Graph, block: torch._C.Block) -> int:
     """Group fusable nodes of ``block`` (and its nested blocks) into ``prim::FusionGroup`` nodes.
 
@@ -271,6 +373,7 @@ def fuse_block(graph: torch._C.Graph, block: torch._C.Block) -> int:
     for node in list(block.nodes()):
         for sub in node.blocks():
             made += fuse_block(graph, sub)
+    move_chunks(graph, block)
     fuser = _BlockFuser(block)
     for members in fuser.run():
         inputs = fuser._external_inputs(members)

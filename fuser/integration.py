@@ -46,6 +46,33 @@ def _fusion_group(inputs: list[torch.Tensor], scalars: list[float], key: int) ->
 _lib.impl("fusion_group", _fusion_group, "CompositeImplicitAutograd")
 
 
+_lib.define("broadcasting_chunk(Tensor[] inputs, int chunks, int dim, int n) -> Tensor[]")
+
+
+def _broadcasting_chunk(inputs: list[torch.Tensor], chunks: int, dim: int, n: int) -> list[torch.Tensor]:
+    """For chunk motion (graph_fuser.move_chunks): chunk ``k`` of every input as the chunked pointwise result
+    would see it, input-major (input j's chunk k at j * n + k). An input broadcast along the chunked dim is
+    passed whole; chunk sizes and errors come from chunking the broadcast shape, as eager's chunk would."""
+    shape = torch.broadcast_shapes(*(t.shape for t in inputs))
+    pieces = torch.empty(shape, device="meta").chunk(chunks, dim)
+    if len(pieces) != n:
+        raise RuntimeError(f"Expected {n} elements in a list but found {len(pieces)}")
+    nd = len(shape)
+    d = dim + nd if dim < 0 else dim
+    sizes = [p.shape[d] for p in pieces]
+    out = []
+    for t in inputs:
+        td = d - (nd - t.dim())
+        if td < 0 or (t.shape[td] == 1 and shape[d] != 1):
+            out.extend([t] * n)
+        else:
+            out.extend(t.split(sizes, td))
+    return out
+
+
+_lib.impl("broadcasting_chunk", _broadcasting_chunk, "CompositeImplicitAutograd")
+
+
 def register(node: torch._C.Node) -> int:
     if node.kind() != "prim::FusionGroup":
         raise ValueError(f"register_fusion expects a prim::FusionGroup node, got {node.kind()}")
