@@ -275,3 +275,18 @@ def test_fast_math_for_half_results_is_as_accurate_as_eager(op, dtype):
     good = ((a - e).abs() <= ulp) | ((a - e).abs() <= (r - e).abs()) | (a == r)
     worst = float(((a - e).abs() / ulp)[~good].max()) if not bool(good.all()) else 0.0
     assert bool(good.all()), f"{int((~good).sum())} results off by up to {worst:.2f} ulp"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_lstm_cell_with_chunk_motion_on_cuda(dtype):
+    from test_chunk import lstm_cell
+    f = fuser.fuse(torch.jit.script(lstm_cell))
+    B, I, H = 64, 96, 256
+    args = [torch.randn(s, device="cuda", dtype=dtype) for s in
+            ((B, I), (B, H), (B, H), (4 * H, I), (4 * H, H), (4 * H,), (4 * H,))]
+    g = fuser.graph_for(f, *args)
+    assert sum(n.kind() == "prim::FusionGroup" for n in g.nodes()) == 1
+    ref = lstm_cell(*[a.double() for a in args])
+    for a, r in zip(f(*args), ref):
+        tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+        torch.testing.assert_close(a.double(), r, rtol=tol, atol=tol)
