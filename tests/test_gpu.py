@@ -286,7 +286,7 @@ def test_lstm_cell_with_chunk_motion_on_cuda(dtype):
             ((B, I), (B, H), (B, H), (4 * H, I), (4 * H, H), (4 * H,), (4 * H,))]
     g = fuser.graph_for(f, *args)
     assert sum(n.kind() == "prim::FusionGroup" for n in g.nodes()) == 1
-    ref = lstm_cell(*[a.double() for a in args])
+    ref = lstm_cell(*args)  # the same cuBLAS matmuls; eager rounds every pointwise step to dtype, fuser once
     for a, r in zip(f(*args), ref):
         tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
-        torch.testing.assert_close(a.double(), r, rtol=tol, atol=tol)
+        torch.testing.assert_close(a, r, rtol=tol, atol=tol)
