@@ -131,7 +131,8 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
         if tmpl is None:
             raise NotFusable(f"{op.name} has no {family(nt.compute)!r} expression ({nt.compute}, variant "
                              f"{variant!r})")
-        rounding = target in op.round_operands and nt.compute in REDUCED
+        rounding = target in op.round_operands and nt.compute in REDUCED  # scalars, on this target
+        round_values = op.discrete and nt.compute in REDUCED  # computed operands, on every target
         for i, v in enumerate(node.inputs()):
             if i == op.variant_arg:
                 continue
@@ -152,7 +153,12 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
             else:
                 name_, t = vname[v.unique()], vtype[v.unique()]
                 # round anything not loaded straight from memory in this dtype: eager compares stored values
-                if rounding and (vdtype[v.unique()] != nt.compute or v.node().kind() != "prim::Param"):
+                dt = vdtype[v.unique()]
+                if dt is None:  # a float argument: rounded where eager rounds scalars
+                    round_it = rounding
+                else:  # a tensor value not loaded straight from memory in this dtype
+                    round_it = (round_values or rounding) and (dt != nt.compute or v.node().kind() != "prim::Param")
+                if round_it:
                     consts[arg] = f"fz_ld(fz_st<{storage_type(nt.compute)}>(({ctype}){name_}))"
                 else:
                     consts[arg] = name_ if (t == ctype or i in op.keep_args) else f"(({ctype}){name_})"

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from . import compiler, settings
 from .cuda import templates as cuda_t
@@ -20,6 +21,8 @@ from .kernel_cache import KernelSpec
 
 # 32-bit index math while every offset stays below this: a grid-stride step (at most about the element
 # count) added to the last index must not overflow a signed 32-bit int
+_functorch_stack = torch._C._functorch.peek_interpreter_stack
+
 INDEX32_LIMIT = 2 ** 30 - 2 ** 20
 
 
@@ -97,6 +100,8 @@ def plan(spec: KernelSpec, args: Sequence) -> Union[Plan, str]:
             return f"unsupported layout {t.layout}"
         if t.dtype not in DTYPES:
             return f"unsupported dtype {t.dtype}"
+        if t.is_neg() or t.is_conj() or t._is_zerotensor():
+            return "a lazily negated, conjugated or zero tensor (its memory is not its values)"
     if device.type not in ("cpu", "cuda"):
         return f"no fuser for device type {device.type}"
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -202,8 +207,12 @@ def run(spec: KernelSpec, args: Sequence) -> Optional[list[torch.Tensor]]:
                 return None
     if len(args) != len(spec.input_is_tensor) or not tensors:
         return None
+    if _forward_ad._current_level >= 0 or _functorch_stack() is not None:
+        return None  # dual tensors and functorch transforms need the ops themselves: the interpreter runs them
     try:
-        sig = tuple([(t.dtype, t.device, t.shape, t.stride(), t.requires_grad) for t in tensors])
+        # the neg bit and zero tensors change what data_ptr() means: part of the signature, planned away
+        sig = tuple([(t.dtype, t.device, t.shape, t.stride(), t.requires_grad, t.is_neg(), t._is_zerotensor())
+                     for t in tensors])
     except (AttributeError, RuntimeError, TypeError):  # not tensors, or layouts without strides
         return None
     geo = spec.geometries.get(sig)

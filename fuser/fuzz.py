@@ -172,6 +172,19 @@ def _tensor_input_from_bytes(raw, dtype_name, size, stride, offset, layout):
     return TensorInput(storage, size, stride, offset, layout)
 
 
+def _broadcast(*shapes) -> tuple:
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for s in shapes:
+        for i, x in enumerate(s):
+            d = ndim - len(s) + i
+            if x != 1:
+                if out[d] not in (1, x):
+                    raise RuntimeError(f"shapes {shapes} do not broadcast")
+                out[d] = x
+    return tuple(out)
+
+
 def _contig(size) -> tuple:
     out, acc = [], 1
     for s in reversed(size):
@@ -392,9 +405,9 @@ class Verdict:
     detail: str = ""
     fused: bool = False
     reason: str = ""  # why it fell back
-    judged: int = 0  # output elements judged
+    judged: int = 0  # output elements judged (not excused as near a discontinuity)
     total: int = 0  # output elements
-    finite: int = 0  # judged elements that are finite in eager
+    finite: int = 0  # output elements that are finite in eager (integer and bool ones count as finite)
 
 
 def _dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -479,89 +492,101 @@ def _near_edge(name: str, E: list, M: list, out_dtype: torch.dtype, in_dtypes: l
     return None
 
 
+_EDGE_OPS = (_ROUNDING | _ZERO_EDGE | {"round", "log1p", "acos", "asin", "lgamma", "tan", "eq", "ne", "ge", "gt",
+                                     "le", "lt", "threshold", "div", "fmod", "remainder", "atan2", "pow", "type_as"})
+
+
 def uncertainty(steps, ref_steps, device) -> dict:
-    """value unique -> bool mask of elements that may legitimately differ between fused and eager."""
+    """value unique -> bool mask of elements that may legitimately differ between fused and eager (None: none).
+
+    An element is excused when it depends on an op at a discontinuity (see :func:`_near_edge`) whose computed
+    argument lies within its margin of the edge. A computed value's margin is 4x its distance from the float64
+    reference plus 4 ulps of its dtype: the fused kernel's value (float intermediates for half dtypes, libm
+    instead of eager's vectorized math) is within about that of eager's.
+    """
     masks: dict[int, Optional[torch.Tensor]] = {}
+    index = {n.output().unique(): k for k, (n, _, _) in enumerate(steps)}
     margins: dict[int, torch.Tensor] = {}
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+
+    def margin(u: int) -> torch.Tensor:
+        m = margins.get(u)
+        if m is None:
+            k = index.get(u)
+            if k is None:
+                return zero  # a graph input or a constant: exact in both
+            val = steps[k][1]
+            e = _as64(val, device)
+            err = _dist(e, _as64(ref_steps[k][1], device)) if ref_steps is not None else torch.zeros_like(e)
+            scale = torch.nan_to_num(e.abs(), nan=0.0, posinf=math.inf)
+            m = margins[u] = 4 * err + 4 * _eps(val.dtype) * scale + _tiny(val.dtype)
+        return m
+
     for k, (n, val, ins) in enumerate(steps):
-        out = n.output()
-        E, M, mask, in_dtypes = [], [], None, []
-        for v, x in zip(n.inputs(), ins):
-            if isinstance(x, torch.Tensor):
-                in_dtypes.append(x.dtype)
-            elif isinstance(x, (int, float)) and not isinstance(x, bool):
-                in_dtypes.append(torch.float64 if isinstance(x, float) else torch.int64)
-            else:
-                in_dtypes.append(None)
-            if x is None or isinstance(x, str):
-                E.append(None)
-                M.append(None)
-                continue
-            E.append(_as64(x, device))
-            m = margins.get(v.unique())
-            M.append(m if m is not None else torch.zeros((), dtype=torch.float64, device=device))
+        mask = None
+        for v in n.inputs():
             mk = masks.get(v.unique())
             if mk is not None:
                 mask = mk if mask is None else (mask | mk)
         op = ops.lookup(n.schema())
         name = op.name if op is not None else ""
-        in_ids = [v.unique() for v in n.inputs()]
-        if len(in_ids) > 1 and in_ids[0] == in_ids[1]:
-            # the same value on both sides (eq(x, x), fmod(x, x)): the fused kernel computes it once, so
-            # its rounding cannot move one side against the other
-            M = [torch.zeros((), dtype=torch.float64, device=device) if i < 2 and m is not None else m
-                 for i, m in enumerate(M)]
-        if isinstance(val, torch.Tensor):
+        if isinstance(val, torch.Tensor) and name in _EDGE_OPS:
+            in_ids = [v.unique() for v in n.inputs()]
+            same = len(in_ids) > 1 and in_ids[0] == in_ids[1]
+            E, M, in_dtypes = [], [], []
+            for i, (u, x) in enumerate(zip(in_ids, ins)):
+                if isinstance(x, torch.Tensor):
+                    in_dtypes.append(x.dtype)
+                elif isinstance(x, (int, float)) and not isinstance(x, bool):
+                    in_dtypes.append(torch.float64 if isinstance(x, float) else torch.int64)
+                else:
+                    in_dtypes.append(None)
+                if x is None or isinstance(x, str):
+                    E.append(None)
+                    M.append(None)
+                    continue
+                E.append(_as64(x, device))
+                # the same value on both sides (eq(x, x), fmod(x, x)): the fused kernel computes it once, so
+                # its rounding cannot move one side against the other
+                M.append(zero if (same and i < 2) else margin(u))
             try:
                 near = _near_edge(name, E, M, val.dtype, in_dtypes)
             except Exception:  # noqa: BLE001 (an operand we cannot reason about: excuse nothing extra)
                 near = None
-            if near is not None:
+            if near is not None and bool(near.any()):
                 mask = near if mask is None else (mask | near)
-            if mask is not None:
-                mask = torch.broadcast_to(mask, val.shape)
-            masks[out.unique()] = mask
-            e = _as64(val, device)
-            if ref_steps is not None:
-                r = _as64(ref_steps[k][1], device)
-                err = _dist(e, r)
-            else:
-                err = torch.zeros_like(e)
-            scale = torch.nan_to_num(e.abs(), nan=0.0, posinf=math.inf)
-            m = 4 * err + 4 * _eps(val.dtype) * scale + _tiny(val.dtype)
-            margins[out.unique()] = m
+        if mask is not None and isinstance(val, torch.Tensor):
+            mask = torch.broadcast_to(mask, val.shape)
+        masks[n.output().unique()] = mask
     return masks
 
 
-def _judge_values(F: torch.Tensor, E: torch.Tensor, R: Optional[torch.Tensor], mask) -> tuple:
-    """(bad element mask, judged count, finite judged count)."""
-    device = E.device
-    judged_mask = torch.ones(E.shape, dtype=torch.bool, device=device) if mask is None else ~mask
-    if E.dtype.is_floating_point:
-        rtol, atol = TOL[E.dtype]
-        big = torch.finfo(E.dtype).max * (1 - 2 * rtol)
-        e, f = E.double(), F.double()
+def _close(F: torch.Tensor, E: torch.Tensor) -> torch.Tensor:
+    """Elements equal within the dtype's tolerance (NaN where eager has NaN; infinities equal)."""
+    if not E.dtype.is_floating_point:
+        return F == E
+    rtol, atol = TOL[E.dtype]
+    e, f = E.double(), F.double()
+    big = torch.finfo(E.dtype).max * (1 - 2 * rtol)
+    ok = (f == e) | ((f - e).abs() <= atol + rtol * e.abs())
+    ok |= f.isnan() & e.isnan()
+    # at the edge of the dtype's range, inf and the largest finite values are alike
+    ok |= (f.abs() >= big) & (e.abs() >= big) & (f.sign() == e.sign())
+    return ok
 
-        def sat(x):
-            return torch.where(x.abs() >= big, x.sign() * math.inf, x)
-        e, f = sat(e), sat(f)
-        ok = (f == e) | (f.isnan() & e.isnan()) | ((f - e).abs() <= atol + rtol * e.abs())
-        if R is not None:
-            r = R.double()
-            dE, dF = _dist(e, r), _dist(f, r)
-            tol = atol + rtol * torch.nan_to_num(r.abs(), nan=0.0, posinf=0.0)
-            closer = dF <= 2 * dE + tol
-            # eager is NaN or infinite where the float64 truth is finite (e.g. a float16 intermediate
-            # overflowed in eager but not in the fused float intermediate): the fused value must be near the truth
-            wild = torch.isinf(dE) & torch.isfinite(r)
-            closer = torch.where(wild, dF <= 10 * tol + 1e-3 * r.abs(), closer)
-            ok = ok | closer
-        finite = torch.isfinite(e)
-    else:
-        ok = F == E
-        finite = torch.ones_like(ok)
-    bad = ~ok & judged_mask
-    return bad, int(judged_mask.sum()), int((judged_mask & finite).sum())
+
+def _closer(F: torch.Tensor, E: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """(1-d tensors of the elements in question) the fused value is at least as close to the float64
+    reference as eager's, within the dtype's tolerance."""
+    rtol, atol = TOL[E.dtype]
+    e, f, r = E.double(), F.double(), R.double()
+    dE, dF = _dist(e, r), _dist(f, r)
+    tol = atol + rtol * torch.nan_to_num(r.abs(), nan=0.0, posinf=0.0)
+    closer = dF <= 2 * dE + tol
+    # eager is NaN or infinite where the float64 truth is finite (e.g. a float16 intermediate overflowed in
+    # eager but not in the fused float intermediate): the fused value must then be near the truth
+    wild = torch.isinf(dE) & torch.isfinite(r)
+    return torch.where(wild, dF <= 10 * tol + 1e-3 * r.abs(), closer)
 
 
 def _fallback_reason(spec, args) -> str:
@@ -609,15 +634,11 @@ def check(graph: torch._C.Graph, args: list, device=None) -> Verdict:
     if len(f_outs) != len(e_outs):
         return Verdict(False, "count", f"{len(f_outs)} outputs, eager {len(e_outs)}", fused, reason)
     device = device or next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-    try:
-        ref_steps, r_outs = eager_eval(graph, args, upcast=True)
-    except Exception:  # noqa: BLE001
-        ref_steps = r_outs = None
-    if ref_steps is not None and len(ref_steps) != len(steps):
-        ref_steps = r_outs = None
-    masks = uncertainty(steps, ref_steps, device)
-    judged = total = finite = 0
-    for k, (v, F, E) in enumerate(zip(graph.outputs(), f_outs, e_outs)):
+    outs = list(graph.outputs())
+    total = sum(E.numel() for E in e_outs)
+    finite = sum(int(torch.isfinite(E).sum()) if E.dtype.is_floating_point else E.numel() for E in e_outs)
+    differ = []
+    for k, (v, F, E) in enumerate(zip(outs, f_outs, e_outs)):
         where = f"output {k} (%{v.debugName()})"
         if F.dtype != E.dtype:
             return Verdict(False, "dtype", f"{where}: dtype {F.dtype}, eager {E.dtype}", fused, reason)
@@ -625,21 +646,44 @@ def check(graph: torch._C.Graph, args: list, device=None) -> Verdict:
             return Verdict(False, "shape", f"{where}: shape {tuple(F.shape)}, eager {tuple(E.shape)}", fused, reason)
         if F.device != E.device:
             return Verdict(False, "device", f"{where}: device {F.device}, eager {E.device}", fused, reason)
-        R = r_outs[k] if r_outs is not None else None
-        if R is not None and R.shape != E.shape:
-            R = None
-        bad, j, fin = _judge_values(F, E, R, masks.get(v.unique()))
-        judged, finite, total = judged + j, finite + fin, total + E.numel()
+        ok = _close(F, E)
+        if not bool(ok.all()):
+            differ.append((k, ~ok))
+    if not differ:
+        return Verdict(True, "ok", "", fused, reason, total, total, finite)
+    # some elements differ beyond tolerance: judge them against the float64 reference, and excuse those
+    # downstream of a discontinuity at a computed value
+    try:
+        ref_steps, r_outs = eager_eval(graph, args, upcast=True)
+        if len(ref_steps) != len(steps):
+            ref_steps = r_outs = None
+    except Exception:  # noqa: BLE001
+        ref_steps = r_outs = None
+    masks = uncertainty(steps, ref_steps, device)
+    excused = 0
+    for k, off in differ:
+        v, F, E = outs[k], f_outs[k], e_outs[k]
+        mask = masks.get(v.unique())
+        bad = off if mask is None else off & ~mask
+        if mask is not None:
+            excused += int((off & mask).sum())
+        R = r_outs[k] if r_outs is not None and r_outs[k].shape == E.shape else None
+        if E.dtype.is_floating_point and R is not None and bool(bad.any()):
+            flat = bad.reshape(-1).nonzero().reshape(-1)
+            still = ~_closer(F.reshape(-1)[flat], E.reshape(-1)[flat], R.reshape(-1)[flat])
+            bad = torch.zeros(bad.numel(), dtype=torch.bool, device=bad.device)
+            bad[flat[still]] = True
+            bad = bad.reshape(E.shape)
         if bool(bad.any()):
-            idx = bad.nonzero()[:6].tolist()
             rows = []
-            for i in idx:
+            for i in bad.nonzero()[:6].tolist():
                 i = tuple(i)
                 r = R[i].item() if R is not None else None
                 rows.append(f"    at {list(i)}: fused {F[i].item()!r}, eager {E[i].item()!r}, float64 ref {r!r}")
-            return Verdict(False, "value", f"{where} {E.dtype}: {int(bad.sum())} of {E.numel()} elements differ\n"
-                           + "\n".join(rows), fused, reason, judged, total, finite)
-    return Verdict(True, "ok", "", fused, reason, judged, total, finite)
+            return Verdict(False, "value", f"output {k} (%{v.debugName()}) {E.dtype}: {int(bad.sum())} of "
+                           f"{E.numel()} elements differ\n" + "\n".join(rows), fused, reason, total - excused, total,
+                           finite)
+    return Verdict(True, "ok", "", fused, reason, total - excused, total, finite)
 
 
 def check_program(p: Program, device="cpu") -> Verdict:
@@ -858,7 +902,7 @@ def generate(rng: random.Random, max_numel: int = 100_000, max_ops: int = 40) ->
     # generation-time shadow values: zero-element (or 0-dim) tensors of each value's dtype
     shadow = {("t", k): _sample(r.dtype, r.zero_dim) for k, r in enumerate(recipes)}
     shapes = {("t", k): tuple(t.size) for k, t in enumerate(tensors)}
-    full = torch.broadcast_shapes(*shapes.values())
+    full = _broadcast(*shapes.values())
     nodes: list = []
     n_ops = rng.choice((rng.randint(1, 3), rng.randint(4, 10), rng.randint(4, 10), rng.randint(11, 20),
                         rng.randint(21, max(21, max_ops))))
@@ -939,7 +983,7 @@ def generate(rng: random.Random, max_numel: int = 100_000, max_ops: int = 40) ->
                     continue
             ref = ("n", len(nodes))
             nodes.append(PNode(entry, args))
-            shapes[ref] = torch.broadcast_shapes(*(shapes[r] for r in tensor_refs))
+            shapes[ref] = _broadcast(*(shapes[r] for r in tensor_refs))
             if res is not None:
                 shadow[ref] = res
             last = ref
@@ -1075,7 +1119,7 @@ def _replace_value(p: Program, old, new) -> Optional[Program]:
 
 
 def _map_shape_of(p: Program) -> tuple:
-    return tuple(torch.broadcast_shapes(*(t.size for t in p.tensors))) if p.tensors else ()
+    return tuple(_broadcast(*(t.size for t in p.tensors))) if p.tensors else ()
 
 
 def _slice_inputs(p: Program, dim_from_right: int, sl: slice) -> Program:
@@ -1382,7 +1426,8 @@ class Campaign:
             f"({100 * self.fused / max(1, not_raising):.1f}%); {self.raises} runs where eager raises",
             f"  fallback reasons: {dict(self.reasons.most_common())}",
             f"  output elements judged: {self.judged} of {self.total} "
-            f"({100 * self.judged / max(1, self.total):.2f}%), finite in eager: {self.finite}",
+            f"({100 * self.judged / max(1, self.total):.2f}%; the rest excused as near a discontinuity); "
+            f"finite in eager: {100 * self.finite / max(1, self.total):.1f}%",
             f"  ops per graph (bucketed by 5): {dict(sorted(self.n_ops.items()))}",
             f"  schemas used: {len(self.ops)} of {len(CATALOG)}"
             + (f" (never: {sorted(set(e.id for e in CATALOG) - set(self.ops))})"

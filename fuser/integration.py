@@ -44,6 +44,9 @@ def _fusion_group(inputs: list[torch.Tensor], scalars: list[float], key: int) ->
 # CompositeImplicitAutograd: the function runs above autograd, so when an input requires grad the fallback's
 # eager ops record the graph as eager would (the executor never fuses such calls).
 _lib.impl("fusion_group", _fusion_group, "CompositeImplicitAutograd")
+# vmap: without a kernel for the batched key functorch has no rule for the op; with one, the executor sees a
+# transform in progress and the interpreter runs the group op by op, each op with its own batching rule
+_lib.impl("fusion_group", _fusion_group, "FuncTorchBatched")
 
 
 _lib.define("broadcasting_chunk(Tensor[] inputs, int chunks, int dim, int n) -> Tensor[]")

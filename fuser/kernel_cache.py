@@ -144,6 +144,10 @@ class KernelStore:
         self._specs: dict[int, KernelSpec] = {}
 
     def register(self, graph: torch._C.Graph) -> int:
+        for v in graph.inputs():
+            if not _is_tensor(v) and v.type().kind() != "FloatType":
+                raise ValueError(f"a fusion group's inputs are tensors and floats; input %{v.debugName()} is "
+                                 f"{v.type()} (make it a constant of the graph instead)")
         text = canonical_text(graph)
         with self._lock:
             key = self._by_text.get(text)

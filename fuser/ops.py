@@ -50,6 +50,9 @@ class OpDef:
     round_operands: targets on which eager rounds scalars and operands of other dtypes to a float16/bfloat16
     compute dtype before the op. It changes discrete results (``bf16(x) == 0.1`` is true in eager on the
     CPU), so it is matched per target; arithmetic ops keep full-precision scalars, within tolerance of either.
+    discrete: the result jumps where the operand crosses a value (floor, comparisons, fmod...): computed
+    float16/bfloat16 operands are rounded to their dtype first, as eager stores them, so the jump happens
+    where eager's does.
     fast: per variant, a CUDA float expression used when the result is float16/bfloat16. Such a result keeps
     at most 11 significant bits, so an approximation with relative error near 2^-20 (``__expf``) cannot
     change it beyond a rare last-bit tie, and it costs a fraction of the instructions: those kernels are
@@ -67,6 +70,7 @@ class OpDef:
     aliases_input: bool = False
     keep_args: tuple[int, ...] = ()
     round_operands: tuple[str, ...] = ()
+    discrete: bool = False
     fast: Mapping[Optional[str], str] = field(default_factory=dict)
 
     def template(self, variant: Optional[str], family: str) -> Optional[string.Template]:
@@ -81,9 +85,10 @@ class OpDef:
         return None if text is None else string.Template(text)
 
 
-def _unary(name: str, f: str, d: str, i: Optional[str] = None, fast: Optional[str] = None) -> OpDef:
+def _unary(name: str, f: str, d: str, i: Optional[str] = None, fast: Optional[str] = None,
+           discrete: bool = False) -> OpDef:
     return OpDef(name, (f"aten::{name}(Tensor self) -> Tensor",), {None: Exprs(f, d, i)},
-                 fast={None: fast} if fast else {})
+                 fast={None: fast} if fast else {}, discrete=discrete)
 
 
 _OPS: list[OpDef] = [
@@ -91,15 +96,15 @@ _OPS: list[OpDef] = [
     _unary("acos", "acosf($a)", "acos($a)"),
     _unary("asin", "asinf($a)", "asin($a)"),
     _unary("atan", "atanf($a)", "atan($a)"),
-    _unary("ceil", "ceilf($a)", "ceil($a)", "$a"),
+    _unary("ceil", "ceilf($a)", "ceil($a)", "$a", discrete=True),
     _unary("cos", "cosf($a)", "cos($a)"),
     _unary("cosh", "coshf($a)", "cosh($a)"),
     _unary("exp", "expf($a)", "exp($a)", fast="__expf($a)"),
     _unary("expm1", "expm1f($a)", "expm1($a)"),
     _unary("erf", "erff($a)", "erf($a)"),
     _unary("erfc", "erfcf($a)", "erfc($a)"),
-    _unary("floor", "floorf($a)", "floor($a)", "$a"),
-    _unary("frac", "($a - truncf($a))", "($a - trunc($a))"),
+    _unary("floor", "floorf($a)", "floor($a)", "$a", discrete=True),
+    _unary("frac", "($a - truncf($a))", "($a - trunc($a))", discrete=True),
     _unary("lgamma", "lgammaf($a)", "lgamma($a)"),
     _unary("log", "logf($a)", "log($a)"),
     _unary("log10", "log10f($a)", "log10($a)"),
@@ -109,7 +114,7 @@ _OPS: list[OpDef] = [
     _unary("reciprocal", "(1.f / $a)", "(1.0 / $a)"),
     _unary("relu", "(($a != $a || $a > 0.f) ? $a : 0.f)", "(($a != $a || $a > 0.0) ? $a : 0.0)",
            "($a > 0 ? $a : ($T)0)"),
-    _unary("round", "nearbyintf($a)", "nearbyint($a)", "$a"),
+    _unary("round", "nearbyintf($a)", "nearbyint($a)", "$a", discrete=True),
     _unary("rsqrt", "(1.f / sqrtf($a))", "(1.0 / sqrt($a))"),
     _unary("sigmoid", "(1.f / (1.f + expf(-$a)))", "(1.0 / (1.0 + exp(-$a)))",
            fast="__fdividef(1.f, 1.f + __expf(-$a))"),
@@ -118,7 +123,7 @@ _OPS: list[OpDef] = [
     _unary("sqrt", "sqrtf($a)", "sqrt($a)"),
     _unary("tan", "tanf($a)", "tan($a)"),
     _unary("tanh", "tanhf($a)", "tanh($a)", fast="fz_tanh_fast($a)"),
-    _unary("trunc", "truncf($a)", "trunc($a)", "$a"),
+    _unary("trunc", "truncf($a)", "trunc($a)", "$a", discrete=True),
     _unary("silu", "($a / (1.f + expf(-$a)))", "($a / (1.0 + exp(-$a)))",
            fast="__fdividef($a, 1.f + __expf(-$a))"),
     OpDef(
@@ -153,11 +158,11 @@ _OPS: list[OpDef] = [
           {None: Exprs("atan2f($a, $b)", "atan2($a, $b)")}),
     OpDef("fmod", ("aten::fmod.Tensor(Tensor self, Tensor other) -> Tensor",
                    "aten::fmod.Scalar(Tensor self, Scalar other) -> Tensor"),
-          {None: Exprs("fmodf($a, $b)", "fmod($a, $b)")}),
+          {None: Exprs("fmodf($a, $b)", "fmod($a, $b)")}, discrete=True),
     OpDef("remainder", ("aten::remainder.Tensor(Tensor self, Tensor other) -> Tensor",
                         "aten::remainder.Scalar(Tensor self, Scalar other) -> Tensor",
                         "aten::remainder.Scalar_Tensor(Scalar self, Tensor other) -> Tensor"),
-          {None: Exprs("fz_remainder($a, $b)", "fz_remainder($a, $b)")}),
+          {None: Exprs("fz_remainder($a, $b)", "fz_remainder($a, $b)")}, discrete=True),
     OpDef("maximum", ("aten::max.other(Tensor self, Tensor other) -> Tensor",
                       "aten::maximum(Tensor self, Tensor other) -> Tensor"),
           {None: Exprs("fz_max($a, $b)", "fz_max($a, $b)", "fz_max($a, $b)")}),
@@ -188,7 +193,7 @@ _OPS: list[OpDef] = [
           {None: Exprs("fz_min($a, $b)", "fz_min($a, $b)", "fz_min($a, $b)")}),
     OpDef("threshold", ("aten::threshold(Tensor self, Scalar threshold, Scalar value) -> Tensor",),
           {None: Exprs("($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)")},
-          round_operands=("cuda",)),
+          round_operands=("cuda",), discrete=True),
     OpDef("lerp", ("aten::lerp.Scalar(Tensor self, Tensor end, Scalar weight) -> Tensor",
                    "aten::lerp.Tensor(Tensor self, Tensor end, Tensor weight) -> Tensor"),
           # eager's two-sided formula: exact at weight 0 and 1
@@ -202,7 +207,7 @@ for _cmp, _sym in (("eq", "=="), ("ne", "!="), ("ge", ">="), ("gt", ">"), ("le",
     _OPS.append(OpDef(_cmp, (f"aten::{_cmp}.Tensor(Tensor self, Tensor other) -> Tensor",
                              f"aten::{_cmp}.Scalar(Tensor self, Scalar other) -> Tensor"),
                       {None: Exprs(f"($a {_sym} $b)", f"($a {_sym} $b)", f"($a {_sym} $b)")},
-                      compute="common", round_operands=("cpu", "cuda")))
+                      compute="common", round_operands=("cpu", "cuda"), discrete=True))
 
 OPS_BY_NAME: dict[str, OpDef] = {op.name: op for op in _OPS}
 OPS_BY_SCHEMA: dict[str, OpDef] = {s: op for op in _OPS for s in op.schemas}

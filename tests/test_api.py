@@ -141,3 +141,39 @@ def test_nvrtc_compile_error_carries_log_and_numbered_source():
     assert "undefined_thing" in e.value.log
     assert "2 |   undefined_thing();" in str(e.value)
     assert "--gpu-architecture=sm_90" in str(e.value)
+
+
+def _fused_sin(x, y):
+    return (x * y).sin() + y
+
+
+def test_forward_ad_jvp_and_vmap_match_eager():
+    import torch.autograd.forward_ad as fwAD
+    ff = fuser.fuse(torch.jit.script(_fused_sin))
+    x, y, t = torch.randn(6), torch.randn(6), torch.randn(6)
+    with fwAD.dual_level():
+        out = fwAD.unpack_dual(ff(fwAD.make_dual(x, t), y))
+        ref = fwAD.unpack_dual(_fused_sin(fwAD.make_dual(x, t), y))
+    assert out.tangent is not None
+    assert_same(out.tangent, ref.tangent)
+    assert_same(torch.func.jvp(lambda a: ff(a, y), (x,), (t,))[1],
+                torch.func.jvp(lambda a: _fused_sin(a, y), (x,), (t,))[1])
+    xb, yb = torch.randn(3, 6), torch.randn(3, 6)
+    assert_same(torch.vmap(ff)(xb, yb), _fused_sin(xb, yb))
+
+
+def test_neg_bit_and_zero_tensors_fall_back():
+    ff = fuser.fuse(torch.jit.script(_fused_sin))
+    y = torch.randn(5)
+    xi = torch.randn(5, dtype=torch.complex64).conj().imag  # a float view with the neg bit set
+    assert xi.is_neg()
+    assert_same(ff(xi, y), _fused_sin(xi, y))
+    z = torch._efficientzerotensor((5,))
+    assert_same(ff(z, y), _fused_sin(z, y))
+
+
+def test_register_rejects_int_and_bool_graph_inputs():
+    g = torch.parse_ir("graph(%x : Tensor, %s : int):\n  %a : Tensor = aten::mul(%x, %s)\n"
+                       "  %b : Tensor = aten::neg(%a)\n  return (%b)\n")
+    with pytest.raises(ValueError, match="tensors and floats"):
+        fuser.debug_launch_graph(g, [torch.arange(4), 3])

@@ -223,3 +223,28 @@ def test_cuda_index_divider_matches_integer_division():
             if n < 2 ** 31:
                 q = (((n * magic) >> 32) + n) >> shift  # no 32-bit overflow: the sum stays below 2n
                 assert q == n // d, (n, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("op,ref", [
+    ("aten::floor(%s)", lambda s: torch.floor(s)), ("aten::ceil(%s)", lambda s: torch.ceil(s)),
+    ("aten::trunc(%s)", lambda s: torch.trunc(s)), ("aten::round(%s)", lambda s: torch.round(s)),
+    ("aten::frac(%s)", lambda s: torch.frac(s)), ("aten::threshold(%s, %t, %v)", lambda s: torch.threshold(s, 3.0, -1.0)),
+    ("aten::remainder(%s, %t)", lambda s: torch.remainder(s, 3.0)), ("aten::fmod(%s, %t)", lambda s: torch.fmod(s, 3.0)),
+])
+def test_discontinuous_ops_see_intermediates_rounded_as_eager(op, ref, dtype):
+    """a + b is 2.99951171875 in float but rounds to 3.0 in float16/bfloat16, as eager stores it: floor,
+    threshold, remainder... must jump where eager's do."""
+    g = torch.parse_ir(f"""graph(%a : Tensor, %b : Tensor):
+      %one : int = prim::Constant[value=1]()
+      %t : float = prim::Constant[value=3.]()
+      %v : float = prim::Constant[value=-1.]()
+      %s : Tensor = aten::add(%a, %b, %one)
+      %r : Tensor = {op}
+      return (%r)""")
+    a = torch.full((40,), 2.0, dtype=dtype)
+    b = torch.full((40,), 0.99951171875, dtype=dtype)
+    key = STORE.register(g)
+    out = executor.run(STORE.get(key), [a, b])
+    assert out is not None
+    assert torch.equal(out[0], ref(a + b))
