@@ -410,10 +410,11 @@ def fusion_groups(graph: torch._C.Graph) -> list[torch._C.Node]:
     return [n for n in _all_nodes(graph.block()) if n.kind() == "prim::FusionGroup"]
 
 
-def lower_fusion_groups(graph: torch._C.Graph, register: Callable[[torch._C.Node], int]) -> None:
-    """Replace each ``prim::FusionGroup`` by ``fuser::fusion_group(tensors, scalars, key)``."""
+def lower_fusion_groups(graph: torch._C.Graph, register: Callable[[torch._C.Node], tuple[int, str, str]]) -> None:
+    """Replace each ``prim::FusionGroup`` by ``fuser::fusion_group(tensors, scalars, key, digest, ir)``;
+    ``register`` gives a group's (key, digest, ir)."""
     for group in fusion_groups(graph):
-        key = register(group)
+        key, digest, ir = register(group)
         inputs = list(group.inputs())
         tensors = [v for v in inputs if _is_tensor(v)]
         scalars = [v for v in inputs if not _is_tensor(v)]
@@ -421,13 +422,13 @@ def lower_fusion_groups(graph: torch._C.Graph, register: Callable[[torch._C.Node
         tlist.output().setType(torch._C.ListType.ofTensors())
         slist = graph.create("prim::ListConstruct", scalars)
         slist.output().setType(torch._C.ListType.ofFloats())
-        kconst = graph.create("prim::Constant")
-        kconst.i_("value", key)
-        kconst.output().setType(torch._C.IntType.get())
-        call = graph.create("fuser::fusion_group", [tlist.output(), slist.output(), kconst.output()], 1)
+        consts = [graph.insertConstant(value) for value in (key, digest, ir)]
+        for c in consts:
+            c.node().moveBefore(group)
+        call = graph.create("fuser::fusion_group", [tlist.output(), slist.output(), *consts], 1)
         call.output().setType(torch._C.ListType.ofTensors())
         unpack = graph.create("prim::ListUnpack", [call.output()], group.outputsSize())
-        for n in (tlist, slist, kconst, call, unpack):
+        for n in (tlist, slist, call, unpack):
             n.insertBefore(group)
         for old, new in zip(group.outputs(), unpack.outputs()):
             new.setType(old.type())
@@ -439,7 +440,7 @@ def raise_fusion_calls(graph: torch._C.Graph, subgraph_of: Callable[[int], Optio
     """The inverse of :func:`lower_fusion_groups`, for display: turn each ``fuser::fusion_group`` call
     whose list inputs and unpacked outputs are still in place back into a ``prim::FusionGroup`` node."""
     for call in [n for n in _all_nodes(graph.block()) if n.kind() == "fuser::fusion_group"]:
-        tlist, slist, kval = list(call.inputs())
+        tlist, slist, kval, dval, irval = list(call.inputs())
         if tlist.node().kind() != "prim::ListConstruct" or not _is_constant(kval):
             continue
         uses = call.output().uses()
@@ -467,6 +468,6 @@ def raise_fusion_calls(graph: torch._C.Graph, subgraph_of: Callable[[int], Optio
             old.replaceAllUsesWith(new)
         unpack.destroy()
         call.destroy()
-        for n in (tlist.node(), slist.node(), kval.node()):
-            if not n.output().uses():
+        for n in (tlist.node(), slist.node(), kval.node(), dval.node(), irval.node()):
+            if n.kind() in ("prim::ListConstruct", "prim::Constant") and not n.output().uses():
                 n.destroy()

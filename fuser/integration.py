@@ -18,7 +18,9 @@ from .kernel_cache import STORE
 
 _SPECS = STORE._specs  # key -> spec; read without a lock on the hot path (a plain dict read under the GIL)
 _lib = torch.library.Library("fuser", "DEF")
-_lib.define("fusion_group(Tensor[] inputs, float[] scalars, int key) -> Tensor[]")
+# key: this process's spec key (the fast path); digest and ir: the group's identity and its graph, so that a
+# module saved with torch.jit.save and loaded in another process finds (or rebuilds) the same group
+_lib.define("fusion_group(Tensor[] inputs, float[] scalars, int key, str digest, str ir) -> Tensor[]")
 
 
 def run_key(key: int, args: list) -> list[torch.Tensor]:
@@ -30,8 +32,23 @@ def run_key(key: int, args: list) -> list[torch.Tensor]:
     return out if out is not None else fallback.run(spec, args)
 
 
-def _fusion_group(inputs: list[torch.Tensor], scalars: list[float], key: int) -> list[torch.Tensor]:
-    spec = _SPECS[key]
+def _spec_for(key: int, digest: str, ir: str):
+    spec = _SPECS.get(key)
+    if spec is not None and spec.digest == digest:
+        return spec
+    spec = STORE.by_digest(digest)
+    if spec is None:  # saved by another process: rebuild the group from its graph
+        spec = STORE.get(STORE.register(torch.parse_ir(ir, parse_tensor_constants=True)))
+        if spec.digest != digest:
+            raise RuntimeError("this fused TorchScript code was saved by another process and its fusion group "
+                               "cannot be rebuilt exactly from the saved text (a tensor constant printed with "
+                               "rounding?). Load the unfused module and apply fuser.fuse() again.")
+    return spec
+
+
+def _fusion_group(inputs: list[torch.Tensor], scalars: list[float], key: int, digest: str,
+                  ir: str) -> list[torch.Tensor]:
+    spec = _spec_for(key, digest, ir)
     if spec.all_tensors:
         args = inputs
     else:
@@ -82,11 +99,16 @@ def register(node: torch._C.Node) -> int:
     return STORE.register(node.g("Subgraph"))
 
 
+def _register_for_lowering(node: torch._C.Node) -> tuple[int, str, str]:
+    spec = STORE.get(register(node))
+    return spec.key, spec.digest, spec.ir
+
+
 def fuse_graph_in_place(graph: torch._C.Graph) -> int:
     """Inline calls, group fusable ops, lower groups to ``fuser::fusion_group``. Returns groups made."""
     torch._C._jit_pass_inline(graph)
     made = graph_fuser.fuse_graph(graph)
-    graph_fuser.lower_fusion_groups(graph, register)
+    graph_fuser.lower_fusion_groups(graph, _register_for_lowering)
     return made
 
 

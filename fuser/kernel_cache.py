@@ -7,6 +7,7 @@ wait on the future. A failed compile leaves nothing behind, so the next call tri
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -80,6 +81,9 @@ class KernelSpec:
 
     def __post_init__(self):
         self.all_tensors = all(self.input_is_tensor)
+        # identity across processes: a saved TorchScript module carries these, not the per-process key
+        self.digest = hashlib.sha256(self.text.encode()).hexdigest()[:32]
+        self.ir = self.graph.str(False)
 
     @property
     def n_tensor_inputs(self) -> int:
@@ -142,6 +146,7 @@ class KernelStore:
         self._lock = threading.Lock()
         self._by_text: dict[str, int] = {}
         self._specs: dict[int, KernelSpec] = {}
+        self._text_by_digest: dict[str, str] = {}
 
     def register(self, graph: torch._C.Graph) -> int:
         for v in graph.inputs():
@@ -158,7 +163,12 @@ class KernelStore:
             self._specs[key] = KernelSpec(
                 key, g, text, tuple(_is_tensor(v) for v in g.inputs()), _output_deps(g))
             self._by_text[text] = key
+            self._text_by_digest[self._specs[key].digest] = text
             return key
+
+    def by_digest(self, digest: str) -> Optional[KernelSpec]:
+        key = self._by_text.get(self._text_by_digest.get(digest, ""))
+        return None if key is None else self._specs[key]
 
     def get(self, key: int) -> Optional[KernelSpec]:
         return self._specs.get(key)

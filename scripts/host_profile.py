@@ -45,8 +45,10 @@ def main():
     rows = [
         ("eager a*b+c", per_call_us(f, a, b, c)),
         ("scripted fused call", per_call_us(ff, a, b, c)),
-        ("torch.ops.fuser.fusion_group", per_call_us(torch.ops.fuser.fusion_group, [a, b, c], [], key)),
-        ("integration._fusion_group", per_call_us(integration._fusion_group, [a, b, c], [], key)),
+        ("torch.ops.fuser.fusion_group", per_call_us(torch.ops.fuser.fusion_group, [a, b, c], [], key,
+                                                      spec.digest, spec.ir)),
+        ("integration._fusion_group", per_call_us(integration._fusion_group, [a, b, c], [], key, spec.digest,
+                                                  spec.ir)),
         ("executor.run", per_call_us(executor.run, spec, [a, b, c])),
         ("torch.empty", per_call_us(lambda: torch.empty(geo.shape, dtype=torch.float32, device=geo.device))),
     ]

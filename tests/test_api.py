@@ -177,3 +177,33 @@ def test_register_rejects_int_and_bool_graph_inputs():
                        "  %b : Tensor = aten::neg(%a)\n  return (%b)\n")
     with pytest.raises(ValueError, match="tensors and floats"):
         fuser.debug_launch_graph(g, [torch.arange(4), 3])
+
+
+def test_saved_fused_module_runs_in_another_process(tmp_path):
+    """Keys are per process; a saved module carries its groups' digest and graph, so a process that
+    registered other groups first (or none) still runs the right kernel."""
+    src = tmp_path / "model.py"
+    src.write_text("import torch\n"
+                   "class M(torch.nn.Module):\n"
+                   "    def forward(self, x):\n"
+                   "        return torch.sigmoid(x * 2 + 1) - 0.25\n")
+    saver = tmp_path / "save.py"
+    saver.write_text("import sys, torch, fuser\nsys.path.insert(0, sys.argv[2])\nfrom model import M\n"
+                     "m = fuser.fuse(torch.jit.script(M()))\ntorch.jit.save(m, sys.argv[1])\n")
+    loader = tmp_path / "load.py"
+    loader.write_text("import sys, torch, fuser\n"
+                      "g = torch.parse_ir('graph(%x : Tensor):\\n  %a : Tensor = aten::exp(%x)\\n"
+                      "  %b : Tensor = aten::cos(%a)\\n  return (%b)\\n')\n"
+                      "fuser.debug_launch_graph(g, [torch.ones(3)])  # takes key 0 in this process\n"
+                      "m = torch.jit.load(sys.argv[1])\n"
+                      "x = torch.linspace(-3, 3, 7)\n"
+                      "print(torch.allclose(m(x), torch.sigmoid(x * 2 + 1) - 0.25), fuser.n_compiled_kernels())\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    path = str(tmp_path / "m.pt")
+    r = subprocess.run([sys.executable, str(saver), path, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, str(loader), path], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    ok, compiled = r.stdout.split()
+    assert ok == "True" and int(compiled) == 2  # the loaded group was rebuilt and compiled, not mistaken
