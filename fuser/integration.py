@@ -127,7 +127,7 @@ def fuse(scripted):
     if isinstance(scripted, torch.jit.ScriptModule):
         if scripted in _fused:
             return scripted
-        for mod in [scripted, *scripted.modules()]:
+        for mod in scripted.modules():  # itself first, then its submodules
             if not isinstance(mod, torch.jit.ScriptModule):
                 continue
             for name in mod._c._method_names():
