@@ -15,6 +15,8 @@ from typing import Callable, Optional
 
 import torch
 
+from . import ops
+
 
 def _is_tensor(v: torch._C.Value) -> bool:
     return isinstance(v.type(), torch._C.TensorType)
@@ -64,8 +66,8 @@ class KernelSpec:
     """A registered fusion group: its normalized graph and the kernels compiled for it.
 
     ``input_is_tensor`` gives, per graph input, whether it is a tensor or a float argument.
-    ``output_deps`` gives, per output, the indices (among the tensor inputs) of the tensors it reads: its
-    shape is their broadcast shape, which the executor checks equals the group's map shape.
+    ``output_deps`` gives, per output, the indices (among the tensor inputs) of the tensors that decide its
+    shape (``ops.OpDef.shape_args``): its shape is their broadcast shape, which the executor checks equals the group's map shape.
     """
 
     key: int
@@ -133,7 +135,11 @@ def _output_deps(graph: torch._C.Graph) -> tuple[frozenset[int], ...]:
             tensor_index[v.unique()] = len(tensor_index)
     deps: dict[int, frozenset[int]] = {u: frozenset((k,)) for u, k in tensor_index.items()}
     for n in graph.nodes():
-        d = frozenset().union(*(deps.get(v.unique(), frozenset()) for v in n.inputs()))
+        inputs = list(n.inputs())
+        op = ops.lookup(n.schema()) if n.kind().startswith("aten::") else None
+        if op is not None and op.shape_args is not None:
+            inputs = [inputs[i] for i in op.shape_args]
+        d = frozenset().union(*(deps.get(v.unique(), frozenset()) for v in inputs))
         for o in n.outputs():
             deps[o.unique()] = d
     return tuple(deps.get(v.unique(), frozenset()) for v in graph.outputs())

@@ -50,6 +50,8 @@ class OpDef:
     round_operands: targets on which eager rounds scalars and operands of other dtypes to a float16/bfloat16
     compute dtype before the op. It changes discrete results (``bf16(x) == 0.1`` is true in eager on the
     CPU), so it is matched per target; arithmetic ops keep full-precision scalars, within tolerance of either.
+    shape_args: the inputs that decide the result's shape (default: all tensor inputs); ``type_as`` takes
+    only a dtype from ``other``.
     discrete: the result jumps where the operand crosses a value (floor, comparisons, fmod...): computed
     float16/bfloat16 operands are rounded to their dtype first, as eager stores them, so the jump happens
     where eager's does.
@@ -71,6 +73,7 @@ class OpDef:
     keep_args: tuple[int, ...] = ()
     round_operands: tuple[str, ...] = ()
     discrete: bool = False
+    shape_args: Optional[tuple[int, ...]] = None
     fast: Mapping[Optional[str], str] = field(default_factory=dict)
 
     def template(self, variant: Optional[str], family: str) -> Optional[string.Template]:
@@ -179,7 +182,7 @@ _OPS: list[OpDef] = [
                     "aten::where.Scalar(Tensor condition, Scalar self, Scalar other) -> Tensor"),
           {None: Exprs("($a ? $b : $c)", "($a ? $b : $c)", "($a ? $b : $c)")}, keep_args=(0,)),
     OpDef("type_as", ("aten::type_as(Tensor self, Tensor other) -> Tensor",),
-          {None: Exprs("$a", "$a", "$a")}, aliases_input=True),
+          {None: Exprs("$a", "$a", "$a")}, aliases_input=True, shape_args=(0,)),
     OpDef("clamp", ("aten::clamp(Tensor self, Scalar? min=None, Scalar? max=None) -> Tensor",
                     "aten::clamp.Tensor(Tensor self, Tensor? min=None, Tensor? max=None) -> Tensor"),
           {None: Exprs("fz_min(fz_max($a, $b), $c)", "fz_min(fz_max($a, $b), $c)",

@@ -248,3 +248,16 @@ def test_discontinuous_ops_see_intermediates_rounded_as_eager(op, ref, dtype):
     out = executor.run(STORE.get(key), [a, b])
     assert out is not None
     assert torch.equal(out[0], ref(a + b))
+
+
+def test_type_as_other_does_not_decide_the_shape():
+    """Found by the fuzzer: type_as takes only a dtype from `other`, so a smaller `self` keeps its shape."""
+    g = torch.parse_ir("""graph(%x : Tensor, %y : Tensor):
+      %a : Tensor = aten::type_as(%x, %y)
+      %b : Tensor = aten::sin(%a)
+      return (%b)""")
+    key = STORE.register(g)
+    for x, y in ((torch.tensor(0.5), torch.randn(1, 1, dtype=torch.float64)),
+                 (torch.randn(3), torch.randn(4, 3, dtype=torch.float16))):
+        out = fuser.run_fusion(key, [x, y])[0]
+        assert_same(out, torch.sin(x.type_as(y)))

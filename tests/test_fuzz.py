@@ -1,0 +1,144 @@
+"""The differential fuzzer (fuser/fuzz.py): its own machinery, a fixed-seed 200-graph campaign and a
+time-bounded random one on the CPU backend. A failing campaign prints shrunk reproducers and saves them
+(``FUSER_FUZZ_OUT``, default: pytest's temporary directory) as ready-made regression tests."""
+import math
+import os
+
+import pytest
+import torch
+
+import fuser
+from fuser import executor, fuzz
+
+FIXED_SEED = 20240601
+JOBS = max(1, min(2, os.cpu_count() or 1))
+
+
+def _needs_cpu_fusion():
+    if not fuser.can_fuse_on_cpu():
+        pytest.fail("the CPU backend needs a C++ compiler on this machine")
+
+
+def _report(camp: fuzz.Campaign, tmp_path) -> str:
+    out = os.environ.get("FUSER_FUZZ_OUT") or str(tmp_path / "fuzz_failures")
+    lines = []
+    paths = fuzz.report_failures(camp, out, max_shrink=3, shrink_budget=30, log=lines.append)
+    return "\n".join([camp.summary(), *lines, f"reproducers: {paths}"])
+
+
+# ---------------------------------------------------------------------------------------------- machinery
+
+def test_parse_graph_nan_and_exact_tensor_constants():
+    g = fuzz.parse_graph("""graph(%x : Tensor):
+  %n : float = prim::Constant[value=nan]()
+  %c : Double(requires_grad=0, device=cpu) = prim::Constant[value={-0.25}]()
+  %a : Tensor = aten::mul(%x, %c)
+  %r : Tensor = aten::clamp_min(%a, %n)
+  return (%r)
+""")
+    consts = [n.output().toIValue() for n in g.nodes() if n.kind() == "prim::Constant"]
+    assert math.isnan(consts[0])
+    assert consts[1].item() == -0.25 and consts[1].dtype == torch.float64
+
+
+def test_render_parse_round_trip_of_generated_programs():
+    for i in range(20):
+        p = fuzz.build_case(7, i).program
+        g = fuzz.parse_graph(fuzz.render(p))
+        assert len([n for n in g.nodes() if n.kind() != "prim::Constant"]) == len(p.nodes)
+        assert len(list(g.outputs())) == len(p.outputs)
+
+
+def test_check_catches_a_wrong_value(monkeypatch):
+    _needs_cpu_fusion()
+    g = torch.parse_ir("""graph(%x : Tensor, %y : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %a : Tensor = aten::add(%x, %y, %one)
+  %r : Tensor = aten::sigmoid(%a)
+  return (%r, %a)
+""")
+    args = [torch.randn(50, 3), torch.randn(3)]
+    good = fuzz.check(g, args)
+    assert good.ok and good.fused, good
+
+    real = executor.run
+
+    def off_by_a_little(spec, a):
+        out = real(spec, a)
+        if out is not None:
+            out[0].view(-1)[7] += 1e-3
+        return out
+    monkeypatch.setattr(executor, "run", off_by_a_little)
+    bad = fuzz.check(g, args)
+    assert not bad.ok and bad.kind == "value", bad
+
+
+def test_check_catches_wrong_dtype_shape_and_missing_error(monkeypatch):
+    g = torch.parse_ir("""graph(%x : Tensor):
+  %r : Tensor = aten::neg(%x)
+  return (%r)
+""")
+    monkeypatch.setattr(executor, "run", lambda spec, a: [(-a[0]).double()])
+    assert fuzz.check(g, [torch.randn(4)]).kind == "dtype"
+    monkeypatch.setattr(executor, "run", lambda spec, a: [(-a[0]).expand(2, 4)])
+    assert fuzz.check(g, [torch.randn(4)]).kind == "shape"
+    # eager raises (neg of bool): the fused path must raise too
+    monkeypatch.setattr(executor, "run", lambda spec, a: [a[0].clone()])
+    assert fuzz.check(g, [torch.ones(4, dtype=torch.bool)]).kind == "no_raise"
+
+
+def test_excused_elements_are_only_near_discontinuities():
+    """floor of a computed float16 value: eager rounds the intermediate to half, fusion keeps it in float, so
+    floor may differ exactly where the intermediate is within rounding of an integer, and nowhere else."""
+    _needs_cpu_fusion()
+    g = torch.parse_ir("""graph(%x : Tensor):
+  %c : float = prim::Constant[value=3.0]()
+  %a : Tensor = aten::mul(%x, %c)
+  %r : Tensor = aten::floor(%a)
+  return (%r)
+""")
+    x = (torch.arange(-300, 300, dtype=torch.float64) / 3 + 1e-4).half()
+    v = fuzz.check(g, [x])
+    assert v.ok and v.fused, v
+    assert v.judged >= 0.5 * v.total
+
+
+def test_shrink_finds_the_planted_op():
+    """Shrinking keeps the op that triggers a (simulated) bug and drops the rest."""
+    p = None
+    for i in range(200):
+        cand = fuzz.build_case(11, i).program
+        if any(n.schema.op.name == "sigmoid" for n in cand.nodes) and len(cand.nodes) >= 6:
+            p = cand
+            break
+    assert p is not None
+
+    def evaluate(q):
+        has = any(n.schema.op.name == "sigmoid" for n in q.nodes)
+        return fuzz.Verdict(not has, "value" if has else "ok")
+    small, v, steps = fuzz.shrink(p, fuzz.Verdict(False, "value"), evaluate, budget_s=60)
+    assert [n.schema.op.name for n in small.nodes] == ["sigmoid"], fuzz.render(small)
+    src = fuzz.reproducer(small, v, "cpu", "planted")
+    compile(src, "repro.py", "exec")
+
+
+# ---------------------------------------------------------------------------------------------- campaigns
+
+def test_fixed_seed_campaign_cpu(tmp_path):
+    _needs_cpu_fusion()
+    camp = fuzz.run_campaign(200, FIXED_SEED, "cpu", jobs=JOBS, log=lambda s: None)
+    print(camp.summary())
+    assert camp.graphs == 200
+    # a fuzzer whose graphs all fall back tests nothing
+    assert camp.fused >= 0.8 * (camp.runs - camp.raises), camp.summary()
+    assert not camp.failures, _report(camp, tmp_path)
+
+
+def test_random_seed_campaign_cpu(tmp_path):
+    _needs_cpu_fusion()
+    seed = int(os.environ.get("FUSER_FUZZ_SEED", str(int.from_bytes(os.urandom(4), "little"))))
+    budget = float(os.environ.get("FUSER_FUZZ_SECONDS", "20"))
+    camp = fuzz.run_campaign(10 ** 6, seed, "cpu", time_budget=budget, jobs=JOBS, log=lambda s: None)
+    print(f"FUSER_FUZZ_SEED={seed}\n" + camp.summary())
+    assert camp.graphs > 0
+    assert not camp.failures, f"replay with FUSER_FUZZ_SEED={seed}\n" + _report(camp, tmp_path)
