@@ -50,6 +50,9 @@ class CompiledKernel:
     vec: int  # CUDA vector width (1: no vector path)
     backend: object  # fuser.cpu.compiler.CpuKernel or fuser.cuda.launch.CudaKernel
     build_ms: float = 0.0  # wall time of build(): types, codegen, compile (or disk-cache load), load
+    # per float argument: (index, lowest, highest, non-finite allowed) over the dtypes its ops convert it to;
+    # a value outside makes eager raise (or convert differently), so such calls fall back
+    scalar_limits: tuple = ()
 
 
 def _sample(desc: TensorDesc) -> torch.Tensor:
@@ -121,4 +124,21 @@ def build(spec: KernelSpec, arg_spec: ArgSpec) -> Optional[CompiledKernel]:
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: compiled {name} for {arg_spec}\n{source}", file=sys.stderr)
     return CompiledKernel(name, arg_spec, out_dtypes, source, strided, vec, backend,
-                          (time.perf_counter() - t0) * 1e3)
+                          (time.perf_counter() - t0) * 1e3, _scalar_limits(spec, nodes, types))
+
+
+def _scalar_limits(spec: KernelSpec, nodes, types) -> tuple:
+    scalars = [v for v, is_t in zip(spec.graph.inputs(), spec.input_is_tensor) if not is_t]
+    limits = []
+    for j, v in enumerate(scalars):
+        lo, hi, nonfinite = -float("inf"), float("inf"), True
+        for n, t in zip(nodes, types):
+            if any(i.unique() == v.unique() for i in n.inputs()):
+                info = torch.finfo(t.compute) if t.compute.is_floating_point else (
+                    None if t.compute == torch.bool else torch.iinfo(t.compute))
+                if info is None:
+                    continue
+                lo, hi = max(lo, float(info.min)), min(hi, float(info.max))
+                nonfinite = nonfinite and t.compute.is_floating_point
+        limits.append((j, lo, hi, nonfinite))
+    return tuple(limits)

@@ -22,6 +22,7 @@ from .kernel_cache import KernelSpec
 # 32-bit index math while every offset stays below this: a grid-stride step (at most about the element
 # count) added to the last index must not overflow a signed 32-bit int
 _functorch_stack = torch._C._functorch.peek_interpreter_stack
+_INF = float("inf")
 
 INDEX32_LIMIT = 2 ** 30 - 2 ** 20
 
@@ -228,6 +229,11 @@ def run(spec: KernelSpec, args: Sequence) -> Optional[list[torch.Tensor]]:
         spec.geometries[sig] = geo
     if geo is _NOT_FUSABLE:
         return None
+    if scalars and geo.kernel.scalar_limits:
+        for j, lo, hi, nonfinite in geo.kernel.scalar_limits:
+            x = scalars[j]
+            if not (lo <= x <= hi) and not (nonfinite and (x != x or x in (_INF, -_INF))):
+                return None  # eager checks (and raises on) scalars its dtype cannot hold: let it
     if geo.requires_grad and torch.is_grad_enabled():
         return None  # autograd must record the ops: the interpreter runs them
     device = geo.device

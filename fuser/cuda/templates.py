@@ -46,8 +46,16 @@ template <> __device__ __forceinline__ fz_bf16 fz_st<fz_bf16, float>(float f) {
   return h;
 }
 
-template <class T> __device__ __forceinline__ T fz_max(T a, T b) { return (a != a || a > b) ? a : b; }
-template <class T> __device__ __forceinline__ T fz_min(T a, T b) { return (a != a || a < b) ? a : b; }
+// pow with a scalar exponent: eager takes sqrt / 1/sqrt for exponents 0.5 / -0.5, which differ from pow at
+// -inf and -0.0 (found by the fuzzer)
+__device__ __forceinline__ float fz_pow_scalar(float a, float b) {
+  return b == 0.5f ? sqrtf(a) : b == -0.5f ? 1.f / sqrtf(a) : powf(a, b);
+}
+__device__ __forceinline__ double fz_pow_scalar(double a, double b) {
+  return b == 0.5 ? sqrt(a) : b == -0.5 ? 1.0 / sqrt(a) : pow(a, b);
+}
+template <class T> __device__ __forceinline__ T fz_max(T a, T b) { return (a != a || a >= b) ? a : b; }
+template <class T> __device__ __forceinline__ T fz_min(T a, T b) { return (a != a || a <= b) ? a : b; }
 __device__ __forceinline__ float fz_remainder(float a, float b) {
   float m = fmodf(a, b);
   if (m != 0.f && ((b < 0.f) != (m < 0.f))) m += b;
