@@ -199,3 +199,39 @@ def assert_same_comparison(actual: torch.Tensor, expected: torch.Tensor, lhs: to
     near = (lhs.double() - rhs.double()).abs() <= tol["atol"] + tol["rtol"] * rhs.double().abs()
     bad = (actual != expected) & ~near
     assert not bool(bad.any()), f"{int(bad.sum())} comparisons differ from eager away from ties"
+
+
+# a small group used by the executor tests on both backends: a float argument, a broadcastable pair, a comparison
+SIGMOID_GT_IR = """
+graph(%x : Tensor, %y : Tensor, %s : float):
+  %one : int = prim::Constant[value=1]()
+  %a : Tensor = aten::mul(%x, %y)
+  %b : Tensor = aten::add(%a, %s, %one)
+  %c : Tensor = aten::sigmoid(%b)
+  %d : Tensor = aten::gt(%c, %x)
+  return (%c, %d)
+"""
+
+
+def sigmoid_gt_reference(x, y, s):
+    c = torch.sigmoid(x * y + s)
+    return c, c > x
+
+
+def expect_fused(case: Case, expected: torch.Tensor, dtype: torch.dtype) -> bool:
+    """False only where the op table has no integer expression for an integer computation."""
+    from fuser import ops
+    op = ops.OPS_BY_NAME[case.op]
+    if dtype.is_floating_point or expected.dtype.is_floating_point:
+        return True
+    return op.template(case.variant, "i") is not None
+
+
+def fused_graph(fn) -> torch._C.Graph:
+    """The graph of ``fn`` after the pass, before lowering (prim::FusionGroup nodes visible)."""
+    from fuser import graph_fuser
+    g = torch.jit.script(fn).graph.copy()
+    torch._C._jit_pass_inline(g)
+    graph_fuser.fuse_graph(g)
+    g.lint()
+    return g

@@ -3,18 +3,10 @@ import itertools
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import assert_same, fused_graph
 
 import fuser
 from fuser import graph_fuser
-
-
-def _fused_graph(fn):
-    g = torch.jit.script(fn).graph.copy()
-    torch._C._jit_pass_inline(g)
-    graph_fuser.fuse_graph(g)
-    g.lint()
-    return g
 
 
 def _outside(g):
@@ -50,7 +42,7 @@ def _lstm_args(B=5, I=6, H=8, dtype=torch.float32):
 
 
 def test_lstm_cell_leaves_only_matmuls_outside_one_group():
-    g = _fused_graph(lstm_cell)
+    g = fused_graph(lstm_cell)
     assert len(graph_fuser.fusion_groups(g)) == 1
     outside = _outside(g)
     assert outside.count("aten::mm") == 2
@@ -80,7 +72,7 @@ def test_every_gate_order_is_one_group(order, tmp_path):
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    g = _fused_graph(mod.cell)
+    g = fused_graph(mod.cell)
     assert len(graph_fuser.fusion_groups(g)) == 1
     f = fuser.fuse(torch.jit.script(mod.cell))
     args = _lstm_args()
@@ -89,7 +81,7 @@ def test_every_gate_order_is_one_group(order, tmp_path):
 
 
 def test_milstm_cell_is_one_group():
-    g = _fused_graph(milstm_cell)
+    g = fused_graph(milstm_cell)
     assert len(graph_fuser.fusion_groups(g)) == 1
     assert _outside(g).count("aten::mm") == 2
     f = fuser.fuse(torch.jit.script(milstm_cell))
@@ -121,7 +113,7 @@ def chunk_dim2(x, y):
     (chunk_dim2, [(2, 3, 8), (8,)]), (chunk_dim2, [(2, 3, 8), (2, 3, 1)]), (chunk_dim2, [(5, 1), (3, 1, 4)]),
 ])
 def test_chunk_motion_with_broadcasting(fn, shapes):
-    g = _fused_graph(fn)
+    g = fused_graph(fn)
     assert len(graph_fuser.fusion_groups(g)) == 1
     assert "aten::chunk" not in _outside(g)
     f = fuser.fuse(torch.jit.script(fn))
@@ -179,5 +171,5 @@ def test_chunk_not_moved_past_mutation_or_other_uses():
         ref = ref if isinstance(ref, tuple) else (ref,)
         for a, b in zip(out, ref):
             assert_same(a, b)
-    g = _fused_graph(used_twice)
+    g = fused_graph(used_twice)
     assert "aten::chunk" in _outside(g)

@@ -1,26 +1,12 @@
 """run_fusion on the CPU backend: shapes, layouts, dtypes and bad input, each against eager."""
 import pytest
 import torch
-from helpers import assert_same, assert_same_comparison, check_scalar_rounding, random_tensor
+from helpers import (SIGMOID_GT_IR as IR, assert_same, assert_same_comparison, check_scalar_rounding,
+                     random_tensor, sigmoid_gt_reference as reference)
 
 import fuser
 from fuser import executor
 from fuser.kernel_cache import STORE
-
-IR = """
-graph(%x : Tensor, %y : Tensor, %s : float):
-  %one : int = prim::Constant[value=1]()
-  %a : Tensor = aten::mul(%x, %y)
-  %b : Tensor = aten::add(%a, %s, %one)
-  %c : Tensor = aten::sigmoid(%b)
-  %d : Tensor = aten::gt(%c, %x)
-  return (%c, %d)
-"""
-
-
-def reference(x, y, s):
-    c = torch.sigmoid(x * y + s)
-    return c, c > x
 
 
 def _key():

@@ -4,23 +4,18 @@ import threading
 
 import pytest
 import torch
-from helpers import Case, assert_same, assert_same_comparison, build, cases, check_scalar_rounding, eager, make_args, random_tensor
+from helpers import (SIGMOID_GT_IR as IR, assert_same, assert_same_comparison, build, cases,
+                     check_scalar_rounding, eager, expect_fused, make_args, random_tensor,
+                     sigmoid_gt_reference as reference)
 
 import fuser
-from fuser import executor, ops
+from fuser import executor
 from fuser.kernel_cache import STORE
 
 pytestmark = pytest.mark.gpu
 
 CASES = cases()
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32)
-
-
-def _expect_fused(case: Case, expected: torch.Tensor, dtype: torch.dtype) -> bool:
-    op = ops.OPS_BY_NAME[case.op]
-    if dtype.is_floating_point or expected.dtype.is_floating_point:
-        return True
-    return op.template(case.variant, "i") is not None
 
 
 @pytest.fixture(autouse=True)
@@ -42,28 +37,12 @@ def test_op_cuda_vs_eager(case, dtype):
             fuser.run_fusion(key, args)
         return
     out = executor.run(STORE.get(key), args)
-    if _expect_fused(case, expected, dtype):
+    if expect_fused(case, expected, dtype):
         assert out is not None, f"{case.id} on {dtype} fell back"
         assert_same(out[0], expected)
     else:
         assert out is None
     assert_same(fuser.run_fusion(key, args)[0], expected)
-
-
-IR = """
-graph(%x : Tensor, %y : Tensor, %s : float):
-  %one : int = prim::Constant[value=1]()
-  %a : Tensor = aten::mul(%x, %y)
-  %b : Tensor = aten::add(%a, %s, %one)
-  %c : Tensor = aten::sigmoid(%b)
-  %d : Tensor = aten::gt(%c, %x)
-  return (%c, %d)
-"""
-
-
-def reference(x, y, s):
-    c = torch.sigmoid(x * y + s)
-    return c, c > x
 
 
 def _check(x, y, s=0.25, dtype=None):
@@ -251,7 +230,7 @@ def test_fast_math_for_half_results_is_as_accurate_as_eager(op, dtype):
     approximate = ', approximate="tanh"' if op == "gelu_tanh" else ""
     name = "gelu" if op == "gelu_tanh" else op
     extra = '\n  %mode : str = prim::Constant[value="tanh"]()' if approximate else ""
-    call = f"aten::gelu(%x, %mode)" if approximate else f"aten::{name}(%x)"
+    call = "aten::gelu(%x, %mode)" if approximate else f"aten::{name}(%x)"
     g = torch.parse_ir(f"graph(%x : Tensor):{extra}\n  %r : Tensor = {call}\n  %s : Tensor = aten::neg(%r)\n"
                        "  return (%s)\n")
     lo, hi = (-12.0, 11.0) if op == "exp" else (-60.0, 60.0)

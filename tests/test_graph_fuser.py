@@ -1,6 +1,6 @@
 """The pass's grouping decisions, checked on the graphs it produces and on results against eager."""
 import torch
-from helpers import assert_same
+from helpers import assert_same, fused_graph
 
 import fuser
 from fuser import graph_fuser
@@ -8,15 +8,6 @@ from fuser import graph_fuser
 
 def _groups(graph):
     return graph_fuser.fusion_groups(graph)
-
-
-def _fused_graph(fn):
-    """The graph of ``fn`` after the pass, before lowering (prim::FusionGroup nodes visible)."""
-    g = torch.jit.script(fn).graph.copy()
-    torch._C._jit_pass_inline(g)
-    graph_fuser.fuse_graph(g)
-    g.lint()
-    return g
 
 
 def _kinds(graph):
@@ -39,7 +30,7 @@ def gelu_block(x, b):
 
 
 def test_lstm_cell_is_one_group():
-    g = _fused_graph(lstm_cell)
+    g = fused_graph(lstm_cell)
     groups = _groups(g)
     assert len(groups) == 1
     assert sorted(_sub_kinds(groups[0])).count("aten::sigmoid") == 3
@@ -48,7 +39,7 @@ def test_lstm_cell_is_one_group():
 
 
 def test_gelu_block_is_one_group():
-    g = _fused_graph(gelu_block)
+    g = fused_graph(gelu_block)
     assert len(_groups(g)) == 1
     assert _kinds(g) == ["prim::FusionGroup"]
 
@@ -59,7 +50,7 @@ def test_mutation_splits_groups():
         y.add_(1)  # a member moved past this would read the new y
         return a + y, a.tanh() * y
 
-    g = _fused_graph(f)
+    g = fused_graph(f)
     kinds = _kinds(g)
     assert "aten::add_" in kinds
     assert kinds.index("aten::add_") > kinds.index("prim::FusionGroup")
@@ -79,7 +70,7 @@ def test_float_argument_becomes_group_input_and_int_argument_does_not():
         a = (x * s).sin() + 1
         return a * k, (a - s).relu() + 2
 
-    g = _fused_graph(f)
+    g = fused_graph(f)
     groups = _groups(g)
     assert len(groups) == 1
     types = [v.type().kind() for v in groups[0].inputs()]
@@ -96,7 +87,7 @@ def test_constants_are_copied_into_the_group():
     def f(x):
         return (x + 2.5).clamp(-1.0, None) * 3
 
-    g = _fused_graph(f)
+    g = fused_graph(f)
     (group,) = _groups(g)
     assert [v.type().kind() for v in group.inputs()] == ["TensorType"]
     consts = [n.output().toIValue() for n in group.g("Subgraph").nodes() if n.kind() == "prim::Constant"]
@@ -109,7 +100,7 @@ def test_value_used_outside_becomes_extra_output():
         b = a.sigmoid() + 1
         return b, a.sum()
 
-    g = _fused_graph(f)
+    g = fused_graph(f)
     (group,) = _groups(g)
     assert group.outputsSize() == 2
     fused = fuser.fuse(torch.jit.script(f))
@@ -124,7 +115,7 @@ def test_no_move_past_a_dependent_use():
         s = a.sum()  # needs a before the consumer below can run
         return (a * s).cos()
 
-    g = _fused_graph(f)
+    g = fused_graph(f)
     # sin cannot join (a*s).cos(): the group would run after sum, which needs sin's value
     for group in _groups(g):
         assert not ("aten::sin" in _sub_kinds(group) and "aten::cos" in _sub_kinds(group))
@@ -137,7 +128,7 @@ def test_single_ops_are_left_alone():
     def f(x, y):
         return torch.mm(x, y).relu()
 
-    g = _fused_graph(f)
+    g = fused_graph(f)
     assert _groups(g) == []
 
 
@@ -150,7 +141,7 @@ def test_nested_blocks_are_fused_separately():
             z = y.tanh() - y
         return z
 
-    g = _fused_graph(f)
+    g = fused_graph(f)
     assert len(_groups(g)) == 3  # before the if, and one in each branch
     fused = fuser.fuse(torch.jit.script(f))
     x = torch.randn(8)
@@ -190,7 +181,7 @@ def test_type_as_result_is_not_a_group_output():
     fused = fuser.fuse(torch.jit.script(f))
     x, y = torch.randn(3), torch.randn(3)
     assert_same(fused(x, y), f(x, y))
-    for group in _groups(_fused_graph(f)):
+    for group in _groups(fused_graph(f)):
         outs = {v.node().kind() for v in group.g("Subgraph").outputs()}
         assert "aten::type_as" not in outs
 

@@ -2,7 +2,7 @@
 NVRTC for sm_80 and sm_90 (no GPU needed)."""
 import pytest
 import torch
-from helpers import Case, assert_same, build, cases, eager, make_args
+from helpers import assert_same, build, cases, eager, expect_fused, make_args
 
 import fuser
 from fuser import codegen, compiler, executor, ops
@@ -11,14 +11,6 @@ from fuser.kernel_cache import STORE
 
 CASES = cases()
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32)
-
-
-def _expect_fused(case: Case, expected: torch.Tensor, dtype: torch.dtype) -> bool:
-    """False only where the table has no integer expression for an integer computation."""
-    op = ops.OPS_BY_NAME[case.op]
-    if dtype.is_floating_point or expected.dtype.is_floating_point:
-        return True
-    return op.template(case.variant, "i") is not None
 
 
 def test_every_op_has_a_case():
@@ -41,7 +33,7 @@ def test_op_cpu_vs_eager(case, dtype):
             fuser.run_fusion(key, args)
         return
     out = executor.run(STORE.get(key), args)
-    if _expect_fused(case, expected, dtype):
+    if expect_fused(case, expected, dtype):
         assert out is not None, f"{case.id} on {dtype} fell back"
         assert_same(out[0], expected)
     else:
