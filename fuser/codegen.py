@@ -92,7 +92,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
              options: KernelOptions = KernelOptions()) -> str:
     """Source of one kernel.
 
-    graph: the group's subgraph, inputs ordered tensors first, then ``n_scalars`` float arguments.
+    graph: the group's subgraph; its tensor inputs and its ``n_scalars`` float inputs in any order.
     inputs: one description per tensor input. node_types: one entry per non-constant node, in order.
     target: ``"cpu"`` or ``"cuda"``.
     """
@@ -110,10 +110,18 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
     vname: dict[int, str] = {}
     vtype: dict[int, str] = {}
     vdtype: dict[int, Optional[torch.dtype]] = {}  # None: a float argument
-    for k, (v, d) in enumerate(zip(g_inputs, inputs)):
-        vname[v.unique()], vtype[v.unique()], vdtype[v.unique()] = f"x{k}", compute_type(d.dtype), d.dtype
-    for j, v in enumerate(g_inputs[len(inputs):]):
-        vname[v.unique()], vtype[v.unique()], vdtype[v.unique()] = f"s{j}", "double", None
+    k = j = 0  # tensors and float arguments may interleave: each kind is numbered in its own order
+    for v in g_inputs:
+        if isinstance(v.type(), torch._C.TensorType) and k < len(inputs):
+            d = inputs[k]
+            vname[v.unique()], vtype[v.unique()], vdtype[v.unique()] = f"x{k}", compute_type(d.dtype), d.dtype
+            k += 1
+        else:
+            vname[v.unique()], vtype[v.unique()], vdtype[v.unique()] = f"s{j}", "double", None
+            j += 1
+    if (k, j) != (len(inputs), n_scalars):
+        raise ValueError(f"graph has {k} tensor and {j} float inputs, descriptions give {len(inputs)} tensors "
+                         f"and {n_scalars} scalars")
 
     body: list[str] = []
     for j, (node, nt) in enumerate(zip(nodes, node_types)):

@@ -147,10 +147,16 @@ _OPS: list[OpDef] = [
           {None: Exprs("fz_min(fz_max($a, $b), $c)", "fz_min(fz_max($a, $b), $c)")}),
     OpDef("add", ("aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
                   "aten::add.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor"),
-          {None: Exprs("($a + $c * $b)", "($a + $c * $b)", "($T)($a + $c * $b)")}),
+          # eager (CPU vector and scalar loops, CUDA) computes fma(alpha, other, self): without the fused
+          # multiply-add a huge other*alpha overflows where eager's result is finite
+          {None: Exprs("fmaf($c, $b, $a)", "fma($c, $b, $a)", "($T)($a + $c * $b)")}),
     OpDef("sub", ("aten::sub.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
                   "aten::sub.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor"),
-          {None: Exprs("($a - $c * $b)", "($a - $c * $b)", "($T)($a - $c * $b)")}),
+          {None: Exprs("fmaf(-$c, $b, $a)", "fma(-$c, $b, $a)", "($T)($a - $c * $b)")}),
+    OpDef("rsub", ("aten::rsub.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
+                   "aten::rsub.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor"),
+          # ``1 - x``: eager computes sub(other, self, alpha), i.e. fma(-alpha, self, other)
+          {None: Exprs("fmaf(-$c, $a, $b)", "fma(-$c, $a, $b)", "($T)($b - $c * $a)")}),
     OpDef("mul", ("aten::mul.Tensor(Tensor self, Tensor other) -> Tensor",
                   "aten::mul.Scalar(Tensor self, Scalar other) -> Tensor"),
           {None: Exprs("($a * $b)", "($a * $b)", "($T)($a * $b)")}),
@@ -200,11 +206,12 @@ _OPS: list[OpDef] = [
           round_operands=("cuda",), discrete=True),
     OpDef("lerp", ("aten::lerp.Scalar(Tensor self, Tensor end, Scalar weight) -> Tensor",
                    "aten::lerp.Tensor(Tensor self, Tensor end, Tensor weight) -> Tensor"),
-          # eager's two-sided formula: exact at weight 0 and 1
-          {None: Exprs("(fabsf($c) < 0.5f ? $a + $c * ($b - $a) : $b - ($b - $a) * (1.f - $c))",
-                       "(fabs($c) < 0.5 ? $a + $c * ($b - $a) : $b - ($b - $a) * (1.0 - $c))")}),
+          # eager's two-sided formula (exact at weight 0 and 1), with eager's fused multiply-adds
+          {None: Exprs("(fabsf($c) < 0.5f ? fmaf($c, $b - $a, $a) : fmaf($a - $b, 1.f - $c, $b))",
+                       "(fabs($c) < 0.5 ? fma($c, $b - $a, $a) : fma($a - $b, 1.0 - $c, $b))")}),
     OpDef("addcmul", ("aten::addcmul(Tensor self, Tensor tensor1, Tensor tensor2, *, Scalar value=1) -> Tensor",),
-          {None: Exprs("($a + $d * $b * $c)", "($a + $d * $b * $c)", "($T)($a + $d * $b * $c)")}),
+          # eager: fma(value * tensor1, tensor2, self)
+          {None: Exprs("fmaf($d * $b, $c, $a)", "fma($d * $b, $c, $a)", "($T)($a + $d * $b * $c)")}),
 ]
 
 for _cmp, _sym in (("eq", "=="), ("ne", "!="), ("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):

@@ -247,3 +247,20 @@ def test_type_as_other_does_not_decide_the_shape():
                  (torch.randn(3), torch.randn(4, 3, dtype=torch.float16))):
         out = fuser.run_fusion(key, [x, y])[0]
         assert_same(out, torch.sin(x.type_as(y)))
+
+
+def test_float_arguments_between_tensor_inputs():
+    """Graph inputs may interleave tensors and floats (a hand-written graph, a backward graph): each float
+    must reach its own use, not the next tensor's."""
+    g = torch.parse_ir("""graph(%x : Tensor, %s : float, %y : Tensor, %t : float):
+      %one : int = prim::Constant[value=1]()
+      %a : Tensor = aten::add(%x, %s, %one)
+      %b : Tensor = aten::mul(%a, %y)
+      %c : Tensor = aten::sub(%b, %t, %one)
+      return (%c)
+    """)
+    x, y = torch.randn(6, 5), torch.randn(5)
+    key = STORE.register(g)
+    out = executor.run(STORE.get(key), [x, 0.75, y, -3.5])
+    assert out is not None
+    assert_same(out[0], (x + 0.75) * y - (-3.5))

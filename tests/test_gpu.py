@@ -4,8 +4,8 @@ import threading
 
 import pytest
 import torch
-from helpers import (SIGMOID_GT_IR as IR, assert_same, assert_same_comparison, build, cases,
-                     check_scalar_rounding, eager, expect_fused, make_args, random_tensor,
+from helpers import (FMA_OPS, SIGMOID_GT_IR as IR, assert_same, assert_same_comparison, build, cases,
+                     check_fused_multiply_adds, check_scalar_rounding, eager, expect_fused, make_args, random_tensor,
                      sigmoid_gt_reference as reference)
 
 import fuser
@@ -269,3 +269,9 @@ def test_lstm_cell_with_chunk_motion_on_cuda(dtype):
     for a, r in zip(f(*args), ref):
         tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
         torch.testing.assert_close(a, r, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
+@pytest.mark.parametrize("op", sorted(FMA_OPS))
+def test_fused_multiply_adds_match_eager_bitwise(op, dtype):
+    check_fused_multiply_adds(op, dtype, "cuda")

@@ -2,7 +2,7 @@
 NVRTC for sm_80 and sm_90 (no GPU needed)."""
 import pytest
 import torch
-from helpers import assert_same, build, cases, eager, expect_fused, make_args
+from helpers import FMA_OPS, assert_same, build, cases, check_fused_multiply_adds, eager, expect_fused, make_args
 
 import fuser
 from fuser import codegen, compiler, executor, ops
@@ -66,3 +66,11 @@ def test_op_cuda_source_compiles(case, arch):
             continue
         image = driver.compile_source(src, "k", driver.NvrtcOptions(arch))
         assert len(image) > 0
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
+@pytest.mark.parametrize("op", sorted(FMA_OPS))
+def test_fused_multiply_adds_match_eager_bitwise(op, dtype):
+    if not fuser.can_fuse_on_cpu():
+        pytest.fail("the CPU backend needs a C++ compiler on this machine")
+    check_fused_multiply_adds(op, dtype, "cpu")

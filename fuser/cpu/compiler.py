@@ -17,8 +17,10 @@ from typing import Optional, Sequence
 
 from ..errors import CompileError
 
-# no -fno-math-errno: with it g++ 12 folds sin(atan(x)) into x / sqrt(1 + x*x), which gives 1 for NaN (fuzzer)
-BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fwrapv")
+# no -fno-math-errno: with it g++ 12 folds sin(atan(x)) into x / sqrt(1 + x*x), which gives 1 for NaN (fuzzer).
+# -ffp-contract=off: a multiply and an add that are two ops in eager stay two roundings here (a*b + c with a
+# huge a*b is inf in eager); the fma() calls the op table writes where eager has one are kept.
+BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fwrapv", "-ffp-contract=off")
 
 # int64 numel, int64 rank, int64* sizes, int64* strides, void** ptrs, double* scalars
 _ARGTYPES = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
@@ -45,7 +47,9 @@ def _probe(cxx: str) -> tuple[bool, tuple[str, ...]]:
         path = os.path.join(d, "probe.cpp")
         with open(path, "w") as fh:
             fh.write(src)
-        for extra in (("-fopenmp",), ()):
+        # -march=native: kernels are built on and for this machine (never cached on disk), and fma() is an
+        # instruction only where the target has one
+        for extra in (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ()):
             r = _run([cxx, *BASE_FLAGS, *extra, path, "-o", os.path.join(d, "probe.so")])
             if r.returncode == 0:
                 return True, extra
