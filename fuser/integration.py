@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import executor, fallback, graph_fuser
+from . import autodiff, executor, graph_fuser
 from .kernel_cache import STORE
 
 _SPECS = STORE._specs  # key -> spec; read without a lock on the hot path (a plain dict read under the GIL)
@@ -28,8 +28,7 @@ def run_key(key: int, args: list) -> list[torch.Tensor]:
     if spec is None:
         raise KeyError(f"no fusion group registered under key {key} "
                        f"(keys 0..{len(STORE) - 1} exist); register_fusion(node) returns valid keys")
-    out = executor.run(spec, args)
-    return out if out is not None else fallback.run(spec, args)
+    return autodiff.run(spec, args)
 
 
 def _spec_for(key: int, digest: str, ir: str):
@@ -54,12 +53,11 @@ def _fusion_group(inputs: list[torch.Tensor], scalars: list[float], key: int, di
     else:
         tensors, floats = iter(inputs), iter(scalars)
         args = [next(tensors) if is_t else next(floats) for is_t in spec.input_is_tensor]
-    out = executor.run(spec, args)
-    return out if out is not None else fallback.run(spec, args)
+    return autodiff.run(spec, args)
 
 
-# CompositeImplicitAutograd: the function runs above autograd, so when an input requires grad the fallback's
-# eager ops record the graph as eager would (the executor never fuses such calls).
+# CompositeImplicitAutograd: the function runs above autograd. When an input requires grad, autodiff wraps
+# the group in an autograd Function with a generated backward, or the interpreter's eager ops record it.
 _lib.impl("fusion_group", _fusion_group, "CompositeImplicitAutograd")
 # vmap: without a kernel for the batched key functorch has no rule for the op; with one, the executor sees a
 # transform in progress and the interpreter runs the group op by op, each op with its own batching rule

@@ -131,7 +131,7 @@ def test_sparse_falls_back():
     assert_same(out.to_dense(), (x * y * y).to_dense())
 
 
-def test_requires_grad_falls_back_with_autograd():
+def test_requires_grad_gives_eagers_gradients():
     key = _key()
     x = torch.randn(5, requires_grad=True)
     y = torch.randn(5)

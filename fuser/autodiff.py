@@ -1,0 +1,298 @@
+"""Fusion groups under autograd: a differentiable group op whose backward is a generated fusion group too.
+
+When grad mode is on and an input requires grad, :func:`run` wraps the group in an autograd Function. Its
+forward runs the forward kernel (grad mode is off inside it) and saves the inputs the backward reads. Its
+backward is a graph built from the derivative table (``fuser/derivatives.py``): the forward ops recomputed
+from the saved inputs (cheaper than saving intermediates: the backward kernel reads the inputs once, eager's
+backward reads each saved intermediate) followed by the gradient formulas, each input's gradient cast to
+its dtype. That graph is registered in the kernel store like any group, so it gets a fused kernel (or the
+interpreter, when it cannot be fused), and, when the backward itself runs under grad mode
+(``create_graph=True``), it is differentiated the same way: double backward either runs fused or through
+the interpreter. Gradients of broadcast inputs are summed to the input's shape after the kernel.
+
+A group whose gradient cannot be formed here (an op without a formula, a formula that needs an argument
+that is not a constant) is not wrapped: the interpreter runs it op by op and eager's autograd records it.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch.autograd import forward_ad as _forward_ad
+
+from . import derivatives as D
+from . import executor, fallback, ops
+from .kernel_cache import STORE, KernelSpec
+
+_TENSOR = torch._C.TensorType.get()
+_functorch_stack = torch._C._functorch.peek_interpreter_stack
+
+
+def run(spec: KernelSpec, args: list) -> list[torch.Tensor]:
+    """The group's outputs: the fused kernel, the differentiable fused group, or the interpreter."""
+    out = executor.run(spec, args)
+    if out is None:
+        out = differentiable(spec, args)
+    return out if out is not None else fallback.run(spec, args)
+
+
+@dataclass(frozen=True)
+class Backward:
+    """The backward of one (group, which inputs need gradients, which output gradients are defined).
+
+    Its graph's inputs are the forward inputs listed in ``fwd_inputs`` then the output gradients listed in
+    ``grad_outputs``; its outputs are the gradients of the forward inputs in ``grad_inputs``. Inputs in
+    ``zero_inputs`` need a gradient that is zero everywhere (``floor``).
+    """
+
+    spec: Optional[KernelSpec]
+    fwd_inputs: tuple[int, ...]
+    grad_outputs: tuple[int, ...]
+    grad_inputs: tuple[int, ...]
+    zero_inputs: tuple[int, ...]
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bool],
+                   floating: frozenset) -> Backward:
+    """The backward graph of ``spec.graph``; raises :class:`_Unsupported` when the table cannot form it.
+
+    needs: per graph input, whether its gradient is wanted. defined: per graph output, whether a gradient
+    arrives for it. floating: ``unique()`` ids of the graph values whose dtype is floating for these inputs
+    (gradients flow through those only, as in eager, where integer and bool results never require grad).
+    """
+    fwd = spec.graph
+    g = torch._C.Graph()
+    env: dict[int, torch._C.Value] = {}
+    for v in fwd.inputs():
+        nv = g.addInput()
+        nv.setType(v.type())
+        env[v.unique()] = nv
+    grad_in = []
+    for k, o in enumerate(fwd.outputs()):
+        if defined[k]:
+            gv = g.addInput()
+            gv.setType(_TENSOR)
+            grad_in.append((k, o, gv))
+    nodes = list(fwd.nodes())
+    for n in nodes:
+        c = g.createClone(n, lambda v: env[v.unique()])
+        g.insertNode(c)
+        for o, co in zip(n.outputs(), c.outputs()):
+            env[o.unique()] = co
+
+    # values through which a wanted gradient can flow
+    carries = {v.unique() for v, need in zip(fwd.inputs(), needs) if need}
+    for n in nodes:
+        if n.kind() == "prim::Constant" or not any(i.unique() in carries for i in n.inputs()):
+            continue
+        op = ops.lookup(n.schema())
+        if op is None:
+            raise _Unsupported(n.kind())
+        if op.name not in D.NOT_DIFFERENTIABLE:
+            carries.update(o.unique() for o in n.outputs() if o.unique() in floating)
+
+    grads: dict[int, D.V] = {}
+    zeros: set[int] = set()  # values some op gives a zero gradient (eager then gives zeros, not None)
+
+    def accumulate(u: int, r: D.V) -> None:
+        grads[u] = r if u not in grads else grads[u] + r
+
+    for k, o, gv in grad_in:
+        if o.unique() in carries:
+            accumulate(o.unique(), D.V(g, gv))
+    for n in reversed(nodes):
+        if n.kind() == "prim::Constant" or n.output().unique() not in grads:
+            continue
+        op = ops.lookup(n.schema())
+        f = D.formula(op.name)
+        if f is None:
+            raise _Unsupported(op.name)
+        gy = grads[n.output().unique()]
+        res = f(gy, [D.V(g, env[i.unique()]) for i in n.inputs()], D.V(g, env[n.output().unique()]))
+        for inp, r in zip(n.inputs(), res):
+            if inp.unique() not in carries:
+                continue
+            if r is D.UNSUPPORTED:
+                raise _Unsupported(f"{op.name}: gradient of input {inp.debugName()}")
+            if r is D.ZERO:
+                zeros.add(inp.unique())
+            elif r is not None:  # None: the op does not differentiate this input (type_as's other)
+                accumulate(inp.unique(), r)
+
+    grad_inputs, zero_inputs = [], []
+    for i, v in enumerate(fwd.inputs()):
+        if not needs[i]:
+            continue
+        r = grads.get(v.unique())
+        if r is None:
+            if v.unique() in zeros:
+                zero_inputs.append(i)
+            continue
+        out = D.op("aten::type_as", r, D.V(g, env[v.unique()]))
+        g.registerOutput(out.value)
+        grad_inputs.append(i)
+    if not grad_inputs:
+        return Backward(None, (), (), (), tuple(zero_inputs))
+    torch._C._jit_pass_dce(g)
+    # keep only the inputs the gradients read (those are what the forward saves)
+    n_fwd = len(list(fwd.inputs()))
+    inputs = list(g.inputs())
+    keep = [j for j, v in enumerate(inputs) if v.uses()]
+    for j in reversed(range(len(inputs))):
+        if j not in keep:
+            g.eraseInput(j)
+    g.lint()
+    bspec = STORE.get(STORE.register(g))
+    fwd_inputs = tuple(j for j in keep if j < n_fwd)
+    grad_outputs = tuple(grad_in[j - n_fwd][0] for j in keep if j >= n_fwd)
+    return Backward(bspec, fwd_inputs, grad_outputs, tuple(grad_inputs), tuple(zero_inputs))
+
+
+# (spec key, needs, defined, dtype signature) -> Backward, or None where the table cannot form it
+_backwards: dict[tuple, Optional[Backward]] = {}
+_floating: dict[tuple, frozenset] = {}
+_lock = threading.Lock()
+
+
+def _floating_values(spec: KernelSpec, sig: tuple) -> frozenset:
+    """ids of the graph values whose dtype is floating, for tensor inputs of dtypes ``sig``."""
+    key = (spec.key, sig)
+    got = _floating.get(key)
+    if got is not None:
+        return got
+    g = spec.graph.copy()
+    nodes = [n for n in g.nodes() if n.kind() != "prim::Constant"]
+    n_out = len(list(g.outputs()))
+    for n in nodes:
+        g.registerOutput(n.output())
+    dtypes = iter(sig)
+    samples = []
+    for is_t in spec.input_is_tensor:
+        if is_t:
+            dt, zero_dim = next(dtypes)
+            samples.append(torch.ones((), dtype=dt) if zero_dim else torch.empty((0,), dtype=dt))
+        else:
+            samples.append(1.0)
+    values = fallback.run_graph(g, samples)[n_out:]
+    # ids of the original graph's values: nodes are in the same order in the copy
+    orig = [n for n in spec.graph.nodes() if n.kind() != "prim::Constant"]
+    got = frozenset(n.output().unique() for n, val in zip(orig, values)
+                    if isinstance(val, torch.Tensor) and val.is_floating_point())
+    got |= frozenset(v.unique() for v, s in zip(spec.graph.inputs(), samples)
+                     if isinstance(s, torch.Tensor) and s.is_floating_point())
+    _floating[key] = got
+    return got
+
+
+def backward_for(spec: KernelSpec, needs: tuple, defined: tuple, sig: tuple) -> Optional[Backward]:
+    key = (spec.key, needs, defined, sig)
+    if key in _backwards:
+        return _backwards[key]
+    try:
+        bw = build_backward(spec, needs, defined, _floating_values(spec, sig))
+    except _Unsupported:
+        bw = None
+    except RuntimeError:  # eager rejects these dtypes (the type probe raised): the interpreter will say so
+        bw = None
+    with _lock:
+        _backwards.setdefault(key, bw)
+    return _backwards[key]
+
+
+class _Call:
+    """What the autograd Function needs besides the tensors: the group and where its arguments go."""
+
+    __slots__ = ("spec", "scalars", "needs", "sig", "saved")
+
+    def __init__(self, spec, scalars, needs, sig, saved):
+        self.spec, self.scalars, self.needs, self.sig, self.saved = spec, scalars, needs, sig, saved
+
+    def args(self, tensors: Sequence) -> list:
+        if self.spec.all_tensors:
+            return list(tensors)
+        ts, fs = iter(tensors), iter(self.scalars)
+        return [next(ts) if is_t else next(fs) for is_t in self.spec.input_is_tensor]
+
+
+class _FusedGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call: _Call, *tensors):
+        args = call.args(tensors)
+        out = executor.run(call.spec, args)  # grad mode is off in here: the forward kernel
+        if out is None:
+            out = fallback.run(call.spec, args)
+        ctx.call = call
+        ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
+        ctx.save_for_backward(*[t if keep else None for t, keep in zip(tensors, call.saved)])
+        ctx.mark_non_differentiable(*[o for o in out if not o.is_floating_point()])
+        ctx.set_materialize_grads(False)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call: _Call = ctx.call
+        spec = call.spec
+        saved = ctx.saved_tensors
+        n_t = len(saved)
+        defined = tuple(gr is not None for gr in grads)
+        result: list = [None] * n_t
+        if not any(defined):
+            return (None, *result)
+        bw = backward_for(spec, call.needs, defined, call.sig)
+        # graph input index -> tensor index
+        t_index, k = {}, 0
+        for j, is_t in enumerate(spec.input_is_tensor):
+            if is_t:
+                t_index[j] = k
+                k += 1
+        fwd_args = call.args(saved)
+        if bw.spec is not None:
+            args = [fwd_args[j] for j in bw.fwd_inputs] + [grads[k] for k in bw.grad_outputs]
+            outs = run(bw.spec, args)
+            for j, r in zip(bw.grad_inputs, outs):
+                shape = ctx.meta[t_index[j]][0]
+                result[t_index[j]] = r if r.shape == shape else r.sum_to_size(shape)
+        for j in bw.zero_inputs:
+            shape, dtype, device = ctx.meta[t_index[j]]
+            result[t_index[j]] = torch.zeros(shape, dtype=dtype, device=device)
+        return (None, *result)
+
+
+def differentiable(spec: KernelSpec, args: list) -> Optional[list[torch.Tensor]]:
+    """The group as one autograd Function, or None (the caller runs the interpreter) when grad mode is off,
+    no input requires grad, a transform or forward AD is active, or the gradient cannot be formed."""
+    if not torch.is_grad_enabled():
+        return None
+    if _forward_ad._current_level >= 0 or _functorch_stack() is not None:
+        return None
+    tensors, scalars = [], []
+    for a, is_t in zip(args, spec.input_is_tensor):
+        (tensors if is_t else scalars).append(a)
+    if len(args) != len(spec.input_is_tensor) or not tensors:
+        return None
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or not any(t.requires_grad for t in tensors):
+        return None
+    if not all(isinstance(s, (float, int)) and not isinstance(s, bool) for s in scalars):
+        return None
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        return None  # gradients would need moving between devices: eager's autograd does that
+    needs = tuple(bool(a.requires_grad) if is_t else False for a, is_t in zip(args, spec.input_is_tensor))
+    sig = tuple((t.dtype, t.dim() == 0) for t in tensors)
+    outs_defined = tuple(True for _ in spec.graph.outputs())
+    bw = backward_for(spec, needs, outs_defined, sig)
+    if bw is None:
+        return None
+    used = set(bw.fwd_inputs)
+    saved = []
+    for j, is_t in enumerate(spec.input_is_tensor):
+        if is_t:
+            saved.append(j in used)
+    call = _Call(spec, tuple(float(s) for s in scalars), needs, sig, tuple(saved))
+    return list(_FusedGroup.apply(call, *tensors))

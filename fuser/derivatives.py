@@ -1,0 +1,303 @@
+"""The derivative table: for each differentiable op of ``fuser/ops.py``, its inputs' gradients as pointwise
+formulas, written (like PyTorch's ``derivatives.yaml``) in the ops the fuser itself fuses, so a backward graph
+built from them is a fusion group too.
+
+A formula is ``f(g, x, y) -> list`` with ``g`` the output's gradient, ``x`` the node's inputs and ``y`` its
+output, all :class:`V` (graph values with arithmetic that appends nodes). It returns one entry per input:
+a :class:`V`, ``None`` (not differentiable: a scalar, a condition, a dtype argument), :data:`ZERO` (a
+gradient that is zero everywhere, e.g. ``floor``) or :data:`UNSUPPORTED` (no formula here: a group that needs
+that gradient runs through the interpreter, which records eager's autograd). Formulas follow eager's own
+(same operation order where it matters, same values at ties: ``max(a, a)`` splits the gradient in halves).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+from .ops import lookup
+
+ZERO = "zero"
+UNSUPPORTED = "unsupported"
+_TENSOR = torch._C.TensorType.get()
+
+
+class V:
+    """A value of the backward graph under construction; operators append aten nodes."""
+
+    __slots__ = ("graph", "value")
+
+    def __init__(self, graph: torch._C.Graph, value: torch._C.Value):
+        self.graph, self.value = graph, value
+
+    @property
+    def is_tensor(self) -> bool:
+        return isinstance(self.value.type(), torch._C.TensorType)
+
+    def constant(self):
+        """The Python value of a constant input, or None when it is not a constant (or is None)."""
+        n = self.value.node()
+        return n.output().toIValue() if n.kind() == "prim::Constant" else None
+
+    @property
+    def is_none(self) -> bool:
+        return isinstance(self.value.type(), torch._C.NoneType)
+
+    def __add__(self, o): return op("aten::add", self, o, 1)
+    __radd__ = __add__
+    def __sub__(self, o): return op("aten::sub", self, o, 1)
+    def __rsub__(self, o): return op("aten::rsub", self, o, 1)
+    def __mul__(self, o): return op("aten::mul", self, o)
+    __rmul__ = __mul__
+    def __truediv__(self, o): return op("aten::div", self, o)
+    def __neg__(self): return op("aten::neg", self)
+    def __gt__(self, o): return op("aten::gt", self, o)
+    def __lt__(self, o): return op("aten::lt", self, o)
+    def __ge__(self, o): return op("aten::ge", self, o)
+    def __le__(self, o): return op("aten::le", self, o)
+    def eq(self, o): return op("aten::eq", self, o)
+
+
+def op(kind: str, *args) -> V:
+    """Append ``kind(args)`` (Python numbers become constants) to the graph of the first :class:`V`."""
+    graph = next(a.graph for a in args if isinstance(a, V))
+    vals = [a.value if isinstance(a, V) else graph.insertConstant(a) for a in args]
+    node = graph.create(kind, vals, 1)
+    graph.insertNode(node)
+    node.output().setType(_TENSOR)
+    try:
+        schema = node.schema()
+    except RuntimeError:
+        schema = None
+    if schema is None or lookup(schema) is None:  # a formula must stay within the fusable ops
+        raise TypeError(f"no fusable schema of {kind} takes {[str(v.type()) for v in vals]}: {schema}")
+    return V(graph, node.output())
+
+
+def where(c, a, b) -> V:
+    return op("aten::where", c, a, b)
+
+
+def _f(name: str) -> Callable[[V], V]:
+    return lambda a: op(f"aten::{name}", a)
+
+
+exp, cos, sin, sinh, cosh, tanh, sqrt, rsqrt, log, trunc = map(
+    _f, ("exp", "cos", "sin", "sinh", "cosh", "tanh", "sqrt", "rsqrt", "log", "trunc"))
+erf = _f("erf")
+
+
+def _scalar_times(g: V, s: V, negate: bool = False):
+    """``g * s`` for a Scalar argument ``s`` (``-g * s`` when negate), skipping a constant 1."""
+    if s.constant() == 1:
+        return -g if negate else g
+    return (-g) * s if negate else g * s
+
+
+def _unary(f: Callable[[V, V, V], object]):
+    return lambda g, x, y: [f(g, x[0], y)]
+
+
+def _add(g, x, y):
+    return [g, _scalar_times(g, x[2], False) if x[1].is_tensor else None, None]
+
+
+def _sub(g, x, y):
+    return [g, _scalar_times(g, x[2], True) if x[1].is_tensor else None, None]
+
+
+def _rsub(g, x, y):  # other - alpha * self
+    return [_scalar_times(g, x[2], True), g if x[1].is_tensor else None, None]
+
+
+def _mul(g, x, y):
+    return [g * x[1], g * x[0] if x[1].is_tensor else None]
+
+
+def _div(g, x, y):
+    return [g / x[1], -g * ((x[0] / x[1]) / x[1]) if x[1].is_tensor else None]
+
+
+def _abs(g, x, y):
+    a = x[0]  # grad * sgn(a), and sgn(NaN) is 0
+    return [where(a > 0, g, where(a < 0, -g, g * 0))]
+
+
+def _max_min(drop_self_where: str):
+    def f(g, x, y):
+        a, b = x
+        half = where(a.eq(b), g / 2, g)
+        less, greater = (a < b), (a > b)
+        if drop_self_where == "less":  # maximum: self loses where self < other
+            return [where(less, 0.0, half), where(greater, 0.0, half)]
+        return [where(greater, 0.0, half), where(less, 0.0, half)]
+    return f
+
+
+def _pow_scalar(g, x, y):
+    e = x[1].constant()
+    if e is None:
+        return [UNSUPPORTED, None]
+    if e == 0:
+        return [ZERO, None]
+    return [g * (op("aten::pow", x[0], e - 1) * e), None]
+
+
+def _pow(g, x, y):
+    a, b = x
+    if not a.is_tensor:  # pow(Scalar self, Tensor exponent)
+        c = a.constant()
+        if c is None or not c > 0:
+            return [None, UNSUPPORTED]
+        return [None, g * (y * math.log(c))]
+    ga = where(b.eq(0.0), 0.0, g * (b * op("aten::pow", a, b - 1)))
+    gexp = g * (y * log(a))
+    gb = where(a.eq(0.0), where(b >= 0.0, 0.0, gexp), gexp)
+    return [ga, gb]
+
+
+def _where(g, x, y):
+    c, a, b = x
+    return [None, where(c, g, 0.0) if a.is_tensor else None, where(c, 0.0, g) if b.is_tensor else None]
+
+
+def _clamp(g, x, y):
+    a, lo, hi = x
+    if (lo.is_tensor and not lo.is_none) or (hi.is_tensor and not hi.is_none):
+        return [UNSUPPORTED, UNSUPPORTED, UNSUPPORTED]  # clamp.Tensor: bounds' gradients are not here
+    r = g
+    if not hi.is_none:
+        r = where(a <= hi, r, 0.0)
+    if not lo.is_none:
+        r = where(a >= lo, r, 0.0)
+    return [r, None, None]
+
+
+def _clamp_min(g, x, y):
+    a, m = x
+    return [where(a >= m, g, 0.0), where(a < m, g, 0.0) if m.is_tensor else None]
+
+
+def _clamp_max(g, x, y):
+    a, m = x
+    return [where(a <= m, g, 0.0), where(a > m, g, 0.0) if m.is_tensor else None]
+
+
+def _lerp(g, x, y):
+    a, b, w = x
+    if w.is_tensor:
+        return [g * (1 - w), g * w, g * (b - a)]
+    c = w.constant()
+    return [g * (1.0 - c) if c is not None else g - g * w, g * w, None]
+
+
+def _addcmul(g, x, y):
+    a, t1, t2, v = x
+    return [g, _scalar_times(g * t2, v), _scalar_times(g * t1, v), None]
+
+
+def _atan2(g, x, y):
+    a, b = x
+    recip = op("aten::reciprocal", a * a + b * b)
+    return [(g * b) * recip, (g * (-a)) * recip]
+
+
+def _fmod(g, x, y):
+    a, b = x
+    return [g, (-g) * trunc(a / b) if b.is_tensor else None]
+
+
+def _remainder(g, x, y):
+    a, b = x
+    return [g if a.is_tensor else None, UNSUPPORTED if b.is_tensor else None]
+
+
+_SQRT1_2 = math.sqrt(0.5)
+_GELU_PDF = 2 / math.sqrt(math.pi) * _SQRT1_2 * 0.5
+_GELU_BETA = math.sqrt(2) * 2 / math.sqrt(math.pi) * 0.5
+_GELU_KAPPA = 0.044715
+
+
+def _gelu(g, x, y):
+    a = x[0]
+    if x[1].constant() == "tanh":
+        x_sq = a * a
+        t = tanh((a + (x_sq * a) * _GELU_KAPPA) * _GELU_BETA)
+        left_d = (t + 1.0) * 0.5
+        right_d = ((a * 0.5) * (1 - t * t)) * _GELU_BETA * ((x_sq * (3 * _GELU_KAPPA)) + 1.0)
+        return [g * (left_d + right_d), None]
+    cdf = (erf(a * _SQRT1_2) + 1.0) * 0.5
+    pdf = exp((a * a) * -0.5) * _GELU_PDF
+    return [g * (cdf + a * pdf), None]
+
+
+def _silu(g, a, y):
+    s = op("aten::sigmoid", a)
+    return g * s * ((a * (1 - s)) + 1.0)
+
+
+_LN2, _LN10, _TWO_OVER_SQRT_PI = math.log(2.0), math.log(10.0), 2.0 / math.sqrt(math.pi)
+
+DERIVATIVES: dict[str, Callable] = {
+    "abs": _abs,
+    "acos": _unary(lambda g, a, y: -(g * rsqrt((-a) * a + 1.0))),
+    "asin": _unary(lambda g, a, y: g * rsqrt((-a) * a + 1.0)),
+    "atan": _unary(lambda g, a, y: g / (a * a + 1.0)),
+    "ceil": _unary(lambda g, a, y: ZERO),
+    "cos": _unary(lambda g, a, y: g * (-sin(a))),
+    "cosh": _unary(lambda g, a, y: g * sinh(a)),
+    "exp": _unary(lambda g, a, y: g * y),
+    "expm1": _unary(lambda g, a, y: g * (y + 1.0)),
+    "erf": _unary(lambda g, a, y: exp(-(a * a)) * _TWO_OVER_SQRT_PI * g),
+    "erfc": _unary(lambda g, a, y: exp(-(a * a)) * (-_TWO_OVER_SQRT_PI) * g),
+    "floor": _unary(lambda g, a, y: ZERO),
+    "frac": _unary(lambda g, a, y: g),
+    "lgamma": _unary(lambda g, a, y: UNSUPPORTED),  # digamma is not a fused op
+    "log": _unary(lambda g, a, y: g / a),
+    "log10": _unary(lambda g, a, y: g / (a * _LN10)),
+    "log1p": _unary(lambda g, a, y: g / (a + 1.0)),
+    "log2": _unary(lambda g, a, y: g / (a * _LN2)),
+    "neg": _unary(lambda g, a, y: -g),
+    "reciprocal": _unary(lambda g, a, y: (-g) * (y * y)),
+    "relu": _unary(lambda g, a, y: where(y <= 0.0, 0.0, g)),
+    "round": _unary(lambda g, a, y: ZERO),
+    "rsqrt": _unary(lambda g, a, y: (g * -0.5) * (y * y * y)),
+    "sigmoid": _unary(lambda g, a, y: g * (1 - y) * y),
+    "sin": _unary(lambda g, a, y: g * cos(a)),
+    "sinh": _unary(lambda g, a, y: g * cosh(a)),
+    "sqrt": _unary(lambda g, a, y: g / (y * 2.0)),
+    "tan": _unary(lambda g, a, y: g * (y * y + 1.0)),
+    "tanh": _unary(lambda g, a, y: g * (1 - y * y)),
+    "trunc": _unary(lambda g, a, y: ZERO),
+    "silu": _unary(_silu),
+    "gelu": _gelu,
+    "hardtanh": lambda g, x, y: [where(x[0] <= x[1], 0.0, where(x[0] >= x[2], 0.0, g)), None, None],
+    "add": _add,
+    "sub": _sub,
+    "rsub": _rsub,
+    "mul": _mul,
+    "div": _div,
+    "atan2": _atan2,
+    "fmod": _fmod,
+    "remainder": _remainder,
+    "maximum": _max_min("less"),
+    "minimum": _max_min("greater"),
+    "pow": _pow,
+    "pow_scalar": _pow_scalar,
+    "where": _where,
+    "type_as": lambda g, x, y: [g, None],
+    "clamp": _clamp,
+    "clamp_min": _clamp_min,
+    "clamp_max": _clamp_max,
+    "threshold": lambda g, x, y: [where(x[0] <= x[1], 0.0, g), None, None],
+    "lerp": _lerp,
+    "addcmul": _addcmul,
+}
+
+# ops whose results are never differentiable (bool results): gradients stop there
+NOT_DIFFERENTIABLE = frozenset({"eq", "ne", "ge", "gt", "le", "lt"})
+
+
+def formula(op_name: str) -> Optional[Callable]:
+    return DERIVATIVES.get(op_name)
