@@ -8,7 +8,11 @@ Workloads (float32, float16, bfloat16; a large and a small size each):
 * ``mul_add``: ``a * b + c`` on 2^26 elements;
 * ``gelu_bias``: tanh-form GELU of ``x + bias``, x 16384x4096, bias (4096,) broadcast over rows;
 * ``lstm_cell``: an LSTM cell's pointwise tail after ``gates.chunk(4, 1)``, gates 16384x8192, cx 16384x2048;
-* ``silu_scale``: ``x * sigmoid(x) * s`` with ``s`` a Python float argument, 2^26 elements.
+* ``silu_scale``: ``x * sigmoid(x) * s`` with ``s`` a Python float argument, 2^26 elements;
+* ``gelu_bias_train``, ``lstm_cell_train`` (float32, bfloat16): forward + backward of those two, i.e. the
+  gradients of every input (bias included: a broadcast input, its gradient summed over rows) for random
+  output gradients. Floor bytes: inputs read twice (forward and backward), outputs written, output gradients
+  read, input gradients written.
 
 Systems (columns): ``eager`` (the plain Python function), ``ts_nnc`` (``torch.jit.script`` with the profiling
 executor's defaults, i.e. NNC), ``ts_legacy`` (the legacy executor and PyTorch's legacy C++ fuser),
@@ -86,6 +90,8 @@ class Workload:
     source: str  # defines one function named ``name``; valid as both Python and TorchScript
     shapes: dict  # size name ("large", "small", "quick") -> shape parameters for make_inputs
     make_inputs: Callable[[tuple, torch.dtype, torch.device], list]
+    train: bool = False  # time forward + backward: gradients of every floating input for random output grads
+    dtypes: tuple = DTYPES
 
 
 def _randn(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -131,6 +137,25 @@ WORKLOADS = (
         lambda s, dt, dev: [_randn(s, dt, dev), 1.7],
     ),
 )
+
+
+_GELU_SRC = WORKLOADS[1].source.replace("def gelu_bias(", "def gelu_bias_train(")
+_LSTM_SRC = WORKLOADS[2].source.replace("def lstm_cell(", "def lstm_cell_train(")
+WORKLOADS += (
+    Workload("gelu_bias_train", _GELU_SRC, WORKLOADS[1].shapes, WORKLOADS[1].make_inputs, train=True,
+             dtypes=(torch.float32, torch.bfloat16)),
+    Workload("lstm_cell_train", _LSTM_SRC, WORKLOADS[2].shapes, WORKLOADS[2].make_inputs, train=True,
+             dtypes=(torch.float32, torch.bfloat16)),
+)
+
+
+def _train_step(fn: Callable) -> Callable:
+    """fn's forward and backward: the inputs' gradients for the output gradients passed last."""
+    def step(*args):
+        inputs, grad_outputs = args[:-1], args[-1]
+        wrt = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
+        return torch.autograd.grad(_as_list(fn(*inputs)), wrt, grad_outputs)
+    return step
 
 
 def _python_function(wl: Workload) -> Callable:
@@ -349,6 +374,8 @@ def run_cell(wl: Workload, system: str, size: str, sets: list, ref, device: torc
     cell: dict = {}
     try:
         with SYSTEM_CONTEXTS[system](wl) as fn:
+            if wl.train:
+                fn = _train_step(fn)
             kernels_before = fuser.n_compiled_kernels()
             built_before = set(_fuser_build_ms())
             _sync(device)
@@ -385,16 +412,33 @@ def run_row(wl: Workload, dtype: torch.dtype, size: str, systems: Sequence[str],
     """All systems on one (workload, dtype, size)."""
     shape = wl.shapes["quick" if quick and size == "large" else size]
     torch.manual_seed(0)
-    first = wl.make_inputs(shape, dtype, device)
-    set_bytes = _nbytes(first)
+    make = wl.make_inputs
+    if wl.train:  # floating inputs require grad; the output gradients ride along as the last argument
+        def make(s, dt, dev):
+            inputs = [v.requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                      for v in wl.make_inputs(s, dt, dev)]
+            with torch.no_grad():
+                outs = _as_list(_python_function(wl)(*inputs))
+            return [*inputs, tuple(torch.randn_like(o) for o in outs)]
+    first = make(shape, dtype, device)
+    set_bytes = _nbytes(first) if not wl.train else _nbytes(first[:-1]) + _nbytes(first[-1])
     n_sets = 1 if set_bytes >= ROTATE_BELOW_BYTES else N_ROTATED_SETS
-    sets = [first] + [wl.make_inputs(shape, dtype, device) for _ in range(n_sets - 1)]
-    ref = _python_function(wl)(*first)
+    sets = [first] + [make(shape, dtype, device) for _ in range(n_sets - 1)]
+    eager_fn = _python_function(wl)
+    ref = (_train_step(eager_fn) if wl.train else eager_fn)(*first)
     _sync(device)
-    traffic = set_bytes + _nbytes(_as_list(ref))
+    if wl.train:
+        # forward: inputs read, outputs written; backward: output gradients and inputs read, gradients written
+        with torch.no_grad():
+            outs = _as_list(eager_fn(*first[:-1]))
+        traffic = 2 * _nbytes(first[:-1]) + _nbytes(outs) + _nbytes(first[-1]) + _nbytes(_as_list(ref))
+        del outs
+    else:
+        traffic = set_bytes + _nbytes(_as_list(ref))
     floor_us = traffic / copy_rate * 1e6
     row = {"workload": wl.name, "dtype": str(dtype).replace("torch.", ""), "size": size,
-           "input_shapes": [list(v.shape) if isinstance(v, torch.Tensor) else repr(v) for v in first],
+           "input_shapes": [list(v.shape) if isinstance(v, torch.Tensor) else repr(v)
+                            for v in (first[:-1] if wl.train else first)],
            "n_input_sets": n_sets, "bytes_per_call": traffic, "floor_us": floor_us, "cells": {}}
     ref_scale = max((r.abs().max().item() for r in _as_list(ref) if r.numel()), default=0.0)
     for system in systems:
@@ -544,7 +588,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = []
     for wl in workloads:
         for size in SIZES:
-            for dtype in DTYPES:
+            for dtype in wl.dtypes:
                 t0 = time.perf_counter()
                 rows.append(run_row(wl, dtype, size, args.systems, device, cfg, args.quick, copy_rate))
                 print(f"  {wl.name:<10} {str(dtype)[6:]:<9} {size:<5} {time.perf_counter() - t0:6.1f}s",

@@ -275,3 +275,55 @@ def test_lstm_cell_with_chunk_motion_on_cuda(dtype):
 @pytest.mark.parametrize("op", sorted(FMA_OPS))
 def test_fused_multiply_adds_match_eager_bitwise(op, dtype):
     check_fused_multiply_adds(op, dtype, "cuda")
+
+
+def _fused_backward(outputs) -> bool:
+    return any(type(o.grad_fn).__name__ == "_FusedGroupBackward" for o in outputs if o.grad_fn is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_block_gradients_on_cuda(dtype):
+    """Forward and backward kernels on CUDA; gradients as close to float64 truth as eager's (or within
+    the dtype's tolerance)."""
+    def block(x, b):
+        return torch.nn.functional.gelu(x + b, approximate="tanh") * 0.5
+    f = fuser.fuse(torch.jit.script(block))
+    x = torch.randn(256, 1024, device="cuda", dtype=dtype, requires_grad=True)
+    b = torch.randn(1024, device="cuda", dtype=dtype, requires_grad=True)
+    for _ in range(3):  # past the profiling runs
+        out = f(x, b)
+    assert _fused_backward([out])
+    g = torch.randn_like(out)
+    mine = torch.autograd.grad(out, (x, b), g)
+    x2, b2 = (t.detach().clone().requires_grad_() for t in (x, b))
+    theirs = torch.autograd.grad(block(x2, b2), (x2, b2), g)
+    x3, b3 = (t.detach().double().requires_grad_() for t in (x, b))
+    truth = torch.autograd.grad(block(x3, b3), (x3, b3), g.double())
+    for m, t, tr in zip(mine, theirs, truth):
+        assert m.dtype == t.dtype and m.shape == t.shape and m.device == t.device
+        tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype]
+        bad = (m.double() - tr).abs() > (t.double() - tr).abs() + tol * (1 + tr.abs())
+        assert not bool(bad.any()), (m[bad][:4], t[bad][:4], tr[bad][:4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lstm_cell_gradients_on_cuda(dtype):
+    from test_chunk import lstm_cell
+    f = fuser.fuse(torch.jit.script(lstm_cell))
+    B, I, H = 64, 96, 256
+    shapes = ((B, I), (B, H), (B, H), (4 * H, I), (4 * H, H), (4 * H,), (4 * H,))
+    args = [(torch.randn(s, device="cuda", dtype=dtype) * 0.5).requires_grad_() for s in shapes]
+    for _ in range(3):
+        hy, cy = f(*args)
+    assert _fused_backward([hy, cy])
+    ghy, gcy = torch.randn_like(hy), torch.randn_like(cy)
+    mine = torch.autograd.grad((hy, cy), args, (ghy, gcy))
+    ref_args = [a.detach().double().requires_grad_() for a in args]
+    truth = torch.autograd.grad(lstm_cell(*ref_args), ref_args, (ghy.double(), gcy.double()))
+    e_args = [a.detach().clone().requires_grad_() for a in args]
+    theirs = torch.autograd.grad(lstm_cell(*e_args), e_args, (ghy, gcy))
+    for m, t, tr in zip(mine, theirs, truth):
+        assert m.dtype == dtype and m.shape == t.shape
+        tol = {torch.float32: 1e-3, torch.bfloat16: 5e-2}[dtype]
+        bad = (m.double() - tr).abs() > (t.double() - tr).abs() + tol * (1 + tr.abs())
+        assert not bool(bad.any()), (m[bad][:4], t[bad][:4], tr[bad][:4])
