@@ -66,6 +66,8 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     arrives for it. floating: ``unique()`` ids of the graph values whose dtype is floating for these inputs
     (gradients flow through those only, as in eager, where integer and bool results never require grad).
     """
+    if spec.random:  # the backward would recompute the forward and draw other numbers
+        raise _Unsupported("random ops")
     fwd = spec.graph
     g = torch._C.Graph()
     env: dict[int, torch._C.Value] = {}

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import ops
+from . import ops, rng
 from .cpu import templates as cpu_t
 from .cuda import templates as cuda_t
 from .descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, TensorDesc, compute_type, family, storage_type
@@ -124,6 +124,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
                          f"and {n_scalars} scalars")
 
     body: list[str] = []
+    n_random = 0
     for j, (node, nt) in enumerate(zip(nodes, node_types)):
         op = ops.lookup(node.schema())
         if op is None:
@@ -141,6 +142,21 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
                              f"{variant!r})")
         rounding = target in op.round_operands and nt.compute in REDUCED  # scalars, on this target
         round_values = op.discrete and nt.compute in REDUCED  # computed operands, on every target
+        if op.random:
+            if nt.result != torch.float64 and nt.result not in rng.BITS:
+                raise NotFusable(f"{op.name} of {nt.result}")
+            if n_random >= rng.MAX_RANDOM_OPS:
+                raise NotFusable(f"more than {rng.MAX_RANDOM_OPS} random ops in one group")
+            options_given = [k for k, v in enumerate(node.inputs()) if k >= 2 and v.toIValue() is not None]
+            if options_given:  # layout, device, pin_memory, memory_format: eager's job
+                raise NotFusable(f"{op.name} with tensor options {options_given}")
+            consts = {"r": str(n_random), "bits": str(rng.BITS.get(nt.result, 53)), "T": compute_type(nt.compute)}
+            n_random += 1
+            out = node.output()
+            rtype = compute_type(nt.result)
+            vname[out.unique()], vtype[out.unique()], vdtype[out.unique()] = f"v{j}", rtype, nt.result
+            body.append(f"const {rtype} v{j} = ({rtype})({tmpl.substitute(consts)});")
+            continue
         for i, v in enumerate(node.inputs()):
             if i == op.variant_arg:
                 continue
@@ -179,7 +195,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
     outputs = list(graph.outputs())
     out_dtypes = [node_types[_index_of(nodes, o.node())].result for o in outputs]
     gen = _CpuGen if target == "cpu" else _CudaGen
-    return gen(name, inputs, n_scalars, outputs, out_dtypes, vname, body, options).source()
+    return gen(name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, n_random > 0).source()
 
 
 def _index_of(nodes: list, node) -> int:
@@ -194,10 +210,12 @@ class _Gen:
 
     indent = "    "
 
-    def __init__(self, name, inputs, n_scalars, outputs, out_dtypes, vname, body, options):
+    def __init__(self, name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, random=False):
         self.name, self.inputs, self.n_scalars = name, inputs, n_scalars
         self.outputs, self.out_dtypes, self.vname = outputs, out_dtypes, vname
-        self.body, self.options = body, options
+        self.body, self.options, self.random = body, options, random
+        # random kernels take the launch's Philox state in rng.N_STATE float slots after the float arguments
+        self.n_scalar_slots = n_scalars + (rng.N_STATE if random else 0)
         self.strided = [k for k, d in enumerate(inputs) if d.layout in STRIDED_LAYOUTS]
 
     def pointer_decls(self, ptrs: str) -> list[str]:
@@ -214,12 +232,18 @@ class _Gen:
         return [f"const {compute_type(d.dtype)} x{k} = fz_ld(t{k}[0]);"
                 for k, d in enumerate(self.inputs) if d.layout == SCALAR]
 
-    def element_body(self, load, store) -> list[str]:
+    def rng_state(self, scalars: str) -> list[str]:
+        if not self.random:
+            return []
+        words = ", ".join(f"(unsigned int){scalars}[{self.n_scalars + w}]" for w in range(rng.N_STATE))
+        return [f"const unsigned int fz_rs[{rng.N_STATE}] = {{{words}}};"]
+
+    def element_body(self, load, store, index: str = "i") -> list[str]:
         lines = []
         for k, d in enumerate(self.inputs):
             if d.layout != SCALAR:
                 lines.append(f"const {compute_type(d.dtype)} x{k} = fz_ld({load(k, d)});")
-        lines += self.body
+        lines += [ln.replace("@IDX@", f"(unsigned long long)({index})") for ln in self.body]
         for m, (o, dt) in enumerate(zip(self.outputs, self.out_dtypes)):
             lines.append(f"{store(m)} = fz_st<{storage_type(dt)}>({self.vname[o.unique()]});")
         return lines
@@ -247,6 +271,7 @@ class _CpuGen(_Gen):
     def source(self) -> str:
         params = self.pointer_decls("ptrs")
         params += [f"const double s{j} = scalars[{j}];" for j in range(self.n_scalars)]
+        params += self.rng_state("scalars")
         params += [f"const int64_t* st{k} = strides + {j} * rank;" for j, k in enumerate(self.strided)]
         body = self.element_body(self.scalar_load, lambda m: f"o{m}[i]")
         if self.strided:
@@ -261,7 +286,7 @@ class _CpuGen(_Gen):
             loop = cpu_t.LOOP_FLAT.substitute(parallel_threshold=CPU_PARALLEL_THRESHOLD,
                                               body=self.block(body, "    "))
         return cpu_t.KERNEL.substitute(
-            name=self.name, prelude=cpu_t.PRELUDE, params=self.block(params, "  "),
+            name=self.name, prelude=cpu_t.PRELUDE + (cpu_t.RNG if self.random else ""), params=self.block(params, "  "),
             hoisted=self.block(self.hoisted(), "  "), loop=loop)
 
 
@@ -269,12 +294,13 @@ class _CudaGen(_Gen):
     def source(self) -> str:
         params = self.pointer_decls("args.ptrs")
         params += [f"const double s{j} = args.scalars[{j}];" for j in range(self.n_scalars)]
+        params += self.rng_state("args.scalars")
         body = self.element_body(self.scalar_load, lambda m: f"o{m}[i]")
         return cuda_t.KERNEL.substitute(
-            name=self.name, prelude=cuda_t.PRELUDE,
+            name=self.name, prelude=cuda_t.PRELUDE + (cuda_t.RNG if self.random else ""),
             index_t="int" if self.options.index32 else "long long",
             max_dims=cuda_t.MAX_DIMS, n_strided_slots=max(1, len(self.strided)),
-            n_ptrs=len(self.inputs) + len(self.outputs), n_scalar_slots=max(1, self.n_scalars),
+            n_ptrs=len(self.inputs) + len(self.outputs), n_scalar_slots=max(1, self.n_scalar_slots),
             block_size=self.options.block_size,
             params=self.block(params, "  "), hoisted=self.block(self.hoisted(), "  "),
             vector_loop=self.vector_loop(),
@@ -303,7 +329,7 @@ class _CudaGen(_Gen):
         vstores = [f"*reinterpret_cast<fz_vec<{storage_type(dt)}, {vec}>*>(o{m} + base) = ov{m};"
                    for m, dt in enumerate(self.out_dtypes)]
         vbody = self.element_body(lambda k, d: f"xr{k}" if d.layout == REPEAT else f"xv{k}.v[k]",
-                                  lambda m: f"ov{m}.v[k]")
+                                  lambda m: f"ov{m}.v[k]", index="base + k")
         return cuda_t.VECTOR_LOOP.substitute(
             vec=vec, vloads=self.block(vloads, "      "), vdecls=self.block(vdecls, "      "),
             vbody=self.block(vbody, "        "), vstores=self.block(vstores, "      "))

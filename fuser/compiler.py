@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from . import codegen, ops
+from . import codegen, ops, rng
 from .descs import DTYPES, STRIDED_LAYOUTS, ArgSpec, TensorDesc
 from .fallback import run_graph
 from .kernel_cache import KernelSpec
@@ -53,6 +53,7 @@ class CompiledKernel:
     # per float argument: (index, lowest, highest, non-finite allowed) over the dtypes its ops convert it to;
     # a value outside makes eager raise (or convert differently), so such calls fall back
     scalar_limits: tuple = ()
+    random: bool = False  # draws random numbers: each launch appends rng.launch_state() to the float arguments
 
 
 def _sample(desc: TensorDesc) -> torch.Tensor:
@@ -117,14 +118,15 @@ def build(spec: KernelSpec, arg_spec: ArgSpec) -> Optional[CompiledKernel]:
         backend, compiled = cpu_compiler.compile_kernel(source, name), True
     else:
         from .cuda import launch as cuda_launch
-        backend, compiled = cuda_launch.load_kernel(source, name, arg_spec, len(strided), out_dtypes,
-                                                    len(spec.input_is_tensor) - spec.n_tensor_inputs, vec)
+        n_slots = len(spec.input_is_tensor) - spec.n_tensor_inputs + (rng.N_STATE if spec.random else 0)
+        backend, compiled = cuda_launch.load_kernel(source, name, arg_spec, len(strided), out_dtypes, n_slots,
+                                                    vec)
     if compiled:
         _count_compile()
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: compiled {name} for {arg_spec}\n{source}", file=sys.stderr)
     return CompiledKernel(name, arg_spec, out_dtypes, source, strided, vec, backend,
-                          (time.perf_counter() - t0) * 1e3, _scalar_limits(spec, nodes, types))
+                          (time.perf_counter() - t0) * 1e3, _scalar_limits(spec, nodes, types), spec.random)
 
 
 def _scalar_limits(spec: KernelSpec, nodes, types) -> tuple:

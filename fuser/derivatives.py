@@ -296,7 +296,7 @@ DERIVATIVES: dict[str, Callable] = {
 }
 
 # ops whose results are never differentiable (bool results): gradients stop there
-NOT_DIFFERENTIABLE = frozenset({"eq", "ne", "ge", "gt", "le", "lt"})
+NOT_DIFFERENTIABLE = frozenset({"eq", "ne", "ge", "gt", "le", "lt", "rand_like"})
 
 
 def formula(op_name: str) -> Optional[Callable]:

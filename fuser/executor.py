@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from . import compiler, settings
+from . import compiler, rng, settings
 from .cuda import templates as cuda_t
 from .descs import DENSE, DTYPES, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, ArgSpec, TensorDesc
 from .kernel_cache import KernelSpec
@@ -122,6 +122,9 @@ def plan(spec: KernelSpec, args: Sequence) -> Union[Plan, str]:
         for deps in spec.output_deps:
             if torch.broadcast_shapes(*(shapes[k] for k in deps)) != shape:
                 return "an output's shape differs from the group's broadcast shape"
+        for deps in spec.random_deps:  # numbers are drawn per map element: rand_like's input must span it
+            if torch.broadcast_shapes(*(shapes[k] for k in deps)) != shape:
+                return "rand_like of a value smaller than the group's broadcast shape"
     numel = math.prod(shape)
 
     if all(t.is_contiguous() and t.shape == shape for t in tensors):
@@ -247,6 +250,8 @@ def run(spec: KernelSpec, args: Sequence) -> Optional[list[torch.Tensor]]:
         outputs = [torch.empty(geo.shape, dtype=dt, device=device) for dt in geo.out_dtypes]
     if geo.numel == 0:
         return outputs
+    if geo.kernel.random:
+        scalars = [*scalars, *rng.launch_state(device)]
     if geo.cpu_args is not None:
         _launch_cpu(geo, tensors, scalars, outputs)
     else:

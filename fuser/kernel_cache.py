@@ -86,6 +86,9 @@ class KernelSpec:
         # identity across processes: a saved TorchScript module carries these, not the per-process key
         self.digest = hashlib.sha256(self.text.encode()).hexdigest()[:32]
         self.ir = self.graph.str(False)
+        # rand_like inside: every launch draws fresh numbers, and a backward cannot recompute the forward
+        self.random_deps = _random_deps(self.graph)
+        self.random = bool(self.random_deps)
 
     @property
     def n_tensor_inputs(self) -> int:
@@ -129,6 +132,19 @@ _MISSING = object()
 
 
 def _output_deps(graph: torch._C.Graph) -> tuple[frozenset[int], ...]:
+    deps = _value_deps(graph)
+    return tuple(deps.get(v.unique(), frozenset()) for v in graph.outputs())
+
+
+def _random_deps(graph: torch._C.Graph) -> tuple[frozenset[int], ...]:
+    """Per random op (rand_like): the tensor inputs that decide its input's shape. Its numbers are drawn
+    per element of the map, so that shape must be the map's (else eager broadcasts one draw: fall back)."""
+    deps = _value_deps(graph)
+    return tuple(deps.get(n.inputsAt(0).unique(), frozenset()) for n in graph.nodes()
+                 if n.kind().startswith("aten::") and getattr(ops.lookup(n.schema()), "random", False))
+
+
+def _value_deps(graph: torch._C.Graph) -> dict[int, frozenset[int]]:
     tensor_index = {}
     for v in graph.inputs():
         if _is_tensor(v):
@@ -142,7 +158,7 @@ def _output_deps(graph: torch._C.Graph) -> tuple[frozenset[int], ...]:
         d = frozenset().union(*(deps.get(v.unique(), frozenset()) for v in inputs))
         for o in n.outputs():
             deps[o.unique()] = d
-    return tuple(deps.get(v.unique(), frozenset()) for v in graph.outputs())
+    return deps
 
 
 class KernelStore:

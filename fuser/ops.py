@@ -61,6 +61,9 @@ class OpDef:
     otherwise bound by arithmetic, not memory. (``__expf`` flushes results below 2^-126 to zero, and
     ``__fdividef`` returns 0 for divisors above 2^126: results under 1.2e-38 that only bfloat16 could have
     held become 0, an absolute change below any tolerance.)
+    random: the op draws random numbers (``rand_like``, see ``fuser/rng.py``): ``$r`` is its ordinal among
+    the group's random ops, ``$bits`` the random bits its result dtype holds, ``@IDX@`` the element's index in
+    the map; its arguments after ``self`` are constant tensor options, of which only ``dtype`` may be given.
     """
 
     name: str
@@ -75,6 +78,7 @@ class OpDef:
     discrete: bool = False
     shape_args: Optional[tuple[int, ...]] = None
     fast: Mapping[Optional[str], str] = field(default_factory=dict)
+    random: bool = False
 
     def template(self, variant: Optional[str], family: str) -> Optional[string.Template]:
         exprs = self.exprs.get(variant)
@@ -209,6 +213,9 @@ _OPS: list[OpDef] = [
           # eager's two-sided formula (exact at weight 0 and 1), with eager's fused multiply-adds
           {None: Exprs("(fabsf($c) < 0.5f ? fmaf($c, $b - $a, $a) : fmaf($a - $b, 1.f - $c, $b))",
                        "(fabs($c) < 0.5 ? fma($c, $b - $a, $a) : fma($a - $b, 1.0 - $c, $b))")}),
+    OpDef("rand_like", ("aten::rand_like(Tensor self, *, ScalarType? dtype=None, Layout? layout=None, "
+                        "Device? device=None, bool? pin_memory=None, MemoryFormat? memory_format=None) -> Tensor",),
+          {None: Exprs("fz_uniform_f(fz_rs, $r, @IDX@, $bits)", "fz_uniform_d(fz_rs, $r, @IDX@)")}, random=True),
     OpDef("addcmul", ("aten::addcmul(Tensor self, Tensor tensor1, Tensor tensor2, *, Scalar value=1) -> Tensor",),
           # eager: fma(value * tensor1, tensor2, self)
           {None: Exprs("fmaf($d * $b, $c, $a)", "fma($d * $b, $c, $a)", "($T)($a + $d * $b * $c)")}),

@@ -278,3 +278,13 @@ def check_fused_multiply_adds(op: str, dtype: torch.dtype, device: str) -> None:
     assert not bool(bad.any()), (op, int(bad.sum()), out[0][bad][:4], expected[bad][:4])
     if not op.startswith("lerp"):
         assert bool(expected[:3].isfinite().all())
+
+
+def assert_op_result(case: Case, actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """:func:`assert_same`, except for random ops, whose numbers are not eager's: there the same dtype, shape
+    and device, and values in [0, 1) (tests/test_random.py checks the distribution)."""
+    if ops.OPS_BY_NAME[case.op].random:
+        assert (actual.dtype, actual.shape, actual.device) == (expected.dtype, expected.shape, expected.device)
+        assert bool(((actual >= 0) & (actual < 1)).all())
+        return
+    assert_same(actual, expected)

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 import torch
-from helpers import (FMA_OPS, SIGMOID_GT_IR as IR, assert_same, assert_same_comparison, build, cases,
+from helpers import (FMA_OPS, SIGMOID_GT_IR as IR, assert_op_result, assert_same, assert_same_comparison, build, cases,
                      check_fused_multiply_adds, check_scalar_rounding, eager, expect_fused, make_args, random_tensor,
                      sigmoid_gt_reference as reference)
 
@@ -39,10 +39,10 @@ def test_op_cuda_vs_eager(case, dtype):
     out = executor.run(STORE.get(key), args)
     if expect_fused(case, expected, dtype):
         assert out is not None, f"{case.id} on {dtype} fell back"
-        assert_same(out[0], expected)
+        assert_op_result(case, out[0], expected)
     else:
         assert out is None
-    assert_same(fuser.run_fusion(key, args)[0], expected)
+    assert_op_result(case, fuser.run_fusion(key, args)[0], expected)
 
 
 def _check(x, y, s=0.25, dtype=None):
@@ -327,3 +327,25 @@ def test_lstm_cell_gradients_on_cuda(dtype):
         tol = {torch.float32: 1e-3, torch.bfloat16: 5e-2}[dtype]
         bad = (m.double() - tr).abs() > (t.double() - tr).abs() + tol * (1 + tr.abs())
         assert not bool(bad.any()), (m[bad][:4], t[bad][:4], tr[bad][:4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_rand_like_on_cuda(dtype):
+    """Distribution, torch.manual_seed repeatability, fresh numbers per call (the CUDA generator's offset
+    advances), and equal values from the vector path (contiguous input) and the scalar path (transposed)."""
+    from test_random import DROPOUT_IR, check_distribution
+    key = STORE.register(torch.parse_ir(DROPOUT_IR))
+    x = torch.randn(1024, 1536, device="cuda", dtype=dtype)
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    torch.manual_seed(11)
+    offset = gen.get_offset()
+    a = executor.run(STORE.get(key), [x, 0.3, 1 / 0.7])
+    assert a is not None and gen.get_offset() > offset
+    torch.manual_seed(11)
+    b = executor.run(STORE.get(key), [x.t().contiguous().t(), 0.3, 1 / 0.7])
+    c = executor.run(STORE.get(key), [x, 0.3, 1 / 0.7])
+    assert torch.equal(a[1], b[1])
+    assert not torch.equal(a[1], c[1])
+    check_distribution(a[1])
+    kept = a[1] > 0.3
+    assert torch.equal(a[0] != 0, kept & (x != 0))

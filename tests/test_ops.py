@@ -2,7 +2,7 @@
 NVRTC for sm_80 and sm_90 (no GPU needed)."""
 import pytest
 import torch
-from helpers import FMA_OPS, assert_same, build, cases, check_fused_multiply_adds, eager, expect_fused, make_args
+from helpers import FMA_OPS, assert_op_result, assert_same, build, cases, check_fused_multiply_adds, eager, expect_fused, make_args
 
 import fuser
 from fuser import codegen, compiler, executor, ops
@@ -35,10 +35,10 @@ def test_op_cpu_vs_eager(case, dtype):
     out = executor.run(STORE.get(key), args)
     if expect_fused(case, expected, dtype):
         assert out is not None, f"{case.id} on {dtype} fell back"
-        assert_same(out[0], expected)
+        assert_op_result(case, out[0], expected)
     else:
         assert out is None
-    assert_same(fuser.run_fusion(key, args)[0], expected)
+    assert_op_result(case, fuser.run_fusion(key, args)[0], expected)
 
 
 @pytest.mark.parametrize("arch", (80, 90))

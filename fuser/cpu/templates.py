@@ -8,6 +8,8 @@ order; ``ptrs``: inputs then outputs; ``scalars``: the float arguments.
 """
 from string import Template
 
+from ..rng import PHILOX
+
 PRELUDE = r"""
 // C headers only: they parse in a fraction of <cmath>'s time, and compile time is most of a CPU kernel's
 // first call
@@ -102,6 +104,9 @@ template <> struct fz_limits<double> { static inline double lowest() { return -F
 #define FZ_HIGHEST(T) fz_limits<T>::highest()
 """
 
+# appended to the prelude when a kernel draws random numbers (rand_like)
+RNG = ("\n#define FZ_FN static inline\n"
+       "#define FZ_MULHI(a, b) ((unsigned int)(((unsigned long long)(a) * (b)) >> 32))\n" + PHILOX)
 KERNEL = Template(r"""// fuser CPU kernel ${name}
 ${prelude}
 extern "C" void ${name}(int64_t numel, int64_t rank, const int64_t* sizes, const int64_t* strides,

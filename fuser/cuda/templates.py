@@ -9,6 +9,8 @@ helpers are defined here.
 """
 from string import Template
 
+from ..rng import PHILOX
+
 MAX_DIMS = 8  # compressed map dims; more falls back
 
 PRELUDE = r"""
@@ -99,6 +101,9 @@ template <> struct fz_limits<int64_t> { static __device__ __forceinline__ int64_
 // issued before either is used); alignment capped at 16, the widest access
 template <class T, int N> struct __align__(sizeof(T) * N < 16 ? sizeof(T) * N : 16) fz_vec { T v[N]; };
 """
+
+# appended to the prelude when a kernel draws random numbers (rand_like)
+RNG = "\n#define FZ_FN __device__ __forceinline__\n#define FZ_MULHI(a, b) __umulhi(a, b)\n" + PHILOX
 
 KERNEL = Template(r"""// fuser CUDA kernel ${name}
 ${prelude}

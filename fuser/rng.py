@@ -1,0 +1,69 @@
+"""Random numbers inside kernels: ``rand_like`` as a Philox4x32-10 counter-based generator.
+
+A counter-based generator needs no state per thread: element ``i`` of random op ``r`` of a launch gets the
+Philox block of counter ``(i, r, offset)`` under key ``seed``, so any thread computes any element, the vector
+and scalar paths agree, and the values do not depend on the inputs' layouts. ``(seed, offset)`` come from
+torch's own generator at each launch (:func:`launch_state`), so ``torch.manual_seed`` makes runs repeatable
+and two launches differ. The numbers are not the ones eager's ``rand_like`` draws (its kernels number their
+elements differently); their distribution is the same: uniform on ``[0, 1)``, on a grid the result dtype holds
+exactly (2^-24 for float32, 2^-53 for float64, 2^-11 for float16, 2^-8 for bfloat16), so 1.0 never appears.
+
+Algorithm: Salmon, Moraes, Dror, Shaw, "Parallel random numbers: as easy as 1, 2, 3" (SC'11).
+"""
+from __future__ import annotations
+
+import torch
+
+# C for both targets; the prelude defines FZ_FN (function qualifiers) and FZ_MULHI (high 32 bits of a*b)
+PHILOX = r"""
+// Philox4x32-10: ten rounds of two 32x32->64 multiplies and a key schedule
+FZ_FN void fz_philox(unsigned int c[4], unsigned int k0, unsigned int k1) {
+  for (int round = 0; round < 10; ++round) {
+    const unsigned int hi0 = FZ_MULHI(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
+    const unsigned int hi1 = FZ_MULHI(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
+    const unsigned int n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+    c[0] = n0; c[1] = lo1; c[2] = n2; c[3] = lo0;
+    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+  }
+}
+// element i of random op r: counter (i, r, offset); r takes the top byte of the index's high word
+FZ_FN void fz_philox_at(unsigned int c[4], const unsigned int* st, unsigned int r, unsigned long long i) {
+  c[0] = (unsigned int)i; c[1] = (unsigned int)(i >> 32) | (r << 24); c[2] = st[2]; c[3] = st[3];
+  fz_philox(c, st[0], st[1]);
+}
+// uniform on [0, 1) with `bits` random bits (<= 24: exact in float, and in half/bfloat16 for 11/8 bits)
+FZ_FN float fz_uniform_f(const unsigned int* st, unsigned int r, unsigned long long i, int bits) {
+  unsigned int c[4];
+  fz_philox_at(c, st, r, i);
+  return (float)(c[0] >> (32 - bits)) * (1.0f / (float)(1u << bits));
+}
+FZ_FN double fz_uniform_d(const unsigned int* st, unsigned int r, unsigned long long i) {
+  unsigned int c[4];
+  fz_philox_at(c, st, r, i);
+  const unsigned long long x = ((unsigned long long)c[0] << 21) ^ (c[1] >> 11);  // 53 bits
+  return (double)x * (1.0 / 9007199254740992.0);
+}
+"""
+
+# bits per result dtype: the dtype's significand, so every value is exact and below 1
+BITS = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+N_STATE = 4  # float slots after the kernel's float arguments: seed low/high, offset low/high (uint32 each)
+MAX_RANDOM_OPS = 256  # r must fit the counter's top byte
+
+
+def _words(x: int) -> list[float]:
+    return [float(x & 0xFFFFFFFF), float((x >> 32) & 0xFFFFFFFF)]
+
+
+def launch_state(device: torch.device) -> list[float]:
+    """(seed, offset) for one launch as four uint32 values (exact in the kernel's double slots), taken from
+    torch's default generator of ``device``, which advances so that the next launch gets fresh numbers."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gen = torch.cuda.default_generators[index]
+        offset = gen.get_offset()
+        gen.set_offset(offset + 4)  # torch's Philox offsets move in steps of 4
+        return _words(gen.initial_seed()) + _words(offset)
+    # the CPU generator (a Mersenne twister) has no offset: draw a fresh 63-bit seed and offset from it
+    seed, offset = torch.empty(2, dtype=torch.int64).random_().tolist()
+    return _words(seed) + _words(offset)
