@@ -24,9 +24,10 @@ from torch.autograd import forward_ad as _forward_ad
 
 from . import derivatives as D
 from . import executor, fallback, ops
-from .kernel_cache import STORE, KernelSpec
+from .kernel_cache import STORE, KernelSpec, concat_pieces
 
 _TENSOR = torch._C.TensorType.get()
+_STRUCTURAL = ("prim::Constant", "prim::ListConstruct", "aten::cat")
 _functorch_stack = torch._C._functorch.peek_interpreter_stack
 
 
@@ -43,13 +44,14 @@ class Backward:
     """The backward of one (group, which inputs need gradients, which output gradients are defined).
 
     Its graph's inputs are the forward inputs listed in ``fwd_inputs`` then the output gradients listed in
-    ``grad_outputs``; its outputs are the gradients of the forward inputs in ``grad_inputs``. Inputs in
+    ``grad_outputs`` (``(k, None)``: output k's gradient; ``(k, j)``: the slice of it for piece j of the cat
+    that made output k); its outputs are the gradients of the forward inputs in ``grad_inputs``. Inputs in
     ``zero_inputs`` need a gradient that is zero everywhere (``floor``).
     """
 
     spec: Optional[KernelSpec]
     fwd_inputs: tuple[int, ...]
-    grad_outputs: tuple[int, ...]
+    grad_outputs: tuple[tuple, ...]
     grad_inputs: tuple[int, ...]
     zero_inputs: tuple[int, ...]
 
@@ -75,12 +77,15 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
         nv = g.addInput()
         nv.setType(v.type())
         env[v.unique()] = nv
-    grad_in = []
+    grad_in = []  # ((k, piece or None), forward value the gradient is for, graph input)
     for k, o in enumerate(fwd.outputs()):
-        if defined[k]:
+        if not defined[k]:
+            continue
+        pieces = concat_pieces(fwd, o)
+        for j, p in enumerate(pieces) if pieces is not None else [(None, o)]:
             gv = g.addInput()
             gv.setType(_TENSOR)
-            grad_in.append((k, o, gv))
+            grad_in.append(((k, j), p, gv))
     nodes = list(fwd.nodes())
     for n in nodes:
         c = g.createClone(n, lambda v: env[v.unique()])
@@ -91,8 +96,8 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     # values through which a wanted gradient can flow
     carries = {v.unique() for v, need in zip(fwd.inputs(), needs) if need}
     for n in nodes:
-        if n.kind() == "prim::Constant" or not any(i.unique() in carries for i in n.inputs()):
-            continue
+        if n.kind() in _STRUCTURAL or not any(i.unique() in carries for i in n.inputs()):
+            continue  # (a cat's gradient goes straight to its pieces, as slices of the output's)
         op = ops.lookup(n.schema())
         if op is None:
             raise _Unsupported(n.kind())
@@ -255,7 +260,7 @@ class _FusedGroup(torch.autograd.Function):
                 k += 1
         fwd_args = call.args(saved)
         if bw.spec is not None:
-            args = [fwd_args[j] for j in bw.fwd_inputs] + [grads[k] for k in bw.grad_outputs]
+            args = [fwd_args[j] for j in bw.fwd_inputs] + [_grad_arg(spec, grads, k, j) for k, j in bw.grad_outputs]
             outs = run(bw.spec, args)
             for j, r in zip(bw.grad_inputs, outs):
                 shape = ctx.meta[t_index[j]][0]
@@ -264,6 +269,17 @@ class _FusedGroup(torch.autograd.Function):
             shape, dtype, device = ctx.meta[t_index[j]]
             result[t_index[j]] = torch.zeros(shape, dtype=dtype, device=device)
         return (None, *result)
+
+
+def _grad_arg(spec: KernelSpec, grads: tuple, k: int, piece: Optional[int]) -> torch.Tensor:
+    """Output k's gradient, or the slice of it that piece ``piece`` of the cat making output k filled."""
+    g = grads[k]
+    if piece is None:
+        return g
+    dim, piece_deps = spec.concats[k]
+    d = dim % g.dim()
+    size = g.shape[d] // len(piece_deps)
+    return g.narrow(d, piece * size, size)
 
 
 def differentiable(spec: KernelSpec, args: list) -> Optional[list[torch.Tensor]]:

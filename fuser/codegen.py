@@ -63,14 +63,17 @@ def literal(value, ctype: str) -> str:
     return f"(({ctype}){value!r})"
 
 
-def _compute_nodes(graph: torch._C.Graph) -> list[torch._C.Node]:
-    return [n for n in graph.nodes() if n.kind() != "prim::Constant"]
+def typed_nodes(graph: torch._C.Graph) -> list[torch._C.Node]:
+    """The nodes that have a result dtype (``compiler.infer_types`` gives one per node, in this order): all
+    but constants and the lists a cat reads."""
+    return [n for n in graph.nodes() if n.kind() not in ("prim::Constant", "prim::ListConstruct")]
 
 
-def has_vector_path(inputs: Sequence[TensorDesc], target: str) -> bool:
-    """Whether a kernel gets the 16-byte vector loop: CUDA, and every input dense, a broadcast scalar, or
-    strided with a contiguous or repeated innermost dim."""
-    return target == "cuda" and all(d.layout != STRIDED for d in inputs)
+def has_vector_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Sequence[str] = ()) -> bool:
+    """Whether a kernel gets the 16-byte vector loop: CUDA, every input dense, a broadcast scalar, or
+    strided with a contiguous or repeated innermost dim, and every output dense."""
+    return (target == "cuda" and all(d.layout != STRIDED for d in inputs)
+            and all(lay == DENSE for lay in out_layouts))
 
 
 # per thread and loop trip, of the narrowest tensor (FUSER_VECTOR_BYTES sets it for experiments; it changes
@@ -89,12 +92,13 @@ def vector_width(inputs: Sequence[TensorDesc], out_dtypes: Sequence[torch.dtype]
 
 def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int,
              node_types: Sequence[NodeTypes], target: str, name: str,
-             options: KernelOptions = KernelOptions()) -> str:
+             options: KernelOptions = KernelOptions(), out_layouts: Sequence[str] = ()) -> str:
     """Source of one kernel.
 
     graph: the group's subgraph; its tensor inputs and its ``n_scalars`` float inputs in any order.
-    inputs: one description per tensor input. node_types: one entry per non-constant node, in order.
-    target: ``"cpu"`` or ``"cuda"``.
+    inputs: one description per tensor input. node_types: one entry per :func:`typed_nodes` node, in order.
+    target: ``"cpu"`` or ``"cuda"``. out_layouts: per kernel output (a cat's result is one output per piece),
+    its layout class; empty: all dense.
     """
     if target not in TARGETS:
         raise ValueError(f"Unsupported target={target!r} (supported: {', '.join(TARGETS)})")
@@ -102,7 +106,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
     if len(g_inputs) != len(inputs) + n_scalars:
         raise ValueError(f"graph has {len(g_inputs)} inputs, descriptions give {len(inputs)} tensors "
                          f"and {n_scalars} scalars")
-    nodes = _compute_nodes(graph)
+    nodes = typed_nodes(graph)
     if len(nodes) != len(node_types):
         raise ValueError(f"{len(nodes)} nodes but {len(node_types)} node types")
 
@@ -129,6 +133,8 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
         op = ops.lookup(node.schema())
         if op is None:
             raise NotFusable(f"no op-table entry for {node.schema()}")
+        if op.concat:  # nothing to compute: its pieces are stored into its slices
+            continue
         ctype = compute_type(nt.compute)
         consts = {}
         variant = None
@@ -192,10 +198,27 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
         vname[out.unique()], vtype[out.unique()], vdtype[out.unique()] = f"v{j}", rtype, nt.result
         body.append(f"const {rtype} v{j} = ({rtype})({tmpl.substitute(consts)});")
 
-    outputs = list(graph.outputs())
-    out_dtypes = [node_types[_index_of(nodes, o.node())].result for o in outputs]
+    # kernel outputs: a cat's result is written as its pieces, each converted to the cat's dtype the way eager
+    # converts it: stored in its own dtype first (a float16 piece of a float32 cat holds float16 values)
+    outputs, out_dtypes = [], []
+    for o in graph.outputs():
+        result = node_types[_index_of(nodes, o.node())].result
+        if o.node().kind() != "aten::cat":
+            outputs.append(vname[o.unique()])
+            out_dtypes.append(result)
+            continue
+        for p in o.node().inputsAt(0).node().inputs():
+            v, dt = vname[p.unique()], vdtype[p.unique()]
+            if dt != result:
+                v = f"fz_ld(fz_st<{storage_type(dt)}>(({compute_type(dt)}){v}))"
+            outputs.append(v)
+            out_dtypes.append(result)
+    out_layouts = tuple(out_layouts) or (DENSE,) * len(outputs)
+    if len(out_layouts) != len(outputs):
+        raise ValueError(f"{len(outputs)} kernel outputs but {len(out_layouts)} output layouts")
     gen = _CpuGen if target == "cpu" else _CudaGen
-    return gen(name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, n_random > 0).source()
+    return gen(name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, n_random > 0,
+               out_layouts).source()
 
 
 def _index_of(nodes: list, node) -> int:
@@ -210,14 +233,17 @@ class _Gen:
 
     indent = "    "
 
-    def __init__(self, name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, random=False):
+    def __init__(self, name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, random, out_layouts):
         self.name, self.inputs, self.n_scalars = name, inputs, n_scalars
-        self.outputs, self.out_dtypes, self.vname = outputs, out_dtypes, vname
+        self.outputs, self.out_dtypes, self.vname = outputs, out_dtypes, vname  # outputs: C expressions
         self.body, self.options, self.random = body, options, random
+        self.out_layouts = out_layouts
         # random kernels take the launch's Philox state in rng.N_STATE float slots after the float arguments
         self.n_scalar_slots = n_scalars + (rng.N_STATE if random else 0)
         self.strided = [k for k, d in enumerate(inputs) if d.layout in STRIDED_LAYOUTS]
-
+        self.strided_out = [m for m, lay in enumerate(out_layouts) if lay in STRIDED_LAYOUTS]
+        # offset variables, in the order of the strides arrays: strided inputs, then strided outputs
+        self.offset_names = [f"off{k}" for k in self.strided] + [f"ooff{m}" for m in self.strided_out]
     def pointer_decls(self, ptrs: str) -> list[str]:
         lines = []
         for k, d in enumerate(self.inputs):
@@ -245,21 +271,24 @@ class _Gen:
                 lines.append(f"const {compute_type(d.dtype)} x{k} = fz_ld({load(k, d)});")
         lines += [ln.replace("@IDX@", f"(unsigned long long)({index})") for ln in self.body]
         for m, (o, dt) in enumerate(zip(self.outputs, self.out_dtypes)):
-            lines.append(f"{store(m)} = fz_st<{storage_type(dt)}>({self.vname[o.unique()]});")
+            lines.append(f"{store(m)} = fz_st<{storage_type(dt)}>({o});")
         return lines
+
+    def scalar_store(self, m):
+        return f"o{m}[i]" if self.out_layouts[m] == DENSE else f"o{m}[ooff{m}]"
 
     def scalar_load(self, k, d):
         return f"t{k}[i]" if d.layout == DENSE else f"t{k}[off{k}]"
 
-    def offsets(self, template, stride_ref, index="i", unroll=1) -> str:
-        if not self.strided:
+    def offsets(self, template, stride_ref, index="i", unroll=1, names=None) -> str:
+        names = self.offset_names if names is None else names
+        if not names:
             return ""
         divide = ("fz_div(r, args.magic[d], args.shift[d])" if self.options.index32 else "r / args.sizes[d]")
         return template.substitute(
             index=index, unroll=unroll, divide=divide,
-            decls=", ".join(f"off{k} = 0" for k in self.strided),
-            accumulate="\n".join(f"          off{k} += m * {stride_ref(j, k)};"
-                                 for j, k in enumerate(self.strided)),
+            decls=", ".join(f"{name} = 0" for name in names),
+            accumulate="\n".join(f"          {name} += m * {stride_ref(j, name)};" for j, name in enumerate(names)),
             max_dims=cuda_t.MAX_DIMS)
 
     @staticmethod
@@ -272,15 +301,15 @@ class _CpuGen(_Gen):
         params = self.pointer_decls("ptrs")
         params += [f"const double s{j} = scalars[{j}];" for j in range(self.n_scalars)]
         params += self.rng_state("scalars")
-        params += [f"const int64_t* st{k} = strides + {j} * rank;" for j, k in enumerate(self.strided)]
-        body = self.element_body(self.scalar_load, lambda m: f"o{m}[i]")
-        if self.strided:
+        params += [f"const int64_t* st{j} = strides + {j} * rank;" for j in range(len(self.offset_names))]
+        body = self.element_body(self.scalar_load, self.scalar_store)
+        if self.offset_names:
             loop = cpu_t.LOOP_ROWS.substitute(
                 parallel_threshold=CPU_PARALLEL_THRESHOLD,
-                bases=", ".join(f"base{k} = 0" for k in self.strided),
-                accumulate="\n".join(f"        base{k} += m * st{k}[d];" for k in self.strided),
-                offsets="\n".join(f"      const int64_t off{k} = base{k} + j * st{k}[rank - 1];"
-                                  for k in self.strided),
+                bases=", ".join(f"base{j} = 0" for j in range(len(self.offset_names))),
+                accumulate="\n".join(f"        base{j} += m * st{j}[d];" for j in range(len(self.offset_names))),
+                offsets="\n".join(f"      const int64_t {name} = base{j} + j * st{j}[rank - 1];"
+                                  for j, name in enumerate(self.offset_names)),
                 body=self.block(body, "      "))
         else:
             loop = cpu_t.LOOP_FLAT.substitute(parallel_threshold=CPU_PARALLEL_THRESHOLD,
@@ -295,7 +324,7 @@ class _CudaGen(_Gen):
         params = self.pointer_decls("args.ptrs")
         params += [f"const double s{j} = args.scalars[{j}];" for j in range(self.n_scalars)]
         params += self.rng_state("args.scalars")
-        body = self.element_body(self.scalar_load, lambda m: f"o{m}[i]")
+        body = self.element_body(self.scalar_load, self.scalar_store)
         return cuda_t.KERNEL.substitute(
             name=self.name, prelude=cuda_t.PRELUDE + (cuda_t.RNG if self.random else ""),
             index_t="int" if self.options.index32 else "long long",
@@ -304,18 +333,18 @@ class _CudaGen(_Gen):
             block_size=self.options.block_size,
             params=self.block(params, "  "), hoisted=self.block(self.hoisted(), "  "),
             vector_loop=self.vector_loop(),
-            offsets=self.offsets(cuda_t.OFFSETS, lambda j, k: f"args.strides[{j}][d]"),
+            offsets=self.offsets(cuda_t.OFFSETS, lambda j, name: f"args.strides[{j}][d]"),
             body=self.block(body, "    "))
 
     def vector_loop(self) -> str:
-        if not self.options.vectorize or not has_vector_path(self.inputs, "cuda"):
+        if not self.options.vectorize or not has_vector_path(self.inputs, "cuda", self.out_layouts):
             return ""
         vec = vector_width(self.inputs, self.out_dtypes)
         if vec == 1:
             return ""
         vloads = []
         if self.strided:
-            vloads.append(self.offsets(cuda_t.OFFSETS, lambda j, k: f"args.strides[{j}][d]", index="base",
+            vloads.append(self.offsets(cuda_t.OFFSETS, lambda j, name: f"args.strides[{j}][d]", index="base",
                                        unroll=cuda_t.MAX_DIMS))
         for k, d in enumerate(self.inputs):
             st = storage_type(d.dtype)

@@ -21,7 +21,7 @@ import torch
 from . import codegen, ops, rng
 from .descs import DTYPES, STRIDED_LAYOUTS, ArgSpec, TensorDesc
 from .fallback import run_graph
-from .kernel_cache import KernelSpec
+from .kernel_cache import KernelSpec, concat_pieces
 
 _counter_lock = threading.Lock()
 _n_compiled = 0
@@ -56,8 +56,15 @@ class CompiledKernel:
     random: bool = False  # draws random numbers: each launch appends rng.launch_state() to the float arguments
 
 
-def _sample(desc: TensorDesc) -> torch.Tensor:
-    return torch.ones((), dtype=desc.dtype) if desc.zero_dim else torch.empty((0,), dtype=desc.dtype)
+def _sample(desc: TensorDesc, rank: int = 1) -> torch.Tensor:
+    if desc.zero_dim:
+        return torch.ones((), dtype=desc.dtype)
+    return torch.empty((0,) + (1,) * (rank - 1), dtype=desc.dtype)
+
+
+def _sample_rank(spec: KernelSpec) -> int:
+    """Rank of the probe tensors: enough for every cat's dim (a cat on dim 2 needs 3-d pieces)."""
+    return max([1] + [d + 1 if d >= 0 else -d for c in spec.concats if c is not None for d in (c[0],)])
 
 
 def infer_types(spec: KernelSpec, arg_spec: ArgSpec) -> list[codegen.NodeTypes]:
@@ -66,12 +73,13 @@ def infer_types(spec: KernelSpec, arg_spec: ArgSpec) -> list[codegen.NodeTypes]:
     Raises whatever eager raises for such inputs.
     """
     g = spec.graph.copy()
-    nodes = [n for n in g.nodes() if n.kind() != "prim::Constant"]
+    nodes = codegen.typed_nodes(g)
     n_out = len(list(g.outputs()))
     for n in nodes:
         g.registerOutput(n.output())
     descs = iter(arg_spec.inputs)
-    samples = [_sample(next(descs)) if is_t else 1.0 for is_t in spec.input_is_tensor]
+    rank = _sample_rank(spec)
+    samples = [_sample(next(descs), rank) if is_t else 1.0 for is_t in spec.input_is_tensor]
     values = run_graph(g, samples)[n_out:]
     by_value = {v.unique(): s for v, s in zip(g.inputs(), samples)}
     by_value.update({n.output().unique(): val for n, val in zip(nodes, values)})
@@ -106,20 +114,25 @@ def build(spec: KernelSpec, arg_spec: ArgSpec) -> Optional[CompiledKernel]:
                                     fast_reduced=os.environ.get("FUSER_FAST_REDUCED", "1") != "0")
     try:
         source = codegen.generate(spec.graph, arg_spec.inputs, len(spec.input_is_tensor) - spec.n_tensor_inputs,
-                                  types, target, name, options)
+                                  types, target, name, options, arg_spec.outputs)
     except codegen.NotFusable:
         return None
-    nodes = [n for n in spec.graph.nodes() if n.kind() != "prim::Constant"]
+    nodes = codegen.typed_nodes(spec.graph)
     out_dtypes = tuple(types[nodes.index(v.node())].result for v in spec.graph.outputs())
+    # a cat's result is written piece by piece: one kernel output per piece
+    kernel_dtypes = tuple(dt for v, dt in zip(spec.graph.outputs(), out_dtypes)
+                          for _ in (concat_pieces(spec.graph, v) or [v]))
     strided = tuple(k for k, d in enumerate(arg_spec.inputs) if d.layout in STRIDED_LAYOUTS)
-    vec = codegen.vector_width(arg_spec.inputs, out_dtypes) if codegen.has_vector_path(arg_spec.inputs, target) else 1
+    n_strided = len(strided) + sum(lay in STRIDED_LAYOUTS for lay in arg_spec.outputs)
+    vector = codegen.has_vector_path(arg_spec.inputs, target, arg_spec.outputs)
+    vec = codegen.vector_width(arg_spec.inputs, kernel_dtypes) if vector else 1
     if target == "cpu":
         from .cpu import compiler as cpu_compiler
         backend, compiled = cpu_compiler.compile_kernel(source, name), True
     else:
         from .cuda import launch as cuda_launch
         n_slots = len(spec.input_is_tensor) - spec.n_tensor_inputs + (rng.N_STATE if spec.random else 0)
-        backend, compiled = cuda_launch.load_kernel(source, name, arg_spec, len(strided), out_dtypes, n_slots,
+        backend, compiled = cuda_launch.load_kernel(source, name, arg_spec, n_strided, kernel_dtypes, n_slots,
                                                     vec)
     if compiled:
         _count_compile()

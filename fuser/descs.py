@@ -66,12 +66,15 @@ class ArgSpec:
     """The specialization key of a compiled kernel within one kernel spec.
 
     index32: every offset fits in 32 bits (CUDA uses cheaper index math then; the CPU ignores it).
+    outputs: layout class of each kernel output when some are not dense (the slices a fused concat writes);
+    empty: all dense.
     """
 
     device_type: str
     device_index: Optional[int]
     inputs: tuple[TensorDesc, ...]
     index32: bool = True
+    outputs: tuple[str, ...] = ()
 
     @property
     def device(self) -> torch.device:

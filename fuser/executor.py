@@ -37,7 +37,9 @@ class Plan:
     shape: torch.Size
     numel: int
     sizes: list  # compressed map dims
-    strides: list  # per strided input, its strides over ``sizes``
+    strides: list  # per strided input, then per strided kernel output, its strides over ``sizes``
+    # per graph output: None, or for a cat's result (its shape, the cat dim, pieces, piece size along it)
+    concat: Optional[list] = None
 
 
 def _compress(shape: Sequence[int], tensors: Sequence[torch.Tensor]) -> tuple[list, list]:
@@ -126,14 +128,18 @@ def plan(spec: KernelSpec, args: Sequence) -> Union[Plan, str]:
             if torch.broadcast_shapes(*(shapes[k] for k in deps)) != shape:
                 return "rand_like of a value smaller than the group's broadcast shape"
     numel = math.prod(shape)
+    concat, views = _concat_views(spec, shapes, shape) if spec.has_concat else (None, [])
+    if isinstance(concat, str):
+        return concat
 
-    if all(t.is_contiguous() and t.shape == shape for t in tensors):
+    out_layouts = []
+    if not views and all(t.is_contiguous() and t.shape == shape for t in tensors):
         sizes, layouts, strided = [numel], [DENSE] * len(tensors), []
     else:
-        sizes, per = _compress(shape, tensors)
+        sizes, per = _compress(shape, [*tensors, *(v for v in views if v is not None)])
         dense = _contiguous_strides(sizes)
-        layouts, strided = [], []
-        for st in per:
+        layouts, strided, out_strided = [], [], []
+        for st in per[:len(tensors)]:
             if all(x == 0 for x in st):
                 layouts.append(SCALAR)
             elif st == dense:
@@ -141,16 +147,50 @@ def plan(spec: KernelSpec, args: Sequence) -> Union[Plan, str]:
             else:
                 layouts.append(ROWS if st[-1] == 1 else REPEAT if st[-1] == 0 else STRIDED)
                 strided.append(st)
+        out_st = iter(per[len(tensors):])
+        for v in views:  # the slices of a cat's result: never broadcast, so dense, rows or strided
+            st = dense if v is None else next(out_st)
+            out_layouts.append(DENSE if st == dense else ROWS if st[-1] == 1 else STRIDED)
+            if out_layouts[-1] != DENSE:
+                out_strided.append(st)
+        strided += out_strided
         if strided and device.type == "cuda" and len(sizes) > cuda_t.MAX_DIMS:
             return f"{len(sizes)} dims after compression (the CUDA kernels take {cuda_t.MAX_DIMS})"
-    extent = numel
+    extent = max([numel] + [math.prod(c[0]) for c in concat or () if c is not None])
     for t, layout in zip(tensors, layouts):
         if layout in STRIDED_LAYOUTS:
             extent = max(extent, 1 + sum((s - 1) * x for s, x in zip(t.shape, t.stride())))
     descs = tuple(TensorDesc(t.dtype, lay, t.dim() == 0) for t, lay in zip(tensors, layouts))
-    arg_spec = ArgSpec(device.type, device.index, descs, extent < INDEX32_LIMIT)
+    arg_spec = ArgSpec(device.type, device.index, descs, extent < INDEX32_LIMIT,
+                       tuple(out_layouts) if concat else ())
     return Plan(arg_spec, tensors, scalars, shape, numel, sizes or [1],
-                [st or [0] for st in strided])
+                [st or [0] for st in strided], concat)
+
+
+def _concat_views(spec: KernelSpec, shapes: list, shape) -> tuple:
+    """For a group with cats: (per graph output None or (cat shape, dim, pieces, piece size), per kernel
+    output None (dense, of the map's shape) or a meta view of its slice of the cat's result), or the reason
+    to fall back. Every piece must have the map's shape: cat never broadcasts its inputs."""
+    concat, views = [], []
+    nd = len(shape)
+    for c in spec.concats:
+        if c is None:
+            concat.append(None)
+            views.append(None)
+            continue
+        dim, piece_deps = c
+        if nd == 0 or not -nd <= dim < nd:
+            return "a cat of 0-dim pieces or on a dim out of range (eager raises)", []
+        for deps in piece_deps:
+            if torch.broadcast_shapes(*(shapes[k] for k in deps)) != shape:
+                return "cat pieces of different shapes", []
+        d, m = dim % nd, len(piece_deps)
+        full = list(shape)
+        full[d] *= m
+        whole = torch.empty(full, device="meta")
+        views += [whole.narrow(d, j * shape[d], shape[d]) for j in range(m)]
+        concat.append((tuple(full), d, m, shape[d]))
+    return concat, views
 
 
 def kernel_for(spec: KernelSpec, p: Plan) -> Optional[compiler.CompiledKernel]:
@@ -162,7 +202,7 @@ class Geometry:
     such signature and reused by every later call with the same signature."""
 
     __slots__ = ("kernel", "shape", "numel", "sizes", "strides", "device", "out_dtypes", "cpu_args", "vec_shape",
-                 "requires_grad", "out_like", "grid_vec", "grid_scalar")
+                 "requires_grad", "out_like", "grid_vec", "grid_scalar", "concat")
 
     def __init__(self, p: Plan, kernel: compiler.CompiledKernel):
         self.kernel, self.shape, self.numel = kernel, p.shape, p.numel
@@ -178,8 +218,9 @@ class Geometry:
         # costs less than half of empty(shape, dtype=, device=) per call
         like = next((k for k, t in enumerate(p.tensors)
                      if t.shape == p.shape and t.is_contiguous() and t.dim() > 0), None)
-        self.out_like = None if like is None else [
+        self.out_like = None if like is None or p.concat else [
             (like, None if dt == p.tensors[like].dtype else dt) for dt in kernel.out_dtypes]
+        self.concat = p.concat
         self.cpu_args = None
         self.grid_vec = self.grid_scalar = None  # CUDA launch grids, filled by the launcher on first use
         if self.device.type == "cpu":
@@ -244,19 +285,36 @@ def run(spec: KernelSpec, args: Sequence) -> Optional[list[torch.Tensor]]:
         return None
     if geo.out_like is not None:
         empty_like = torch.empty_like
-        outputs = [empty_like(tensors[k]) if dt is None else empty_like(tensors[k], dtype=dt)
-                   for k, dt in geo.out_like]
+        outputs = kernel_outputs = [empty_like(tensors[k]) if dt is None else empty_like(tensors[k], dtype=dt)
+                                    for k, dt in geo.out_like]
+    elif geo.concat is None:
+        outputs = kernel_outputs = [torch.empty(geo.shape, dtype=dt, device=device) for dt in geo.out_dtypes]
     else:
-        outputs = [torch.empty(geo.shape, dtype=dt, device=device) for dt in geo.out_dtypes]
+        outputs, kernel_outputs = _concat_outputs(geo, device)
     if geo.numel == 0:
         return outputs
     if geo.kernel.random:
         scalars = [*scalars, *rng.launch_state(device)]
     if geo.cpu_args is not None:
-        _launch_cpu(geo, tensors, scalars, outputs)
+        _launch_cpu(geo, tensors, scalars, kernel_outputs)
     else:
-        geo.kernel.backend.launch(geo, tensors, scalars, outputs)
+        geo.kernel.backend.launch(geo, tensors, scalars, kernel_outputs)
     return outputs
+
+
+def _concat_outputs(geo: Geometry, device) -> tuple[list, list]:
+    """The group's outputs, and the tensors the kernel writes: a cat's result as one slice per piece."""
+    outputs, kernel_outputs = [], []
+    for info, dt in zip(geo.concat, geo.out_dtypes):
+        if info is None:
+            t = torch.empty(geo.shape, dtype=dt, device=device)
+            kernel_outputs.append(t)
+        else:
+            full, d, m, size = info
+            t = torch.empty(full, dtype=dt, device=device)
+            kernel_outputs += [t.narrow(d, j * size, size) for j in range(m)]
+        outputs.append(t)
+    return outputs, kernel_outputs
 
 
 def _launch_cpu(geo: Geometry, tensors, scalars, outputs: list[torch.Tensor]) -> None:

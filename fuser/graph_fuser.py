@@ -58,6 +58,8 @@ def fusable_op(node: torch._C.Node) -> Optional[ops.OpDef]:
     op = ops.lookup(node.schema())
     if op is None or not _is_tensor(node.output()):
         return None
+    if op.concat:
+        return op if concat_list(node) is not None else None
     for i, v in enumerate(node.inputs()):
         if _is_tensor(v):
             continue
@@ -72,6 +74,17 @@ def fusable_op(node: torch._C.Node) -> Optional[ops.OpDef]:
         if v.type().kind() != "FloatType":
             return None
     return op
+
+
+def concat_list(cat: torch._C.Node) -> Optional[torch._C.Node]:
+    """The ``prim::ListConstruct`` of a fusable ``cat``: used by the cat alone, tensor items, constant dim."""
+    lst = cat.inputsAt(0).node()
+    if lst.kind() != "prim::ListConstruct" or lst.owningBlock() != cat.owningBlock():
+        return None
+    if len(lst.output().uses()) != 1 or not _is_constant(cat.inputsAt(1)):
+        return None
+    items = list(lst.inputs())
+    return lst if items and all(_is_tensor(v) for v in items) else None
 
 
 def _has_side_effects(node: torch._C.Node) -> bool:
@@ -122,6 +135,16 @@ class _BlockFuser:
         self.ops = {n: fusable_op(n) for n in self.nodes}
         self.barriers = [i for i, n in enumerate(self.nodes) if _has_side_effects(n)]
         self.group_of: dict[torch._C.Node, _Group] = {}
+        # a cat and its list are one unit from the start (a group must never take a list as an input)
+        for n in self.nodes:
+            op = self.ops[n]
+            if op is not None and op.concat:
+                lst = concat_list(n)
+                if lst not in self.pos or self._check([lst, n]) != []:
+                    self.ops[n] = None
+                    continue
+                g = self.group_of[n] = self.group_of[lst] = _Group(n)
+                g.members = [lst, n]
 
     def _group(self, node: torch._C.Node) -> _Group:
         g = self.group_of.get(node)
@@ -179,6 +202,10 @@ class _BlockFuser:
         outs = self._outputs(members)
         if any(self.ops[v.node()].aliases_input for v in outs):
             return None
+        for m in members:  # a cat's result is not consumed inside its own group (it is not a map value)
+            op = self.ops.get(m)
+            if op is not None and op.concat and any(u in mset for u in _users_in_block(m.output(), self.block)):
+                return None
         if len(self._external_inputs(members)) + len(outs) > MAX_GROUP_ARGS:
             return None
         return deferred
@@ -220,7 +247,8 @@ class _BlockFuser:
             g = self.group_of.get(n)
             if g is not None and id(g) not in seen:
                 seen.add(id(g))
-                if len(g.members) >= MIN_GROUP_SIZE:
+                computes = [m for m in g.members if self.ops[m] is not None and not self.ops[m].concat]
+                if len(g.members) >= MIN_GROUP_SIZE and computes:  # a bare cat is eager's own job
                     groups.append(sorted(g.members, key=self.pos.__getitem__))
         return groups
 

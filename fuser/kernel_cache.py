@@ -43,7 +43,8 @@ def canonical_text(graph: torch._C.Graph) -> str:
         if list(n.blocks()):
             raise ValueError(f"a fusion group cannot hold a node with blocks: {n.kind()}")
         args = ", ".join(ids[v.unique()] for v in n.inputs())
-        lines.append(f"{', '.join(outs)} = {n.schema()} ({args})")
+        schema = n.schema()
+        lines.append(f"{', '.join(outs)} = {n.kind() if schema == '(no schema)' else schema} ({args})")
     lines.append("return " + ", ".join(ids[v.unique()] for v in graph.outputs()))
     return "\n".join(lines)
 
@@ -89,6 +90,8 @@ class KernelSpec:
         # rand_like inside: every launch draws fresh numbers, and a backward cannot recompute the forward
         self.random_deps = _random_deps(self.graph)
         self.random = bool(self.random_deps)
+        self.concats = _concats(self.graph)
+        self.has_concat = any(c is not None for c in self.concats)
 
     @property
     def n_tensor_inputs(self) -> int:
@@ -142,6 +145,27 @@ def _random_deps(graph: torch._C.Graph) -> tuple[frozenset[int], ...]:
     deps = _value_deps(graph)
     return tuple(deps.get(n.inputsAt(0).unique(), frozenset()) for n in graph.nodes()
                  if n.kind().startswith("aten::") and getattr(ops.lookup(n.schema()), "random", False))
+
+
+def _concats(graph: torch._C.Graph) -> tuple:
+    """Per output: None, or for a cat's result (dim, per piece the tensor inputs that decide its shape).
+    The kernel runs over the pieces' shape, so every piece must have the group's broadcast shape."""
+    deps = _value_deps(graph)
+    out = []
+    for v in graph.outputs():
+        n = v.node()
+        if n.kind() == "aten::cat":
+            pieces = n.inputsAt(0).node().inputs()
+            out.append((n.inputsAt(1).toIValue(), tuple(deps.get(p.unique(), frozenset()) for p in pieces)))
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def concat_pieces(graph: torch._C.Graph, output: torch._C.Value) -> Optional[list[torch._C.Value]]:
+    """The pieces of ``output`` if a cat made it, else None."""
+    n = output.node()
+    return list(n.inputsAt(0).node().inputs()) if n.kind() == "aten::cat" else None
 
 
 def _value_deps(graph: torch._C.Graph) -> dict[int, frozenset[int]]:

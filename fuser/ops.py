@@ -64,6 +64,8 @@ class OpDef:
     random: the op draws random numbers (``rand_like``, see ``fuser/rng.py``): ``$r`` is its ordinal among
     the group's random ops, ``$bits`` the random bits its result dtype holds, ``@IDX@`` the element's index in
     the map; its arguments after ``self`` are constant tensor options, of which only ``dtype`` may be given.
+    concat: ``torch.cat`` of values of the group (its ``prim::ListConstruct`` used by nothing else): no
+    expression; the kernel runs over the pieces' shape and writes each piece into its slice of the output.
     """
 
     name: str
@@ -79,6 +81,7 @@ class OpDef:
     shape_args: Optional[tuple[int, ...]] = None
     fast: Mapping[Optional[str], str] = field(default_factory=dict)
     random: bool = False
+    concat: bool = False
 
     def template(self, variant: Optional[str], family: str) -> Optional[string.Template]:
         exprs = self.exprs.get(variant)
@@ -216,6 +219,7 @@ _OPS: list[OpDef] = [
     OpDef("rand_like", ("aten::rand_like(Tensor self, *, ScalarType? dtype=None, Layout? layout=None, "
                         "Device? device=None, bool? pin_memory=None, MemoryFormat? memory_format=None) -> Tensor",),
           {None: Exprs("fz_uniform_f(fz_rs, $r, @IDX@, $bits)", "fz_uniform_d(fz_rs, $r, @IDX@)")}, random=True),
+    OpDef("cat", ("aten::cat(Tensor[] tensors, int dim=0) -> Tensor",), {}, concat=True),
     OpDef("addcmul", ("aten::addcmul(Tensor self, Tensor tensor1, Tensor tensor2, *, Scalar value=1) -> Tensor",),
           # eager: fma(value * tensor1, tensor2, self)
           {None: Exprs("fmaf($d * $b, $c, $a)", "fma($d * $b, $c, $a)", "($T)($a + $d * $b * $c)")}),

@@ -41,6 +41,8 @@ class Case:
 def cases() -> list[Case]:
     out = []
     for op in ops._OPS:
+        if op.concat:  # a list argument: tests/test_concat.py
+            continue
         for schema in op.schemas:
             s = torch._C.parse_schema(schema)
             types = [str(a.type) for a in s.arguments]

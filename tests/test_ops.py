@@ -14,7 +14,7 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 
 
 def test_every_op_has_a_case():
-    assert {c.op for c in CASES} == set(ops.OPS_BY_NAME)
+    assert {c.op for c in CASES} == {n for n, op in ops.OPS_BY_NAME.items() if not op.concat}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
