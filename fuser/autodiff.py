@@ -93,16 +93,10 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
         for o, co in zip(n.outputs(), c.outputs()):
             env[o.unique()] = co
 
-    # values through which a wanted gradient can flow
-    carries = {v.unique() for v, need in zip(fwd.inputs(), needs) if need}
-    for n in nodes:
-        if n.kind() in _STRUCTURAL or not any(i.unique() in carries for i in n.inputs()):
-            continue  # (a cat's gradient goes straight to its pieces, as slices of the output's)
-        op = ops.lookup(n.schema())
-        if op is None:
-            raise _Unsupported(n.kind())
-        if op.name not in D.NOT_DIFFERENTIABLE:
-            carries.update(o.unique() for o in n.outputs() if o.unique() in floating)
+    carries = _carries(fwd, needs, floating)
+    if carries is None:
+        raise _Unsupported("an op outside the table")
+    fwd_inputs_ids = {v.unique() for v in fwd.inputs()}
 
     grads: dict[int, D.V] = {}
     zeros: set[int] = set()  # values some op gives a zero gradient (eager then gives zeros, not None)
@@ -127,8 +121,13 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
                 continue
             if r is D.UNSUPPORTED:
                 raise _Unsupported(f"{op.name}: gradient of input {inp.debugName()}")
-            if r is D.ZERO:
+            is_input = inp.unique() in fwd_inputs_ids
+            if r is D.ZERO and (is_input or spec.key in _backward_keys):
                 zeros.add(inp.unique())
+            elif r is D.ZERO:  # eager passes a tensor of zeros on: 0 * inf upstream is NaN there too
+                accumulate(inp.unique(), D.op("aten::mul", D.op("aten::pow", gy, 0.0), 0.0))
+            elif r is not None and not is_input:  # the engine casts a gradient to its value's dtype
+                accumulate(inp.unique(), D.op("aten::type_as", r, D.V(g, env[inp.unique()])))
             elif r is not None:  # None: the op does not differentiate this input (type_as's other)
                 accumulate(inp.unique(), r)
 
@@ -141,7 +140,8 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
             if v.unique() in zeros:
                 zero_inputs.append(i)
             continue
-        out = D.op("aten::type_as", r, D.V(g, env[v.unique()]))
+        # a copy in the gradient's own dtype: eager sums a broadcast input's gradient before the cast
+        out = D.op("aten::type_as", r, r)
         g.registerOutput(out.value)
         grad_inputs.append(i)
     if not grad_inputs:
@@ -156,6 +156,7 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
             g.eraseInput(j)
     g.lint()
     bspec = STORE.get(STORE.register(g))
+    _backward_keys.add(bspec.key)
     fwd_inputs = tuple(j for j in keep if j < n_fwd)
     grad_outputs = tuple(grad_in[j - n_fwd][0] for j in keep if j >= n_fwd)
     return Backward(bspec, fwd_inputs, grad_outputs, tuple(grad_inputs), tuple(zero_inputs))
@@ -165,6 +166,27 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
 _backwards: dict[tuple, Optional[Backward]] = {}
 _floating: dict[tuple, frozenset] = {}
 _lock = threading.Lock()
+_backward_keys: set[int] = set()  # specs that are backward graphs (their own zeros stay implicit)
+
+
+def _carries(fwd: torch._C.Graph, needs: Sequence[bool], floating: frozenset) -> Optional[set]:
+    """ids of the values through which a wanted gradient flows (None: an op outside the table)."""
+    carries = {v.unique() for v, need in zip(fwd.inputs(), needs) if need}
+    for n in fwd.nodes():
+        if n.kind() in ("prim::Constant", "prim::ListConstruct"):
+            continue
+        if n.kind() == "aten::cat":  # its gradient goes straight to its pieces, as slices of the output's
+            if any(p.unique() in carries for p in n.inputsAt(0).node().inputs()):
+                carries.add(n.output().unique())
+            continue
+        if not any(i.unique() in carries for i in n.inputs()):
+            continue
+        op = ops.lookup(n.schema())
+        if op is None:
+            return None
+        if op.name not in D.NOT_DIFFERENTIABLE:
+            carries.update(o.unique() for o in n.outputs() if o.unique() in floating)
+    return carries
 
 
 def _floating_values(spec: KernelSpec, sig: tuple) -> frozenset:
@@ -212,13 +234,26 @@ def backward_for(spec: KernelSpec, needs: tuple, defined: tuple, sig: tuple) -> 
     return _backwards[key]
 
 
+def _carried_outputs(spec: KernelSpec, needs: tuple, sig: tuple) -> tuple[bool, ...]:
+    key = (spec.key, needs, sig)
+    got = _carried.get(key)
+    if got is None:
+        carries = _carries(spec.graph, needs, _floating_values(spec, sig)) or set()
+        got = _carried[key] = tuple(o.unique() in carries for o in spec.graph.outputs())
+    return got
+
+
+_carried: dict[tuple, tuple] = {}
+
+
 class _Call:
     """What the autograd Function needs besides the tensors: the group and where its arguments go."""
 
-    __slots__ = ("spec", "scalars", "needs", "sig", "saved")
+    __slots__ = ("spec", "scalars", "needs", "sig", "saved", "carried")
 
-    def __init__(self, spec, scalars, needs, sig, saved):
+    def __init__(self, spec, scalars, needs, sig, saved, carried):
         self.spec, self.scalars, self.needs, self.sig, self.saved = spec, scalars, needs, sig, saved
+        self.carried = carried  # per output: whether a wanted gradient reaches it
 
     def args(self, tensors: Sequence) -> list:
         if self.spec.all_tensors:
@@ -237,7 +272,8 @@ class _FusedGroup(torch.autograd.Function):
         ctx.call = call
         ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
         ctx.save_for_backward(*[t if keep else None for t, keep in zip(tensors, call.saved)])
-        ctx.mark_non_differentiable(*[o for o in out if not o.is_floating_point()])
+        # outputs no wanted gradient reaches do not require grad, as in eager
+        ctx.mark_non_differentiable(*[o for o, c in zip(out, call.carried) if not (c and o.is_floating_point())])
         ctx.set_materialize_grads(False)
         return tuple(out)
 
@@ -263,8 +299,9 @@ class _FusedGroup(torch.autograd.Function):
             args = [fwd_args[j] for j in bw.fwd_inputs] + [_grad_arg(spec, grads, k, j) for k, j in bw.grad_outputs]
             outs = run(bw.spec, args)
             for j, r in zip(bw.grad_inputs, outs):
-                shape = ctx.meta[t_index[j]][0]
-                result[t_index[j]] = r if r.shape == shape else r.sum_to_size(shape)
+                shape, dtype, _ = ctx.meta[t_index[j]]
+                r = r if r.shape == shape else r.sum_to_size(shape)
+                result[t_index[j]] = r if r.dtype == dtype else r.to(dtype)
         for j in bw.zero_inputs:
             shape, dtype, device = ctx.meta[t_index[j]]
             result[t_index[j]] = torch.zeros(shape, dtype=dtype, device=device)
@@ -298,13 +335,21 @@ def differentiable(spec: KernelSpec, args: list) -> Optional[list[torch.Tensor]]
         return None
     if not all(isinstance(s, (float, int)) and not isinstance(s, bool) for s in scalars):
         return None
+    if any(t.is_complex() for t in tensors):
+        return None  # the kernels have no complex types; eager's autograd keeps the gradients
+    shapes = [t.shape for t in tensors]
+    try:
+        full = torch.broadcast_shapes(*shapes)
+    except RuntimeError:
+        return None
+    if any(torch.broadcast_shapes(*(shapes[k] for k in deps)) != full for deps in spec.output_deps):
+        return None  # gradient contributions of different shapes cannot be added in one pointwise kernel
     device = tensors[0].device
     if any(t.device != device for t in tensors):
         return None  # gradients would need moving between devices: eager's autograd does that
     needs = tuple(bool(a.requires_grad) if is_t else False for a, is_t in zip(args, spec.input_is_tensor))
     sig = tuple((t.dtype, t.dim() == 0) for t in tensors)
-    outs_defined = tuple(True for _ in spec.graph.outputs())
-    bw = backward_for(spec, needs, outs_defined, sig)
+    bw = backward_for(spec, needs, spec.all_outputs_defined, sig)
     if bw is None:
         return None
     used = set(bw.fwd_inputs)
@@ -312,5 +357,5 @@ def differentiable(spec: KernelSpec, args: list) -> Optional[list[torch.Tensor]]
     for j, is_t in enumerate(spec.input_is_tensor):
         if is_t:
             saved.append(j in used)
-    call = _Call(spec, tuple(float(s) for s in scalars), needs, sig, tuple(saved))
+    call = _Call(spec, tuple(float(s) for s in scalars), needs, sig, tuple(saved), _carried_outputs(spec, needs, sig))
     return list(_FusedGroup.apply(call, *tensors))

@@ -152,8 +152,8 @@ def _pow(g, x, y):
             return [None, UNSUPPORTED]
         return [None, g * (y * math.log(c))]
     ga = where(b.eq(0.0), 0.0, g * (b * op("aten::pow", a, b - 1)))
-    gexp = g * (y * log(a))
-    gb = where(a.eq(0.0), where(b >= 0.0, 0.0, gexp), gexp)
+    ylog = y * log(op("aten::type_as", a, y))  # log of self in the result's dtype, as eager
+    gb = g * where(a.eq(0.0), where(b >= 0.0, 0.0, ylog), ylog)
     return [ga, gb]
 
 
@@ -189,17 +189,20 @@ def _lerp(g, x, y):
     if w.is_tensor:
         return [g * (1 - w), g * w, g * (b - a)]
     c = w.constant()
-    return [g * (1.0 - c) if c is not None else g - g * w, g * w, None]
+    if c is None:  # eager forms 1 - weight in double on the host; a kernel formula cannot
+        return [UNSUPPORTED, UNSUPPORTED, None]
+    return [g * (1.0 - c), g * w, None]
 
 
 def _addcmul(g, x, y):
     a, t1, t2, v = x
-    return [g, _scalar_times(g * t2, v), _scalar_times(g * t1, v), None]
+    return [g, g * _scalar_times(t2, v), g * _scalar_times(t1, v), None]  # grad * (tensor2 * value)
 
 
 def _atan2(g, x, y):
     a, b = x
-    recip = op("aten::reciprocal", a * a + b * b)
+    d = a * a + b * b  # eager zeroes the reciprocal where the denominator is 0 (both 0, or underflow)
+    recip = where(d.eq(0.0), 0.0, op("aten::reciprocal", d))
     return [(g * b) * recip, (g * (-a)) * recip]
 
 
@@ -272,7 +275,8 @@ DERIVATIVES: dict[str, Callable] = {
     "trunc": _unary(lambda g, a, y: ZERO),
     "silu": _unary(_silu),
     "gelu": _gelu,
-    "hardtanh": lambda g, x, y: [where(x[0] <= x[1], 0.0, where(x[0] >= x[2], 0.0, g)), None, None],
+    # (NaN gets 0, as eager's vectorized CPU loop gives; its scalar loop and CUDA pass the gradient)
+    "hardtanh": lambda g, x, y: [where(x[0] > x[1], where(x[0] < x[2], g, 0.0), 0.0), None, None],
     "add": _add,
     "sub": _sub,
     "rsub": _rsub,
@@ -286,7 +290,7 @@ DERIVATIVES: dict[str, Callable] = {
     "pow": _pow,
     "pow_scalar": _pow_scalar,
     "where": _where,
-    "type_as": lambda g, x, y: [g, None],
+    "type_as": lambda g, x, y: [op("aten::type_as", g, x[0]), None],  # back in self's dtype
     "clamp": _clamp,
     "clamp_min": _clamp_min,
     "clamp_max": _clamp_max,
