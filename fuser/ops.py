@@ -214,8 +214,9 @@ _OPS: list[OpDef] = [
     OpDef("lerp", ("aten::lerp.Scalar(Tensor self, Tensor end, Scalar weight) -> Tensor",
                    "aten::lerp.Tensor(Tensor self, Tensor end, Tensor weight) -> Tensor"),
           # eager's two-sided formula (exact at weight 0 and 1), with eager's fused multiply-adds
-          {None: Exprs("(fabsf($c) < 0.5f ? fmaf($c, $b - $a, $a) : fmaf($a - $b, 1.f - $c, $b))",
-                       "(fabs($c) < 0.5 ? fma($c, $b - $a, $a) : fma($a - $b, 1.0 - $c, $b))")}),
+          # (-(end - self), not self - end: x - x is +0, and the sign of a zero result must be eager's; fuzzer)
+          {None: Exprs("(fabsf($c) < 0.5f ? fmaf($c, $b - $a, $a) : fmaf(-($b - $a), 1.f - $c, $b))",
+                       "(fabs($c) < 0.5 ? fma($c, $b - $a, $a) : fma(-($b - $a), 1.0 - $c, $b))")}),
     OpDef("rand_like", ("aten::rand_like(Tensor self, *, ScalarType? dtype=None, Layout? layout=None, "
                         "Device? device=None, bool? pin_memory=None, MemoryFormat? memory_format=None) -> Tensor",),
           {None: Exprs("fz_uniform_f(fz_rs, $r, @IDX@, $bits)", "fz_uniform_d(fz_rs, $r, @IDX@)")}, random=True),

@@ -264,3 +264,22 @@ def test_float_arguments_between_tensor_inputs():
     out = executor.run(STORE.get(key), [x, 0.75, y, -3.5])
     assert out is not None
     assert_same(out[0], (x + 0.75) * y - (-3.5))
+
+
+@pytest.mark.parametrize("weight", [0.3, 0.7, 2.0, -1.0])
+def test_lerp_signed_zeros_as_eager(weight):
+    """lerp(x, x, 2.0) at x = -0.0 is +0.0 in eager (end - (end - self) * (1 - w)); atan2 of it tells the sign
+    apart (found by the fuzzer: -pi against 0)."""
+    g = torch.parse_ir(f"""graph(%x : Tensor, %y : Tensor):
+      %w : float = prim::Constant[value={weight}]()
+      %a : Tensor = aten::lerp(%x, %y, %w)
+      %r : Tensor = aten::atan2(%a, %a)
+      return (%r, %a)
+    """)
+    vals = torch.tensor([0.0, -0.0, 1.0, -1.0])
+    x, y = vals.repeat_interleave(4), vals.repeat(4)
+    out = executor.run(STORE.get(STORE.register(g)), [x, y])
+    assert out is not None
+    a = torch.lerp(x, y, weight)
+    assert torch.equal(out[1], a) and torch.equal(out[1].signbit(), a.signbit())
+    assert_same(out[0], torch.atan2(a, a))
