@@ -142,3 +142,30 @@ def test_random_seed_campaign_cpu(tmp_path):
     print(f"FUSER_FUZZ_SEED={seed}\n" + camp.summary())
     assert camp.graphs > 0
     assert not camp.failures, f"replay with FUSER_FUZZ_SEED={seed}\n" + _report(camp, tmp_path)
+
+
+@pytest.mark.parametrize("ir, value", [
+    # gelu(-7.15) is -0.0 in eager and -4e-16 with glibc's tanh: floor then gives -0.0 or -1
+    ("""graph(%t0 : Tensor):
+  %v0 : Tensor = aten::log2(%t0)
+  %c : str = prim::Constant[value="tanh"]()
+  %v1 : Tensor = aten::gelu(%v0, %c)
+  %v2 : Tensor = aten::floor(%v1)
+  return (%v2)""", 0.007029290003738087),
+    # pow(1e-40, y) multiplies y's 1-ulp libm difference by about 90: fmod(., 5) of 1.46e15 is then anyone's guess
+    ("""graph(%t0 : Tensor):
+  %v0 : Tensor = aten::log10(%t0)
+  %b : float = prim::Constant[value=1e-40]()
+  %v1 : Tensor = aten::pow(%b, %v0)
+  %c : int = prim::Constant[value=5]()
+  %v2 : Tensor = aten::fmod(%v1, %c)
+  return (%v2)""", 0.41773897226307644),
+])
+def test_judge_excuses_float64_discontinuities_behind_ill_conditioned_ops(ir, value):
+    """Two float64 verdicts the 10k campaign got wrong (libm differences upstream of a discontinuity, which the
+    float64 reference, eager itself, cannot show); the value's own op is judged exactly elsewhere."""
+    _needs_cpu_fusion()
+    g = fuzz.parse_graph(ir)
+    x = torch.tensor([value] * 4 + [0.5, 2.0, 3.0, 0.25], dtype=torch.float64)
+    v = fuzz.check(g, [x])
+    assert v.ok, v
