@@ -70,6 +70,8 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     """
     if spec.random:  # the backward would recompute the forward and draw other numbers
         raise _Unsupported("random ops")
+    if spec.concat_consumed:
+        raise _Unsupported("a cat's result used inside the group")
     fwd = spec.graph
     g = torch._C.Graph()
     env: dict[int, torch._C.Value] = {}

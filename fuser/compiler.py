@@ -99,7 +99,7 @@ def build(spec: KernelSpec, arg_spec: ArgSpec) -> Optional[CompiledKernel]:
     """Generate and compile the kernel of ``spec`` for ``arg_spec``; None where fusion is not possible
     for these inputs (the caller falls back)."""
     t0 = time.perf_counter()
-    if any(d.dtype not in DTYPES for d in arg_spec.inputs):
+    if any(d.dtype not in DTYPES for d in arg_spec.inputs) or spec.concat_consumed:
         return None
     try:
         types = infer_types(spec, arg_spec)

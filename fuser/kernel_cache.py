@@ -93,6 +93,10 @@ class KernelSpec:
         self.concats = _concats(self.graph)
         self.all_outputs_defined = (True,) * len(self.concats)  # (graph.outputs() costs microseconds)
         self.has_concat = any(c is not None for c in self.concats)
+        # a cat whose result feeds another node of the graph (only a hand-written graph has one): its value is
+        # not a map element, so such a graph is neither generated nor differentiated, the interpreter runs it
+        self.concat_consumed = any(u.user.kind() != "prim::Return" for n in self.graph.nodes()
+                                   if n.kind() == "aten::cat" for u in n.output().uses())
 
     @property
     def n_tensor_inputs(self) -> int:

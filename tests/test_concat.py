@@ -199,3 +199,21 @@ def test_cuda_source_compiles(arch):
             src = codegen.generate(spec.graph, arg_spec.inputs, 0, types, "cuda", "k",
                                    out_layouts=arg_spec.outputs)
             driver.compile_source(src, "k", driver.NvrtcOptions(arch))
+
+
+def test_a_hand_written_graph_consuming_a_cat_runs_through_the_interpreter():
+    """The pass never makes one; debug_launch_graph may get one: eager's values and gradients, no crash."""
+    g = torch.parse_ir("""graph(%x : Tensor, %y : Tensor):
+      %d : int = prim::Constant[value=0]()
+      %a : Tensor = aten::sigmoid(%x)
+      %l : Tensor[] = prim::ListConstruct(%a, %y)
+      %c : Tensor = aten::cat(%l, %d)
+      %r : Tensor = aten::mul(%c, %c)
+      return (%r)
+    """)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    out = fuser.debug_launch_graph(g, [x, y])[0]
+    ref = torch.cat([torch.sigmoid(x), y]) ** 2
+    assert_same(out, ref)
+    assert torch.autograd.gradcheck(lambda x, y: fuser.debug_launch_graph(g, [x, y])[0], (x, y))
