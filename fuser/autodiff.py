@@ -191,6 +191,15 @@ def _carries(fwd: torch._C.Graph, needs: Sequence[bool], floating: frozenset) ->
     return carries
 
 
+MAX_CACHED = 4096  # per cache below: past it, the cache starts over (bounded, not a leak)
+
+
+def _bounded(cache: dict) -> dict:
+    if len(cache) >= MAX_CACHED:
+        cache.clear()
+    return cache
+
+
 def _floating_values(spec: KernelSpec, sig: tuple) -> frozenset:
     """ids of the graph values whose dtype is floating, for tensor inputs of dtypes ``sig``."""
     key = (spec.key, sig)
@@ -217,7 +226,7 @@ def _floating_values(spec: KernelSpec, sig: tuple) -> frozenset:
                     if isinstance(val, torch.Tensor) and val.is_floating_point())
     got |= frozenset(v.unique() for v, s in zip(spec.graph.inputs(), samples)
                      if isinstance(s, torch.Tensor) and s.is_floating_point())
-    _floating[key] = got
+    _bounded(_floating)[key] = got
     return got
 
 
@@ -232,8 +241,7 @@ def backward_for(spec: KernelSpec, needs: tuple, defined: tuple, sig: tuple) -> 
     except RuntimeError:  # eager rejects these dtypes (the type probe raised): the interpreter will say so
         bw = None
     with _lock:
-        _backwards.setdefault(key, bw)
-    return _backwards[key]
+        return _bounded(_backwards).setdefault(key, bw)
 
 
 def _carried_outputs(spec: KernelSpec, needs: tuple, sig: tuple) -> tuple[bool, ...]:
@@ -241,7 +249,7 @@ def _carried_outputs(spec: KernelSpec, needs: tuple, sig: tuple) -> tuple[bool, 
     got = _carried.get(key)
     if got is None:
         carries = _carries(spec.graph, needs, _floating_values(spec, sig)) or set()
-        got = _carried[key] = tuple(o.unique() in carries for o in spec.graph.outputs())
+        got = _bounded(_carried)[key] = tuple(o.unique() in carries for o in spec.graph.outputs())
     return got
 
 
