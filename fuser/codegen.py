@@ -180,6 +180,8 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
                     if rounding and not isinstance(val, bool):
                         val = torch.tensor(val, dtype=torch.float64).to(nt.compute).item()
                     consts[arg] = literal(val, ctype)
+                    # negated in the Scalar's own type, as eager's -alpha: an int 0 stays +0
+                    consts["n" + arg] = literal(val if isinstance(val, bool) else -val, ctype)
             else:
                 name_, t = vname[v.unique()], vtype[v.unique()]
                 # round anything not loaded straight from memory in this dtype: eager compares stored values
@@ -192,6 +194,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
                     consts[arg] = f"fz_ld(fz_st<{storage_type(nt.compute)}>(({ctype}){name_}))"
                 else:
                     consts[arg] = name_ if (t == ctype or i in op.keep_args) else f"(({ctype}){name_})"
+                consts["n" + arg] = f"(-{consts[arg]})"
         consts["T"] = ctype
         out = node.output()
         rtype = compute_type(nt.result)

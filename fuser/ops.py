@@ -8,7 +8,8 @@ Each entry maps TorchScript schemas to C expression templates, one per compute f
   falls back, e.g. integer ``fmod`` by zero raises in eager).
 
 Templates are :class:`string.Template` texts. ``$a $b $c $d`` are the node's inputs in schema order, already
-converted to the node's compute type; ``$T`` is that C type. Helpers named ``fz_*`` are defined once per
+converted to the node's compute type (``$na``... the same negated as eager negates a Scalar: an int 0
+stays +0); ``$T`` is that C type. Helpers named ``fz_*`` are defined once per
 target in the target's prelude (see ``fuser/cpu/templates.py`` and ``fuser/cuda/templates.py``).
 
 The pass (which ops may join a group), codegen (what C to emit) and the tests (which ops to check against
@@ -159,11 +160,12 @@ _OPS: list[OpDef] = [
           {None: Exprs("fmaf($c, $b, $a)", "fma($c, $b, $a)", "($T)($a + $c * $b)")}),
     OpDef("sub", ("aten::sub.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
                   "aten::sub.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor"),
-          {None: Exprs("fmaf(-$c, $b, $a)", "fma(-$c, $b, $a)", "($T)($a - $c * $b)")}),
+          # (-alpha as eager negates the Scalar: $nc, so an int 0 gives +0 and the sign of a zero result is eager's)
+          {None: Exprs("fmaf($nc, $b, $a)", "fma($nc, $b, $a)", "($T)($a - $c * $b)")}),
     OpDef("rsub", ("aten::rsub.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
                    "aten::rsub.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor"),
           # ``1 - x``: eager computes sub(other, self, alpha), i.e. fma(-alpha, self, other)
-          {None: Exprs("fmaf(-$c, $a, $b)", "fma(-$c, $a, $b)", "($T)($b - $c * $a)")}),
+          {None: Exprs("fmaf($nc, $a, $b)", "fma($nc, $a, $b)", "($T)($b - $c * $a)")}),
     OpDef("mul", ("aten::mul.Tensor(Tensor self, Tensor other) -> Tensor",
                   "aten::mul.Scalar(Tensor self, Scalar other) -> Tensor"),
           {None: Exprs("($a * $b)", "($a * $b)", "($T)($a * $b)")}),

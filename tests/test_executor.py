@@ -283,3 +283,22 @@ def test_lerp_signed_zeros_as_eager(weight):
     a = torch.lerp(x, y, weight)
     assert torch.equal(out[1], a) and torch.equal(out[1].signbit(), a.signbit())
     assert_same(out[0], torch.atan2(a, a))
+
+
+@pytest.mark.parametrize("alpha", ["0", "0.0", "-0.0", "1", "%s"])
+@pytest.mark.parametrize("op", ["sub", "rsub"])
+def test_sub_alpha_zero_signs_as_eager(op, alpha):
+    """eager negates alpha as a Scalar: an int 0 stays +0, a float 0.0 becomes -0.0; the sign of a zero result
+    follows (rsub(x, x, 0) at x = -0.0 fed rsqrt, found by the fuzzer: inf against 0)."""
+    arg = "%s" if alpha == "%s" else "%k"
+    const = "" if alpha == "%s" else (f"  %k : {'int' if '.' not in alpha else 'float'} = "
+                                      f"prim::Constant[value={alpha}]()\n")
+    g = torch.parse_ir(f"graph(%x : Tensor, %y : Tensor, %s : float):\n{const}"
+                       f"  %r : Tensor = aten::{op}(%x, %y, {arg})\n  return (%r)\n")
+    vals = torch.tensor([0.0, -0.0, 1.0, -2.0])
+    x, y = vals.repeat_interleave(4), vals.repeat(4)
+    a = 0.0 if alpha == "%s" else (int(alpha) if "." not in alpha else float(alpha))
+    out = executor.run(STORE.get(STORE.register(g)), [x, y, -0.0 if alpha == "%s" else 0.0])
+    assert out is not None
+    ref = getattr(torch, op)(x, y, alpha=-0.0 if alpha == "%s" else a)
+    assert torch.equal(out[0], ref) and torch.equal(out[0].signbit(), ref.signbit()), (out[0], ref)
