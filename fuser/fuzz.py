@@ -381,10 +381,13 @@ def eager_eval(graph: torch._C.Graph, args, upcast: bool = False, perturb=None):
         if upcast and isinstance(r, torch.Tensor) and r.is_floating_point() and r.dtype != torch.float64:
             r = r.double()  # a float32 result of integer inputs (sinh of an int16 tensor)
         if perturb is not None and isinstance(r, torch.Tensor) and r.is_floating_point():
-            size = perturb[0][len(steps)]
+            size, sub = perturb[0][len(steps)]
             if size:
                 u = (torch.rand(r.shape, generator=perturb[1]) < 0.5).to(device=r.device, dtype=torch.float64) * 2 - 1
-                r = r * (1 + size * u).to(r.dtype)
+                # a nonzero subnormal rounds in steps of the smallest subnormal, not relative ones (erfc(10) is 1 or
+                # 2 such steps in float32 depending on the libm); zeros stay exact
+                step = torch.where((r != 0) & (r.abs() < sub / size), sub, 0.0) if sub else 0.0
+                r = (r * (1 + size * u) + u * step).to(r.dtype)
         env[n.output().unique()] = r
         steps.append((n, r, ins))
     return steps, [env[v.unique()] for v in graph.outputs()]
@@ -639,9 +642,15 @@ def _closer(F: torch.Tensor, E: torch.Tensor, R: torch.Tensor, spread: torch.Ten
     return torch.where(wild, dF <= 10 * tol + 1e-3 * r.abs(), closer)
 
 
+def _perturbation(dtype: torch.dtype) -> tuple:
+    """(relative size, subnormal step) by which an intermediate of ``dtype`` is perturbed: 4 ulps either way."""
+    fi = torch.finfo(dtype)
+    return 4 * _eps(dtype), 4 * fi.smallest_normal * fi.eps
+
+
 def _spread(graph, args, steps, r_outs, ks, trials: int = 3) -> dict:
     """output index -> max distance of the float64 reference's output from itself with perturbed intermediates."""
-    sizes = [4 * _eps(v.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else 0.0
+    sizes = [_perturbation(v.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else (0.0, 0.0)
              for _, v, _ in steps]
     gen = torch.Generator().manual_seed(1234)
     out = {k: torch.zeros(r_outs[k].shape, dtype=torch.float64, device=r_outs[k].device) for k in ks}
@@ -661,7 +670,7 @@ def _step_spreads(graph, args, ref_steps, trials: int = 3) -> dict:
     every intermediate before it is perturbed by 4 ulps of its eager dtype."""
     if ref_steps is None:
         return {}
-    sizes = [4 * _eps(v.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else 0.0
+    sizes = [_perturbation(v.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else (0.0, 0.0)
              for _, v, _ in ref_steps]
     gen = torch.Generator().manual_seed(4321)
     out: dict = {}
