@@ -491,11 +491,16 @@ def _near_edge(name: str, E: list, M: list, out_dtype: torch.dtype, in_dtypes: l
     if name == "atan2":
         B, mB = E[1], M[1]
         return pos(mA) & (A.abs() <= mA) & (B <= mB)
-    if name == "pow":
+    if name in ("pow", "pow_scalar"):
         B, mB = E[1], M[1]
         nan_edge = pos(mB) & (A <= mA) & (_dist_int(B) <= mB)
+        if name == "pow_scalar":  # a Python exponent: ambiguous only if its conversion can land on an integer
+            nan_edge &= _dist_int(B) > 0
         zero_edge = pos(mA) & (A.abs() <= mA) & (B <= mB)
-        return nan_edge | zero_edge
+        # an infinite exponent jumps at |base| = 1: pow(0.99999994, inf) is 0, pow(1, inf) is 1 (tan(pi/4) is
+        # one or the other by libm; fuzzer)
+        one_edge = pos(mA) & B.isinf() & ((A.abs() - 1).abs() <= mA)
+        return nan_edge | zero_edge | one_edge
     if name == "type_as" and not out_dtype.is_floating_point and in_dtypes[0].is_floating_point:
         if out_dtype == torch.bool:
             return pos(mA) & (A.abs() <= mA)
@@ -513,7 +518,7 @@ _EXACT_SCALAR_OPS = _COMPARISONS | {"threshold"}
 _EDGE_OPS = _ROUNDING | _ZERO_EDGE | _ZERO_TIE_OPS | {"round", "log1p", "acos", "asin", "lgamma", "sin", "cos", "tan", "sinh",
                                      "cosh", "eq", "ne",
                                      "ge", "gt", "le", "lt", "threshold", "div", "fmod", "remainder", "atan2",
-                                     "pow", "type_as"}
+                                     "pow", "pow_scalar", "type_as"}
 
 
 # ops computed as x * f(x) with f bounded (the CDF in gelu, the sigmoid in silu): f's absolute rounding error,
