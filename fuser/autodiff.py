@@ -23,7 +23,8 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from . import derivatives as D
-from . import executor, fallback, ops
+from . import codegen, compiler, executor, fallback, ops
+from .descs import DENSE, ArgSpec, TensorDesc
 from .kernel_cache import STORE, KernelSpec, concat_pieces
 
 _TENSOR = torch._C.TensorType.get()
@@ -201,31 +202,19 @@ def _bounded(cache: dict) -> dict:
 
 
 def _floating_values(spec: KernelSpec, sig: tuple) -> frozenset:
-    """ids of the graph values whose dtype is floating, for tensor inputs of dtypes ``sig``."""
+    """ids of the graph values whose dtype is floating, for tensor inputs of dtypes ``sig`` (the dtypes come
+    from the same eager probe the compiler uses; it raises what eager raises for these dtypes)."""
     key = (spec.key, sig)
     got = _floating.get(key)
     if got is not None:
         return got
-    g = spec.graph.copy()
-    nodes = [n for n in g.nodes() if n.kind() != "prim::Constant"]
-    n_out = len(list(g.outputs()))
-    for n in nodes:
-        g.registerOutput(n.output())
+    arg_spec = ArgSpec("cpu", None, tuple(TensorDesc(dt, DENSE, zero_dim) for dt, zero_dim in sig))
+    types = compiler.infer_types(spec, arg_spec)
+    got = frozenset(n.output().unique() for n, t in zip(codegen.typed_nodes(spec.graph), types)
+                    if t.result.is_floating_point)
     dtypes = iter(sig)
-    samples = []
-    for is_t in spec.input_is_tensor:
-        if is_t:
-            dt, zero_dim = next(dtypes)
-            samples.append(torch.ones((), dtype=dt) if zero_dim else torch.empty((0,), dtype=dt))
-        else:
-            samples.append(1.0)
-    values = fallback.run_graph(g, samples)[n_out:]
-    # ids of the original graph's values: nodes are in the same order in the copy
-    orig = [n for n in spec.graph.nodes() if n.kind() != "prim::Constant"]
-    got = frozenset(n.output().unique() for n, val in zip(orig, values)
-                    if isinstance(val, torch.Tensor) and val.is_floating_point())
-    got |= frozenset(v.unique() for v, s in zip(spec.graph.inputs(), samples)
-                     if isinstance(s, torch.Tensor) and s.is_floating_point())
+    got |= frozenset(v.unique() for v, is_t in zip(spec.graph.inputs(), spec.input_is_tensor)
+                     if is_t and next(dtypes)[0].is_floating_point)
     _bounded(_floating)[key] = got
     return got
 
