@@ -653,30 +653,13 @@ def _perturbation(dtype: torch.dtype) -> tuple:
     return 4 * _eps(dtype), 4 * fi.smallest_normal * fi.eps
 
 
-def _spread(graph, args, steps, r_outs, ks, trials: int = 3) -> dict:
-    """output index -> max distance of the float64 reference's output from itself with perturbed intermediates."""
-    sizes = [_perturbation(v.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else (0.0, 0.0)
-             for _, v, _ in steps]
-    gen = torch.Generator().manual_seed(1234)
-    out = {k: torch.zeros(r_outs[k].shape, dtype=torch.float64, device=r_outs[k].device) for k in ks}
-    for _ in range(trials):
-        try:
-            _, p_outs = eager_eval(graph, args, upcast=True, perturb=(sizes, gen))
-        except Exception:  # noqa: BLE001
-            continue
-        for k in ks:
-            if p_outs[k].shape == r_outs[k].shape:
-                out[k] = torch.maximum(out[k], _dist(p_outs[k].double(), r_outs[k].double()))
-    return out
-
-
-def _step_spreads(graph, args, ref_steps, trials: int = 3) -> dict:
-    """value unique -> max distance of each floating intermediate of the float64 reference from itself when
-    every intermediate before it is perturbed by 4 ulps of its eager dtype."""
+def _step_spreads(graph, args, steps, ref_steps, trials: int = 3) -> dict:
+    """value unique -> max distance of each floating value of the float64 reference (intermediates and outputs)
+    from itself when every intermediate is perturbed by 4 ulps of its eager dtype (``steps``)."""
     if ref_steps is None:
         return {}
     sizes = [_perturbation(v.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else (0.0, 0.0)
-             for _, v, _ in ref_steps]
+             for _, v, _ in steps]
     gen = torch.Generator().manual_seed(4321)
     out: dict = {}
     for _ in range(trials):
@@ -787,8 +770,11 @@ def check(graph: torch._C.Graph, args: list, device=None) -> Verdict:
             ref_steps = r_outs = None
     except Exception:  # noqa: BLE001
         ref_steps = r_outs = None
-    masks = uncertainty(steps, ref_steps, device, weak, _step_spreads(graph, args, ref_steps))
-    spreads = _spread(graph, args, steps, r_outs, [k for k, _ in differ]) if r_outs is not None else {}
+    step_spreads = _step_spreads(graph, args, steps, ref_steps)
+    masks = uncertainty(steps, ref_steps, device, weak, step_spreads)
+    spreads = {k: step_spreads.get(outs[k].unique(), torch.zeros(r_outs[k].shape, dtype=torch.float64,
+                                                               device=r_outs[k].device))
+               for k, _ in differ} if r_outs is not None else {}
     excused = 0
     for k, off in differ:
         v, F, E = outs[k], f_outs[k], e_outs[k]
