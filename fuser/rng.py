@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-# C for both targets; the prelude defines FZ_FN (function qualifiers) and FZ_MULHI (high 32 bits of a*b)
+# C for both targets: the prelude defines FZ_FN (function qualifiers), the backend's RNG snippet FZ_MULHI
+# (the high 32 bits of a*b)
 PHILOX = r"""
 // Philox4x32-10: ten rounds of two 32x32->64 multiplies and a key schedule
 FZ_FN void fz_philox(unsigned int c[4], unsigned int k0, unsigned int k1) {

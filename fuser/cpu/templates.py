@@ -8,9 +8,11 @@ order; ``ptrs``: inputs then outputs; ``scalars``: the float arguments.
 """
 from string import Template
 
+from ..c_helpers import HELPERS
 from ..rng import PHILOX
 
 PRELUDE = r"""
+#define FZ_FN static inline
 // C headers only: they parse in a fraction of <cmath>'s time, and compile time is most of a CPU kernel's
 // first call
 #include <stdint.h>
@@ -68,27 +70,7 @@ template <> inline fz_bf16 fz_st<fz_bf16, float>(float f) {
   return h;
 }
 
-// pow with a scalar exponent: eager takes sqrt / 1/sqrt for exponents 0.5 / -0.5, which differ from pow at
-// -inf and -0.0 (found by the fuzzer)
-static inline float fz_pow_scalar(float a, float b) {
-  return b == 0.5f ? sqrtf(a) : b == -0.5f ? 1.f / sqrtf(a) : powf(a, b);
-}
-static inline double fz_pow_scalar(double a, double b) {
-  return b == 0.5 ? sqrt(a) : b == -0.5 ? 1.0 / sqrt(a) : pow(a, b);
-}
-template <class T> static inline T fz_max(T a, T b) { return (a != a || a >= b) ? a : b; }
-template <class T> static inline T fz_min(T a, T b) { return (a != a || a <= b) ? a : b; }
-static inline float fz_remainder(float a, float b) {
-  float m = fmodf(a, b);
-  if (m != 0.f && ((b < 0.f) != (m < 0.f))) m += b;
-  return m;
-}
-static inline double fz_remainder(double a, double b) {
-  double m = fmod(a, b);
-  if (m != 0.0 && ((b < 0.0) != (m < 0.0))) m += b;
-  return m;
-}
-#define FZ_INF_F __builtin_inff()
+""" + HELPERS + r"""#define FZ_INF_F __builtin_inff()
 #define FZ_NAN_F __builtin_nanf("")
 #define FZ_INF_D __builtin_inf()
 #define FZ_NAN_D __builtin_nan("")
@@ -105,8 +87,7 @@ template <> struct fz_limits<double> { static inline double lowest() { return -F
 """
 
 # appended to the prelude when a kernel draws random numbers (rand_like)
-RNG = ("\n#define FZ_FN static inline\n"
-       "#define FZ_MULHI(a, b) ((unsigned int)(((unsigned long long)(a) * (b)) >> 32))\n" + PHILOX)
+RNG = "#define FZ_MULHI(a, b) ((unsigned int)(((unsigned long long)(a) * (b)) >> 32))\n" + PHILOX
 KERNEL = Template(r"""// fuser CPU kernel ${name}
 ${prelude}
 extern "C" void ${name}(int64_t numel, int64_t rank, const int64_t* sizes, const int64_t* strides,

@@ -9,11 +9,13 @@ helpers are defined here.
 """
 from string import Template
 
+from ..c_helpers import HELPERS
 from ..rng import PHILOX
 
 MAX_DIMS = 8  # compressed map dims; more falls back
 
 PRELUDE = r"""
+#define FZ_FN __device__ __forceinline__
 typedef signed char int8_t;
 typedef unsigned char uint8_t;
 typedef short int16_t;
@@ -48,27 +50,7 @@ template <> __device__ __forceinline__ fz_bf16 fz_st<fz_bf16, float>(float f) {
   return h;
 }
 
-// pow with a scalar exponent: eager takes sqrt / 1/sqrt for exponents 0.5 / -0.5, which differ from pow at
-// -inf and -0.0 (found by the fuzzer)
-__device__ __forceinline__ float fz_pow_scalar(float a, float b) {
-  return b == 0.5f ? sqrtf(a) : b == -0.5f ? 1.f / sqrtf(a) : powf(a, b);
-}
-__device__ __forceinline__ double fz_pow_scalar(double a, double b) {
-  return b == 0.5 ? sqrt(a) : b == -0.5 ? 1.0 / sqrt(a) : pow(a, b);
-}
-template <class T> __device__ __forceinline__ T fz_max(T a, T b) { return (a != a || a >= b) ? a : b; }
-template <class T> __device__ __forceinline__ T fz_min(T a, T b) { return (a != a || a <= b) ? a : b; }
-__device__ __forceinline__ float fz_remainder(float a, float b) {
-  float m = fmodf(a, b);
-  if (m != 0.f && ((b < 0.f) != (m < 0.f))) m += b;
-  return m;
-}
-__device__ __forceinline__ double fz_remainder(double a, double b) {
-  double m = fmod(a, b);
-  if (m != 0.0 && ((b < 0.0) != (m < 0.0))) m += b;
-  return m;
-}
-// tanh for results stored as float16/bfloat16: branch-free (a branch diverges on mixed-sign data), absolute
+""" + HELPERS + r"""// tanh for results stored as float16/bfloat16: branch-free (a branch diverges on mixed-sign data), absolute
 // error near 1e-7 like tanhf's, so 1 + tanh(x) keeps its accuracy where it cancels (GELU's negative tail)
 __device__ __forceinline__ float fz_tanh_fast(float x) {
   const float ax = fabsf(x);
@@ -103,7 +85,7 @@ template <class T, int N> struct __align__(sizeof(T) * N < 16 ? sizeof(T) * N : 
 """
 
 # appended to the prelude when a kernel draws random numbers (rand_like)
-RNG = "\n#define FZ_FN __device__ __forceinline__\n#define FZ_MULHI(a, b) __umulhi(a, b)\n" + PHILOX
+RNG = "\n#define FZ_MULHI(a, b) __umulhi(a, b)\n" + PHILOX
 
 KERNEL = Template(r"""// fuser CUDA kernel ${name}
 ${prelude}

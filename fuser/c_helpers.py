@@ -1,0 +1,26 @@
+"""C source shared by both backends' preludes: helpers with eager's semantics where C's own functions differ.
+Each prelude defines ``FZ_FN`` (the function qualifiers) before including it; the Philox source of
+``fuser/rng.py`` uses it too."""
+
+HELPERS = r"""
+// pow with a scalar exponent: eager takes sqrt / 1/sqrt for exponents 0.5 / -0.5, which differ from pow at
+// -inf and -0.0 (found by the fuzzer)
+FZ_FN float fz_pow_scalar(float a, float b) {
+  return b == 0.5f ? sqrtf(a) : b == -0.5f ? 1.f / sqrtf(a) : powf(a, b);
+}
+FZ_FN double fz_pow_scalar(double a, double b) {
+  return b == 0.5 ? sqrt(a) : b == -0.5 ? 1.0 / sqrt(a) : pow(a, b);
+}
+template <class T> FZ_FN T fz_max(T a, T b) { return (a != a || a >= b) ? a : b; }
+template <class T> FZ_FN T fz_min(T a, T b) { return (a != a || a <= b) ? a : b; }
+FZ_FN float fz_remainder(float a, float b) {
+  float m = fmodf(a, b);
+  if (m != 0.f && ((b < 0.f) != (m < 0.f))) m += b;
+  return m;
+}
+FZ_FN double fz_remainder(double a, double b) {
+  double m = fmod(a, b);
+  if (m != 0.0 && ((b < 0.0) != (m < 0.0))) m += b;
+  return m;
+}
+"""
