@@ -1,4 +1,6 @@
 """C source shared by both backends' preludes: helpers with eager's semantics where C's own functions differ.
+The generic ``fz_max``/``fz_min`` keep the first operand on a tie, which is CPU eager's rule for signed zeros
+(``max(-0.0, +0.0)`` is -0.0); the CUDA prelude overloads them for floating types with CUDA eager's rule.
 Each prelude defines ``FZ_FN`` (the function qualifiers) before including it; the Philox source of
 ``fuser/rng.py`` uses it too."""
 
@@ -11,6 +13,7 @@ FZ_FN float fz_pow_scalar(float a, float b) {
 FZ_FN double fz_pow_scalar(double a, double b) {
   return b == 0.5 ? sqrt(a) : b == -0.5 ? 1.0 / sqrt(a) : pow(a, b);
 }
+// max/min as eager's (NaN-propagating); each prelude adds its device's rule for a tie of signed zeros
 template <class T> FZ_FN T fz_max(T a, T b) { return (a != a || a >= b) ? a : b; }
 template <class T> FZ_FN T fz_min(T a, T b) { return (a != a || a <= b) ? a : b; }
 FZ_FN float fz_remainder(float a, float b) {

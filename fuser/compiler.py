@@ -1,10 +1,12 @@
 """Compilation at run time: specialize a kernel spec to an arg spec and build it for the device.
 
 Types come from eager PyTorch itself: the group's graph runs once through the interpreter on zero-element
-(or 0-dim) tensors of the arg spec's dtypes, with every intermediate value as an output. That gives each
-value exactly eager's result dtype, type promotion included (int + float, 0-dim tensors, Python scalars),
-and an input combination eager rejects raises here, so the executor falls back and eager's own error
-reaches the user.
+(or 0-dim) tensors of the arg spec's dtypes, on the arg spec's device, with every intermediate value as an
+output. That gives each value exactly eager's result dtype, type promotion included (int + float, 0-dim
+tensors, Python scalars), and an input combination eager rejects raises here, so the executor falls back and
+eager's own error reaches the user. Running on the device matters: eager's CUDA kernels refuse a 0-dim CPU
+tensor (a traced constant) in some arguments that its CPU kernels take (clamp's tensor bounds, addcmul's
+self and tensor1, lerp's end), and ``type_as`` of a CPU tensor moves the value to the CPU.
 """
 from __future__ import annotations
 
@@ -56,10 +58,10 @@ class CompiledKernel:
     random: bool = False  # draws random numbers: each launch appends rng.launch_state() to the float arguments
 
 
-def _sample(desc: TensorDesc, rank: int = 1) -> torch.Tensor:
+def _sample(desc: TensorDesc, rank: int = 1, device: Optional[torch.device] = None) -> torch.Tensor:
     if desc.zero_dim:
-        return torch.ones((), dtype=desc.dtype)
-    return torch.empty((0,) + (1,) * (rank - 1), dtype=desc.dtype)
+        return torch.ones((), dtype=desc.dtype, device=device)
+    return torch.empty((0,) + (1,) * (rank - 1), dtype=desc.dtype, device=device)
 
 
 def _sample_rank(spec: KernelSpec) -> int:
@@ -67,11 +69,18 @@ def _sample_rank(spec: KernelSpec) -> int:
     return max([1] + [d + 1 if d >= 0 else -d for c in spec.concats if c is not None for d in (c[0],)])
 
 
-def infer_types(spec: KernelSpec, arg_spec: ArgSpec) -> list[codegen.NodeTypes]:
-    """Result and compute dtype of every non-constant node of ``spec.graph`` for inputs like ``arg_spec``.
+class DeviceChange(RuntimeError):
+    """A value of the group leaves the inputs' device in eager (``type_as`` of a CPU tensor)."""
 
-    Raises whatever eager raises for such inputs.
+
+def infer_types(spec: KernelSpec, arg_spec: ArgSpec, device: Optional[torch.device] = None) -> list[codegen.NodeTypes]:
+    """Result and compute dtype of every non-constant node of ``spec.graph`` for inputs like ``arg_spec``,
+    probed on ``device`` (default: the arg spec's).
+
+    Raises whatever eager raises for such inputs there, and :class:`DeviceChange` where a value would leave
+    that device.
     """
+    device = arg_spec.device if device is None else torch.device(device)
     g = spec.graph.copy()
     nodes = codegen.typed_nodes(g)
     n_out = len(list(g.outputs()))
@@ -79,8 +88,12 @@ def infer_types(spec: KernelSpec, arg_spec: ArgSpec) -> list[codegen.NodeTypes]:
         g.registerOutput(n.output())
     descs = iter(arg_spec.inputs)
     rank = _sample_rank(spec)
-    samples = [_sample(next(descs), rank) if is_t else 1.0 for is_t in spec.input_is_tensor]
+    samples = [_sample(next(descs), rank, device) if is_t else 1.0 for is_t in spec.input_is_tensor]
     values = run_graph(g, samples)[n_out:]
+    where = next(t.device for t in samples if isinstance(t, torch.Tensor))  # with the index torch gave it
+    for n, val in zip(nodes, values):
+        if val.device != where:
+            raise DeviceChange(f"{n.kind()} gives a {val.device} tensor from inputs on {where}")
     by_value = {v.unique(): s for v, s in zip(g.inputs(), samples)}
     by_value.update({n.output().unique(): val for n, val in zip(nodes, values)})
     types = []

@@ -67,6 +67,8 @@ class OpDef:
     the map; its arguments after ``self`` are constant tensor options, of which only ``dtype`` may be given.
     concat: ``torch.cat`` of values of the group (its ``prim::ListConstruct`` used by nothing else): no
     expression; the kernel runs over the pieces' shape and writes each piece into its slice of the output.
+    targets: per target (``"cpu"``, ``"cuda"``), expressions that replace ``exprs`` there, where eager's kernels
+    of that device compute differently (addcmul's order of roundings). The kernel follows the eager of its device.
     """
 
     name: str
@@ -83,9 +85,10 @@ class OpDef:
     fast: Mapping[Optional[str], str] = field(default_factory=dict)
     random: bool = False
     concat: bool = False
+    targets: Mapping[str, Mapping[Optional[str], Exprs]] = field(default_factory=dict)
 
-    def template(self, variant: Optional[str], family: str) -> Optional[string.Template]:
-        exprs = self.exprs.get(variant)
+    def template(self, variant: Optional[str], family: str, target: Optional[str] = None) -> Optional[string.Template]:
+        exprs = self.targets.get(target, {}).get(variant) or self.exprs.get(variant)
         if exprs is None:
             return None
         text = exprs.for_family(family)
@@ -123,8 +126,8 @@ _OPS: list[OpDef] = [
     _unary("log2", "log2f($a)", "log2($a)"),
     _unary("neg", "(-$a)", "(-$a)", "($T)(-$a)"),
     _unary("reciprocal", "(1.f / $a)", "(1.0 / $a)"),
-    _unary("relu", "(($a != $a || $a >= 0.f) ? $a : 0.f)", "(($a != $a || $a >= 0.0) ? $a : 0.0)",
-           "($a > 0 ? $a : ($T)0)"),
+    # max(x, 0) with the device's rule for a tie of signed zeros (CPU eager keeps -0, CUDA's gives +0)
+    _unary("relu", "fz_max($a, 0.f)", "fz_max($a, 0.0)", "($a > 0 ? $a : ($T)0)"),
     _unary("round", "nearbyintf($a)", "nearbyint($a)", "$a", discrete=True),
     _unary("rsqrt", "(1.f / sqrtf($a))", "(1.0 / sqrt($a))"),
     _unary("sigmoid", "(1.f / (1.f + expf(-$a)))", "(1.0 / (1.0 + exp(-$a)))",
@@ -224,8 +227,10 @@ _OPS: list[OpDef] = [
           {None: Exprs("fz_uniform_f(fz_rs, $r, @IDX@, $bits)", "fz_uniform_d(fz_rs, $r, @IDX@)")}, random=True),
     OpDef("cat", ("aten::cat(Tensor[] tensors, int dim=0) -> Tensor",), {}, concat=True),
     OpDef("addcmul", ("aten::addcmul(Tensor self, Tensor tensor1, Tensor tensor2, *, Scalar value=1) -> Tensor",),
-          # eager: fma(value * tensor1, tensor2, self)
-          {None: Exprs("fmaf($d * $b, $c, $a)", "fma($d * $b, $c, $a)", "($T)($a + $d * $b * $c)")}),
+          # CPU eager: fma(value * tensor1, tensor2, self); CUDA eager: self + value * (tensor1 * tensor2), which
+          # nvcc contracts to fma(value, tensor1 * tensor2, self) (the product first: inf * 0 is NaN there)
+          {None: Exprs("fmaf($d * $b, $c, $a)", "fma($d * $b, $c, $a)", "($T)($a + $d * $b * $c)")},
+          targets={"cuda": {None: Exprs("fmaf($d, $b * $c, $a)", "fma($d, $b * $c, $a)", "($T)($a + $d * ($b * $c))")}}),
 ]
 
 for _cmp, _sym in (("eq", "=="), ("ne", "!="), ("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):

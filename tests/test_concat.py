@@ -195,7 +195,7 @@ def test_cuda_source_compiles(arch):
         for in_layout in (DENSE, STRIDED):
             arg_spec = ArgSpec("cuda", 0, (TensorDesc(torch.float16, in_layout),) * 2, True,
                                (out_layout,) * 3 + (DENSE,))
-            types = compiler.infer_types(spec, arg_spec)
+            types = compiler.infer_types(spec, arg_spec, "cpu")  # dtypes only: probed on the CPU
             src = codegen.generate(spec.graph, arg_spec.inputs, 0, types, "cuda", "k",
                                    out_layouts=arg_spec.outputs)
             driver.compile_source(src, "k", driver.NvrtcOptions(arch))

@@ -91,7 +91,7 @@ def test_a_second_process_takes_nvrtc_output_from_disk(cache_dir):
         "  %b : Tensor = aten::neg(%a)\\n  return (%b)\\n')\n"
         "spec = STORE.get(STORE.register(g))\n"
         "a = ArgSpec('cuda', 0, (TensorDesc(torch.float16, 'dense'),), True)\n"
-        "src = codegen.generate(spec.graph, a.inputs, 0, compiler.infer_types(spec, a), 'cuda', 'k')\n"
+        "src = codegen.generate(spec.graph, a.inputs, 0, compiler.infer_types(spec, a, 'cpu'), 'cuda', 'k')\n"
         "opts = driver.NvrtcOptions(90)\n"
         "runs = []\n"
         "img = disk_cache.get_or_build([('source', src), ('flags', b' '.join(opts.flags()))],\n"

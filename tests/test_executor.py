@@ -302,3 +302,32 @@ def test_sub_alpha_zero_signs_as_eager(op, alpha):
     assert out is not None
     ref = getattr(torch, op)(x, y, alpha=-0.0 if alpha == "%s" else a)
     assert torch.equal(out[0], ref) and torch.equal(out[0].signbit(), ref.signbit()), (out[0], ref)
+
+
+def test_type_probe_runs_on_the_arg_specs_device(monkeypatch):
+    """The compiler's eager type probe runs on the device the kernel is for (eager's CUDA kernels refuse CPU
+    constants its CPU kernels take; tests/test_gpu.py checks those cases on CUDA). The meta device stands in
+    for a second device here."""
+    from fuser import compiler
+    from fuser.descs import ArgSpec, TensorDesc
+    g = torch.parse_ir("""graph(%x : Tensor):
+  %c : Float(requires_grad=0, device=cpu) = prim::Constant[value={0.25}]()
+  %s : Tensor = aten::sigmoid(%x)
+  %t : Tensor = aten::mul(%s, %c)
+  return (%t)""", parse_tensor_constants=True)
+    spec = STORE.get(STORE.register(g))
+    seen = []
+    real = compiler.run_graph
+    monkeypatch.setattr(compiler, "run_graph", lambda graph, args: seen.extend(args) or real(graph, args))
+    types = compiler.infer_types(spec, ArgSpec("meta", None, (TensorDesc(torch.float16, "dense"),)))
+    assert [t.result for t in types] == [torch.float16, torch.float16]
+    assert [a.device.type for a in seen] == ["meta"]
+    # a value that leaves the probe's device (type_as of a CPU constant) is no kernel's output
+    g2 = torch.parse_ir("""graph(%x : Tensor):
+  %c : Float(requires_grad=0, device=cpu) = prim::Constant[value={0.25}]()
+  %s : Tensor = aten::sigmoid(%x)
+  %t : Tensor = aten::type_as(%s, %c)
+  return (%t)""", parse_tensor_constants=True)
+    spec2 = STORE.get(STORE.register(g2))
+    with pytest.raises(RuntimeError):
+        compiler.infer_types(spec2, ArgSpec("meta", None, (TensorDesc(torch.float32, "dense"),)))

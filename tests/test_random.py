@@ -7,7 +7,7 @@ import torch
 from helpers import assert_same, fused_graph
 
 import fuser
-from fuser import executor
+from fuser import executor, rng
 from fuser.kernel_cache import STORE
 
 DROPOUT_IR = """graph(%x : Tensor, %p : float, %scale : float):
@@ -22,13 +22,23 @@ DROPOUT_IR = """graph(%x : Tensor, %p : float, %scale : float):
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
+def grid_moments(dtype: torch.dtype) -> tuple[float, float]:
+    """Mean and variance of the uniform distribution on the grid {k / 2^b : 0 <= k < 2^b} that rand_like of
+    ``dtype`` draws from (b = 8 for bfloat16: the mean is 0.5 - 2^-9, not 0.5). Eager's bfloat16 rand_like has
+    the same mean on both devices (tests/test_gpu.py checks it on CUDA, test_eager_bfloat16_mean here)."""
+    step = 2.0 ** -rng.BITS.get(dtype, 53)
+    return 0.5 - step / 2, (1 - step * step) / 12
+
+
 def check_distribution(r: torch.Tensor) -> None:
-    """Uniform on [0, 1): range, mean, variance and a 16-bin histogram, each within 6 standard errors."""
+    """Uniform on [0, 1) on the dtype's grid: range, mean, variance and a 16-bin histogram, each within 6
+    standard errors."""
     n = r.numel()
     v = r.double().flatten()
+    mean, var = grid_moments(r.dtype)
     assert float(v.min()) >= 0.0 and float(v.max()) < 1.0
-    assert abs(float(v.mean()) - 0.5) < 6 * math.sqrt(1 / 12 / n)
-    assert abs(float(v.var()) - 1 / 12) < 6 * math.sqrt(1 / 180 / n)
+    assert abs(float(v.mean()) - mean) < 6 * math.sqrt(var / n), (float(v.mean()), mean)
+    assert abs(float(v.var()) - var) < 6 * math.sqrt(1 / 180 / n)
     counts = torch.histc(v, bins=16, min=0.0, max=1.0)
     expected = n / 16
     assert float((counts - expected).abs().max()) < 6 * math.sqrt(expected), counts
@@ -54,6 +64,16 @@ def test_uniform_on_zero_one(dtype):
     assert out is not None
     assert out[1].dtype == dtype and out[1].shape == x.shape
     check_distribution(out[1])
+
+
+def test_eager_bfloat16_mean_is_the_grids(device="cpu"):
+    """Which side is right about bfloat16's mean: eager's own rand_like (values rounded to bfloat16, 1.0
+    folded to 0) has the grid's mean 0.5 - 2^-9, which the fused kernel's exact grid draws share."""
+    n = 1_500_000
+    v = torch.rand(n, dtype=torch.bfloat16, device=device).double()
+    mean, var = grid_moments(torch.bfloat16)
+    assert abs(float(v.mean()) - mean) < 6 * math.sqrt(var / n), float(v.mean())
+    assert abs(float(v.mean()) - 0.5) > 6 * math.sqrt(var / n)  # 0.5 itself is out of reach at this n
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -67,7 +67,10 @@ class NvrtcOptions:
 
     def flags(self) -> list[bytes]:
         target = f"sm_{self.arch}" if self.cubin else f"compute_{self.arch}"
-        flags = [f"--gpu-architecture={target}".encode(), b"-std=c++17", b"-DNDEBUG"]
+        # --fmad=false: a multiply and an add that eager runs as two ops (two kernels, two roundings) stay two
+        # roundings, as -ffp-contract=off keeps them on the CPU; the fma() calls the op table writes where eager's
+        # own kernel has one are kept
+        flags = [f"--gpu-architecture={target}".encode(), b"-std=c++17", b"-DNDEBUG", b"--fmad=false"]
         if self.fast_compile:
             flags.append(f"--Ofast-compile={self.fast_compile}".encode())
         return flags

@@ -50,7 +50,21 @@ template <> __device__ __forceinline__ fz_bf16 fz_st<fz_bf16, float>(float f) {
   return h;
 }
 
-""" + HELPERS + r"""// tanh for results stored as float16/bfloat16: branch-free (a branch diverges on mixed-sign data), absolute
+""" + HELPERS + r"""// CUDA eager's max/min of floats (clamp, relu, hardtanh too): of two zeros, max is +0 and min is -0, whatever
+// their order (CPU eager keeps the first); NaN propagates
+__device__ __forceinline__ float fz_max(float a, float b) {
+  return (a != a || b != b) ? a + b : a != b ? (a > b ? a : b) : (__float_as_uint(a) >> 31 ? b : a);
+}
+__device__ __forceinline__ float fz_min(float a, float b) {
+  return (a != a || b != b) ? a + b : a != b ? (a < b ? a : b) : (__float_as_uint(a) >> 31 ? a : b);
+}
+__device__ __forceinline__ double fz_max(double a, double b) {
+  return (a != a || b != b) ? a + b : a != b ? (a > b ? a : b) : (__double_as_longlong(a) < 0 ? b : a);
+}
+__device__ __forceinline__ double fz_min(double a, double b) {
+  return (a != a || b != b) ? a + b : a != b ? (a < b ? a : b) : (__double_as_longlong(a) < 0 ? a : b);
+}
+// tanh for results stored as float16/bfloat16: branch-free (a branch diverges on mixed-sign data), absolute
 // error near 1e-7 like tanhf's, so 1 + tanh(x) keeps its accuracy where it cancels (GELU's negative tail)
 __device__ __forceinline__ float fz_tanh_fast(float x) {
   const float ax = fabsf(x);

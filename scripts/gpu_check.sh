@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The one command for a GPU machine (H100/H200, under 9 minutes): the GPU test suite, a compute-sanitizer
+# memcheck pass over a representative subset, a time-bounded CUDA fuzz campaign in parallel processes (run
+# beside the tests), and the benchmark's quick mode (run alone, for clean timings). Writes its logs and
+# summary.txt under $OUT when that is set (else a temporary directory, printed). Exits non-zero when any part
+# fails. Every change that touches CUDA code ends with this command passing on a GPU.
+#
+# Knobs: FUSER_TEST_SEED (the tests' seed; default: fresh, printed), FUSER_FUZZ_SEED (default: fresh, printed),
+# FUSER_GPU_FUZZ_SECONDS (default 200), FUSER_GPU_FUZZ_JOBS (default: cores - 4), GPU_CHECK_SKIP (a list of
+# parts to leave out: tests memcheck fuzz bench).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT=${OUT:-$(mktemp -d -t fuser-gpu-check-XXXXXX)}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export FUSER_TEST_SEED=${FUSER_TEST_SEED:-$(( $(od -An -N4 -tu4 /dev/urandom) ))}
+FUZZ_SEED=${FUSER_FUZZ_SEED:-$(( $(od -An -N4 -tu4 /dev/urandom) ))}
+FUZZ_SECONDS=${FUSER_GPU_FUZZ_SECONDS:-200}
+CORES=$(nproc)
+FUZZ_JOBS=${FUSER_GPU_FUZZ_JOBS:-$(( CORES > 6 ? CORES - 4 : 2 ))}
+SKIP=" ${GPU_CHECK_SKIP:-} "
+SUMMARY="$OUT/summary.txt"
+T0=$(date +%s)
+status=0
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+skipped() { [[ "$SKIP" == *" $1 "* ]]; }
+
+: > "$SUMMARY"
+note "fuser gpu_check $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo '+changes'), $(date -u +%FT%TZ)"
+note "$("$PY" -c 'import torch; print(torch.cuda.get_device_name(), "| torch", torch.__version__)' 2>&1 | tail -1)"
+note "FUSER_TEST_SEED=$FUSER_TEST_SEED FUSER_FUZZ_SEED=$FUZZ_SEED, fuzz ${FUZZ_SECONDS}s x $FUZZ_JOBS processes"
+
+# 1. the CUDA fuzz campaign, in the background on most cores
+fuzz_pid=
+if ! skipped fuzz; then
+  "$PY" -m fuser.fuzz --device cuda --seed "$FUZZ_SEED" --graphs 1000000 --time-budget "$FUZZ_SECONDS" \
+    --jobs "$FUZZ_JOBS" --out "$OUT/fuzz_failures" --max-shrink 4 --shrink-budget 60 > "$OUT/fuzz.log" 2>&1 &
+  fuzz_pid=$!
+fi
+
+# 2. the GPU test suite
+if ! skipped tests; then
+  t=$(date +%s)
+  "$PY" -m pytest -q -m gpu tests -p no:cacheprovider > "$OUT/tests.log" 2>&1
+  rc=$?
+  note "tests: rc=$rc, $(( $(date +%s) - t ))s: $(grep -E '^[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$OUT/tests.log" | tail -1)"
+  [ $rc -eq 0 ] || status=1
+fi
+
+# 3. memcheck over a representative subset: every layout class, cat outputs, random ops, chunk views, both index
+# widths' kernels, and one op of each shape of the table in a reduced dtype. Reports about cuGetProcAddress (the
+# runtime probing for driver entry points) are not errors of ours and are filtered out.
+if ! skipped memcheck; then
+  if command -v compute-sanitizer > /dev/null; then
+    t=$(date +%s)
+    compute-sanitizer --tool memcheck --leak-check no --print-limit 200 \
+      "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -x -k \
+      "layouts or concat_on_cuda or rand_like_on_cuda or lstm_cell_with_chunk or signed_zero or mixed_dtypes or side_stream or (op_cuda_vs_eager and float16 and (add-Tensor or where-self or clamp-Tensor or lerp-Tensor or addcmul or sigmoid or pow-Tensor_Scalar))" \
+      > "$OUT/memcheck.log" 2>&1
+    rc=$?
+    errors=$("$PY" - "$OUT/memcheck.log" <<'EOF'
+import re, sys
+text = open(sys.argv[1], errors="replace").read().splitlines()
+errors, block = [], []
+for line in text + ["========= "]:
+    if line.startswith("========= ") and not line.startswith("=========  ") and block:
+        errors.append("\n".join(block)); block = []
+    if re.match(r"========= (Invalid|Program hit|Out-of-range|Misaligned|Race|Uninitialized|Barrier|Error)", line):
+        block = [line]
+    elif block and line.startswith("========="):
+        block.append(line)
+ours = [e for e in errors if "cuGetProcAddress" not in e]
+print(len(ours), len(errors) - len(ours))
+EOF
+)
+    read -r ours probes <<< "$errors"
+    tests=$(grep -E '(passed|failed|error).* in [0-9.]+s' "$OUT/memcheck.log" | tail -1)
+    note "memcheck: rc=$rc, $(( $(date +%s) - t ))s, $ours errors ($probes cuGetProcAddress reports filtered): $tests"
+    { [ "$ours" = 0 ] && [ $rc -eq 0 ]; } || status=1
+  else
+    note "memcheck: compute-sanitizer not found"
+    status=1
+  fi
+fi
+
+# 4. wait for the campaign
+if [ -n "$fuzz_pid" ]; then
+  wait "$fuzz_pid"
+  rc=$?
+  note "fuzz: rc=$rc: $(grep -E '^seed .* graphs|  fused [0-9]+ of|  mismatches:' "$OUT/fuzz.log" | tr -s ' ' | tr '\n' ' ')"
+  [ $rc -eq 0 ] || status=1
+  if [ -d "$OUT/fuzz_failures" ]; then
+    tar czf "$OUT/fuzz_failures.tgz" -C "$OUT" fuzz_failures && rm -rf "$OUT/fuzz_failures"
+  fi
+fi
+
+# 5. the benchmark's quick mode, alone on the GPU
+if ! skipped bench; then
+  t=$(date +%s)
+  "$PY" -m fuser.bench --quick --json "$OUT/bench_quick.json" --png "$OUT/bench_quick.png" > "$OUT/bench.txt" 2>&1
+  rc=$?
+  note "bench --quick: rc=$rc, $(( $(date +%s) - t ))s"
+  [ $rc -eq 0 ] || status=1
+fi
+
+note "gpu_check: $([ $status -eq 0 ] && echo PASSED || echo FAILED) in $(( $(date +%s) - T0 ))s (logs in $OUT)"
+exit $status
