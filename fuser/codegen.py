@@ -331,7 +331,7 @@ class _CudaGen(_Gen):
         return cuda_t.KERNEL.substitute(
             name=self.name, prelude=cuda_t.PRELUDE + (cuda_t.RNG if self.random else ""),
             index_t="int" if self.options.index32 else "long long",
-            max_dims=cuda_t.MAX_DIMS, n_strided_slots=max(1, len(self.strided)),
+            max_dims=cuda_t.MAX_DIMS, n_strided_slots=max(1, len(self.offset_names)),
             n_ptrs=len(self.inputs) + len(self.outputs), n_scalar_slots=max(1, self.n_scalar_slots),
             block_size=self.options.block_size,
             params=self.block(params, "  "), hoisted=self.block(self.hoisted(), "  "),
