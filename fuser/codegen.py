@@ -171,6 +171,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
                 val = v.toIValue()
                 if isinstance(val, torch.Tensor):  # a 0-dim constant (traced Python scalar)
                     val = val.item()
+                consts["has_" + arg] = "false" if val is None else "true"
                 if val is None:
                     bound = op.none_as.get(i)
                     if bound is None:
@@ -183,6 +184,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
                     # negated in the Scalar's own type, as eager's -alpha: an int 0 stays +0
                     consts["n" + arg] = literal(val if isinstance(val, bool) else -val, ctype)
             else:
+                consts["has_" + arg] = "true"
                 name_, t = vname[v.unique()], vtype[v.unique()]
                 # round anything not loaded straight from memory in this dtype: eager compares stored values
                 dt = vdtype[v.unique()]

@@ -292,8 +292,11 @@ DERIVATIVES: dict[str, Callable] = {
     "where": _where,
     "type_as": lambda g, x, y: [op("aten::type_as", g, x[0]), None],  # back in self's dtype
     "clamp": _clamp,
+    "clamp_tensor": _clamp,
     "clamp_min": _clamp_min,
+    "clamp_min_tensor": _clamp_min,
     "clamp_max": _clamp_max,
+    "clamp_max_tensor": _clamp_max,
     "threshold": lambda g, x, y: [where(x[0] <= x[1], 0.0, g), None, None],
     "lerp": _lerp,
     "addcmul": _addcmul,

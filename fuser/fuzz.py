@@ -515,7 +515,8 @@ def _near_edge(name: str, E: list, M: list, out_dtype: torch.dtype, in_dtypes: l
 
 
 _COMPARISONS = {"eq", "ne", "ge", "gt", "le", "lt"}
-_ZERO_TIE_OPS = {"maximum", "minimum", "clamp", "clamp_min", "clamp_max"}
+_ZERO_TIE_OPS = {"maximum", "minimum", "clamp", "clamp_min", "clamp_max", "clamp_tensor", "clamp_min_tensor",
+                 "clamp_max_tensor"}
 # ops whose Python-scalar arguments fuser rounds exactly as eager does (``OpDef.round_operands``): judged exactly
 _EXACT_SCALAR_OPS = _COMPARISONS | {"threshold"}
 _EDGE_OPS = _ROUNDING | _ZERO_EDGE | _ZERO_TIE_OPS | {"round", "log1p", "acos", "asin", "lgamma", "sin", "cos", "tan", "sinh",

@@ -105,6 +105,18 @@ def _unary(name: str, f: str, d: str, i: Optional[str] = None, fast: Optional[st
                  fast={None: fast} if fast else {}, discrete=discrete)
 
 
+def _cuda_clamp(x: str, lo: str, hi: str) -> Exprs:
+    """CUDA eager's clamp with Scalar bounds (``fz_clamp_scalar`` in the CUDA prelude); ``"false"`` for a bound
+    that is not given."""
+    has = lambda b: "false" if b == "false" else "true"  # noqa: E731
+    lo_v, hi_v = ("($T)0" if b == "false" else b for b in (lo, hi))
+    e = f"fz_clamp_scalar({x}, {lo_v}, {hi_v}, {has(lo)}, {has(hi)})"
+    return Exprs(e, e, e)
+
+
+# clamp: a bound given as None is not given ($has_b / $has_c, from codegen)
+_CUDA_CLAMP = Exprs(*["fz_clamp_scalar($a, $b, $c, $has_b, $has_c)"] * 3)
+
 _OPS: list[OpDef] = [
     _unary("abs", "fabsf($a)", "fabs($a)", "($a < 0 ? ($T)(-$a) : $a)"),
     _unary("acos", "acosf($a)", "acos($a)"),
@@ -151,11 +163,15 @@ _OPS: list[OpDef] = [
                 "(0.5 * $a * (1.0 + tanh(0.79788456080286535588 * ($a + 0.044715 * $a * $a * $a))))"),
         },
         variant_arg=1,
-        # 0.5 * (1 + tanh(u)) == sigmoid(2u): no cancellation in the negative tail, and about half the work
-        fast={"tanh": "__fdividef($a, 1.f + __expf(-1.5957691216057308f * ($a + 0.044715f * $a * $a * $a)))"},
+        # 0.5 * (1 + tanh(u)) == sigmoid(2u): no cancellation in the negative tail, and about half the work. Below
+        # u = -9 eager's tanhf(u) is -1 exactly and its result a zero (which a later inf * 0 turns into NaN, the
+        # fuzzer found): the same zero here, where sigmoid(2u) would still leave a bfloat16-sized 1e-8 * x
+        fast={"tanh": "(0.79788456080286535f * ($a + 0.044715f * $a * $a * $a) < -9.f ? 0.f * $a : "
+                      "__fdividef($a, 1.f + __expf(-1.5957691216057308f * ($a + 0.044715f * $a * $a * $a))))"},
     ),
     OpDef("hardtanh", ("aten::hardtanh(Tensor self, Scalar min_val=-1, Scalar max_val=1) -> Tensor",),
-          {None: Exprs("fz_min(fz_max($a, $b), $c)", "fz_min(fz_max($a, $b), $c)")}),
+          {None: Exprs("fz_min(fz_max($a, $b), $c)", "fz_min(fz_max($a, $b), $c)")},
+          targets={"cuda": {None: _cuda_clamp("$a", "$b", "$c")}}),  # eager's hardtanh is clamp(self, min, max)
     OpDef("add", ("aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
                   "aten::add.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor"),
           # eager (CPU vector and scalar loops, CUDA) computes fma(alpha, other, self): without the fused
@@ -202,16 +218,25 @@ _OPS: list[OpDef] = [
           {None: Exprs("($a ? $b : $c)", "($a ? $b : $c)", "($a ? $b : $c)")}, keep_args=(0,)),
     OpDef("type_as", ("aten::type_as(Tensor self, Tensor other) -> Tensor",),
           {None: Exprs("$a", "$a", "$a")}, aliases_input=True, shape_args=(0,)),
-    OpDef("clamp", ("aten::clamp(Tensor self, Scalar? min=None, Scalar? max=None) -> Tensor",
-                    "aten::clamp.Tensor(Tensor self, Tensor? min=None, Tensor? max=None) -> Tensor"),
+    # Scalar and Tensor bounds are two entries: on CUDA a NaN Scalar bound is ignored where it is the only one
+    # (fmaxf/fminf) and fills the result with NaN where both are given, while a NaN Tensor bound propagates
+    OpDef("clamp", ("aten::clamp(Tensor self, Scalar? min=None, Scalar? max=None) -> Tensor",),
+          {None: Exprs("fz_min(fz_max($a, $b), $c)", "fz_min(fz_max($a, $b), $c)",
+                       "fz_min(fz_max($a, $b), $c)")},
+          none_as={1: "lowest", 2: "highest"}, targets={"cuda": {None: _CUDA_CLAMP}}),
+    OpDef("clamp_tensor", ("aten::clamp.Tensor(Tensor self, Tensor? min=None, Tensor? max=None) -> Tensor",),
           {None: Exprs("fz_min(fz_max($a, $b), $c)", "fz_min(fz_max($a, $b), $c)",
                        "fz_min(fz_max($a, $b), $c)")},
           none_as={1: "lowest", 2: "highest"}),
-    OpDef("clamp_min", ("aten::clamp_min(Tensor self, Scalar min) -> Tensor",
-                        "aten::clamp_min.Tensor(Tensor self, Tensor min) -> Tensor"),
+    OpDef("clamp_min", ("aten::clamp_min(Tensor self, Scalar min) -> Tensor",),
+          {None: Exprs("fz_max($a, $b)", "fz_max($a, $b)", "fz_max($a, $b)")},
+          targets={"cuda": {None: _cuda_clamp("$a", "$b", "false")}}),
+    OpDef("clamp_min_tensor", ("aten::clamp_min.Tensor(Tensor self, Tensor min) -> Tensor",),
           {None: Exprs("fz_max($a, $b)", "fz_max($a, $b)", "fz_max($a, $b)")}),
-    OpDef("clamp_max", ("aten::clamp_max(Tensor self, Scalar max) -> Tensor",
-                        "aten::clamp_max.Tensor(Tensor self, Tensor max) -> Tensor"),
+    OpDef("clamp_max", ("aten::clamp_max(Tensor self, Scalar max) -> Tensor",),
+          {None: Exprs("fz_min($a, $b)", "fz_min($a, $b)", "fz_min($a, $b)")},
+          targets={"cuda": {None: _cuda_clamp("$a", "false", "$b")}}),
+    OpDef("clamp_max_tensor", ("aten::clamp_max.Tensor(Tensor self, Tensor max) -> Tensor",),
           {None: Exprs("fz_min($a, $b)", "fz_min($a, $b)", "fz_min($a, $b)")}),
     OpDef("threshold", ("aten::threshold(Tensor self, Scalar threshold, Scalar value) -> Tensor",),
           {None: Exprs("($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)")},

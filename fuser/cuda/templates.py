@@ -64,6 +64,15 @@ __device__ __forceinline__ double fz_max(double a, double b) {
 __device__ __forceinline__ double fz_min(double a, double b) {
   return (a != a || b != b) ? a + b : a != b ? (a < b ? a : b) : (__double_as_longlong(a) < 0 ? a : b);
 }
+// CUDA eager's clamp with Scalar bounds (clamp, clamp_min, clamp_max, hardtanh): both bounds given and one NaN
+// fills the result with NaN; otherwise a NaN input stays NaN and a NaN bound is ignored (fmaxf/fminf)
+template <class T> __device__ __forceinline__ T fz_clamp_scalar(T x, T lo, T hi, bool has_lo, bool has_hi) {
+  if (has_lo && has_hi && (lo != lo || hi != hi)) return lo != lo ? lo : hi;
+  if (x != x) return x;
+  if (has_lo && lo == lo) x = fz_max(x, lo);
+  if (has_hi && hi == hi) x = fz_min(x, hi);
+  return x;
+}
 // tanh for results stored as float16/bfloat16: branch-free (a branch diverges on mixed-sign data), absolute
 // error near 1e-7 like tanhf's, so 1 + tanh(x) keeps its accuracy where it cancels (GELU's negative tail)
 __device__ __forceinline__ float fz_tanh_fast(float x) {
