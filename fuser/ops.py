@@ -105,12 +105,16 @@ def _unary(name: str, f: str, d: str, i: Optional[str] = None, fast: Optional[st
                  fast={None: fast} if fast else {}, discrete=discrete)
 
 
-def _cuda_clamp(x: str, lo: str, hi: str) -> Exprs:
+def _cuda_clamp(x: str, lo: str, hi: str, nan_fills: bool = False) -> Exprs:
     """CUDA eager's clamp with Scalar bounds (``fz_clamp_scalar`` in the CUDA prelude); ``"false"`` for a bound
-    that is not given."""
+    that is not given. ``nan_fills``: a NaN bound makes the whole result NaN (the clamp_min and clamp_max ops
+    fill it; clamp with one bound given passes that bound to the kernel, which ignores a NaN)."""
     has = lambda b: "false" if b == "false" else "true"  # noqa: E731
     lo_v, hi_v = ("($T)0" if b == "false" else b for b in (lo, hi))
     e = f"fz_clamp_scalar({x}, {lo_v}, {hi_v}, {has(lo)}, {has(hi)})"
+    if nan_fills:
+        bound = lo_v if has(lo) == "true" else hi_v
+        e = f"({bound} != {bound} ? {bound} : {e})"
     return Exprs(e, e, e)
 
 
@@ -230,12 +234,12 @@ _OPS: list[OpDef] = [
           none_as={1: "lowest", 2: "highest"}),
     OpDef("clamp_min", ("aten::clamp_min(Tensor self, Scalar min) -> Tensor",),
           {None: Exprs("fz_max($a, $b)", "fz_max($a, $b)", "fz_max($a, $b)")},
-          targets={"cuda": {None: _cuda_clamp("$a", "$b", "false")}}),
+          targets={"cuda": {None: _cuda_clamp("$a", "$b", "false", nan_fills=True)}}),
     OpDef("clamp_min_tensor", ("aten::clamp_min.Tensor(Tensor self, Tensor min) -> Tensor",),
           {None: Exprs("fz_max($a, $b)", "fz_max($a, $b)", "fz_max($a, $b)")}),
     OpDef("clamp_max", ("aten::clamp_max(Tensor self, Scalar max) -> Tensor",),
           {None: Exprs("fz_min($a, $b)", "fz_min($a, $b)", "fz_min($a, $b)")},
-          targets={"cuda": {None: _cuda_clamp("$a", "false", "$b")}}),
+          targets={"cuda": {None: _cuda_clamp("$a", "false", "$b", nan_fills=True)}}),
     OpDef("clamp_max_tensor", ("aten::clamp_max.Tensor(Tensor self, Tensor max) -> Tensor",),
           {None: Exprs("fz_min($a, $b)", "fz_min($a, $b)", "fz_min($a, $b)")}),
     OpDef("threshold", ("aten::threshold(Tensor self, Scalar threshold, Scalar value) -> Tensor",),

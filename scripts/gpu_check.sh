@@ -36,7 +36,7 @@ note "FUSER_TEST_SEED=$FUSER_TEST_SEED FUSER_FUZZ_SEED=$FUZZ_SEED, fuzz ${FUZZ_S
 fuzz_pid=
 if ! skipped fuzz; then
   "$PY" -m fuser.fuzz --device cuda --seed "$FUZZ_SEED" --graphs 1000000 --time-budget "$FUZZ_SECONDS" \
-    --jobs "$FUZZ_JOBS" --out "$OUT/fuzz_failures" --max-shrink 4 --shrink-budget 60 > "$OUT/fuzz.log" 2>&1 &
+    --jobs "$FUZZ_JOBS" --out "$OUT/fuzz_failures" --max-shrink "${FUSER_GPU_FUZZ_SHRINK:-4}" --shrink-budget 40 > "$OUT/fuzz.log" 2>&1 &
   fuzz_pid=$!
 fi
 
