@@ -140,7 +140,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
         variant = None
         if op.variant_arg is not None:
             variant = node.inputsAt(op.variant_arg).toIValue()
-        tmpl = op.template(variant, family(nt.compute))
+        tmpl = op.template(variant, family(nt.compute), target)
         if target == "cuda" and options.fast_reduced and nt.result in REDUCED and family(nt.compute) == "f":
             tmpl = op.fast_template(variant) or tmpl
         if tmpl is None:
