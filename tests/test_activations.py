@@ -1,7 +1,8 @@
 """The activation entries of the op table (hardswish, hardsigmoid, relu6, leaky_relu, elu, softplus, mish) at
 their boundaries against eager on the CPU backend: the switch points and their neighbours in each dtype, ties
-x * beta == threshold, signed zeros, NaN, infinities, huge and tiny values; the per-target expressions they
-carry for CUDA; double backward at random points. (Their gradients at the same points: test_autodiff_edges.py.)"""
+x * beta == threshold, signed zeros, NaN, infinities, huge and tiny values (gradients too; with special output
+gradients and double backward: test_autodiff_edges.py); the per-target expressions they carry for CUDA; double
+backward at random points."""
 import dataclasses
 
 import pytest
@@ -14,7 +15,6 @@ from fuser.descs import DENSE, ArgSpec, TensorDesc
 from fuser.kernel_cache import STORE
 
 NAN, INF = float("nan"), float("inf")
-ACTIVATIONS = ("hardswish", "hardsigmoid", "relu6", "leaky_relu", "elu", "softplus", "mish")
 
 # (call with %x the input and constants inline, eager, boundaries); eager's kernels are plain arithmetic for the
 # first four, so the fused results must be bit-equal; elu, softplus and mish call libm (glibc here, SLEEF in eager)
@@ -59,38 +59,32 @@ def _graph(call: str) -> torch._C.Graph:
                           + f"\n  %r : Tensor = {name}({', '.join(names)})\n  return (%r)\n")
 
 
-def _points(boundaries, dtype) -> torch.Tensor:
-    """Each boundary and its neighbours in ``dtype``, signed zeros, NaN, infinities, the largest and smallest
-    values, a spread of ordinary ones; 64 of each so that eager's CPU loops stay vectorized."""
+def _around(b: float, dtype) -> list:
+    """b and its neighbours in ``dtype`` (b +- 0.75 ulp rounds to the next value either way)."""
+    fi = torch.finfo(dtype)
+    step = 0.75 * fi.eps * (abs(b) if b else fi.tiny)
+    return [b - step, b, b + step]
+
+
+def boundary_points(boundaries, dtype) -> torch.Tensor:
+    """Each boundary, its negation and their neighbours in ``dtype``, signed zeros, NaN, infinities, the largest and
+    smallest values, a spread of ordinary ones; 64 copies, so that eager's CPU loops stay vectorized."""
     fi = torch.finfo(dtype)
     vals = [NAN, INF, -INF, 0.0, -0.0, fi.tiny, -fi.tiny, fi.tiny * fi.eps, fi.max, -fi.max, 1.0, -1.0, 1e4, -1e4,
             -100.0, 100.0, 30.0, -30.0]
+    vals += [v for b in boundaries for v in _around(b, dtype) + _around(-b, dtype)]
     t = torch.tensor(vals, dtype=torch.float64).to(dtype)
-    for b in boundaries:
-        c = torch.tensor([b, -b], dtype=dtype)
-        t = torch.cat([t, c, torch.nextafter(c, torch.full_like(c, INF)), torch.nextafter(c, torch.full_like(c, -INF))])
     t = torch.cat([t, torch.linspace(-8, 8, 64 - t.numel() % 64 + 64, dtype=dtype)])
     return t.repeat(64)
 
 
-def _nextafter_ok(dtype) -> bool:
-    try:
-        torch.nextafter(torch.ones(1, dtype=dtype), torch.zeros(1, dtype=dtype))
-        return True
-    except RuntimeError:
-        return False
-
-
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-@pytest.mark.parametrize("call, ref, boundaries", CALLS, ids=[c[0][6:] for c in CALLS])
-def test_forward_at_boundaries(call, ref, boundaries, dtype):
-    if not _nextafter_ok(dtype):  # torch.nextafter has no float16/bfloat16 kernel: step in float32
-        x = _points([torch.tensor(b, dtype=dtype).item() for b in boundaries], torch.float32)
-        x = torch.cat([x, torch.nextafter(x, torch.full_like(x, INF)), torch.nextafter(x, torch.full_like(x, -INF))])
-        x = x.to(dtype)
-    else:
-        x = _points(boundaries, dtype)
-    out = executor.run(STORE.get(STORE.register(_graph(call))), [x])
+def check_at_boundaries(call, ref, boundaries, dtype, device="cpu", grads=False):
+    """The fused op against eager on :func:`boundary_points`: the same NaNs and signs of zeros, bit-equal values
+    for the piecewise-linear ops, others within the dtype's tolerance; with ``grads``, also the gradient for a
+    random output gradient (at non-NaN points)."""
+    x = boundary_points(boundaries, dtype).to(device)
+    key = STORE.register(_graph(call))
+    out = executor.run(STORE.get(key), [x])
     assert out is not None, f"{call} on {dtype} fell back"
     y, expected = out[0], ref(x)
     assert torch.equal(y.isnan(), expected.isnan()), (x[y.isnan() != expected.isnan()][:8])
@@ -101,6 +95,18 @@ def test_forward_at_boundaries(call, ref, boundaries, dtype):
         assert bool(same.all()), [(a.item(), b.item(), c.item()) for a, b, c in zip(x[~same], y[~same], expected[~same])][:6]
     else:
         assert_same(y, expected)
+    if grads:
+        x = x[~x.isnan()]
+        mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out = fuser.run_fusion(key, [mine])[0]
+        g = torch.randn_like(out)
+        assert_same(torch.autograd.grad(out, mine, g)[0], torch.autograd.grad(ref(theirs), theirs, g)[0])
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("call, ref, boundaries", CALLS, ids=[c[0][6:] for c in CALLS])
+def test_at_boundaries(call, ref, boundaries, dtype):
+    check_at_boundaries(call, ref, boundaries, dtype, grads=dtype in (torch.float32, torch.float64))
 
 
 @pytest.mark.parametrize("dtype", (torch.int32, torch.int64, torch.uint8, torch.int8), ids=str)
