@@ -49,7 +49,7 @@ CALLS = (
     + [f"aten::lerp(%x, %y, {w})" for w in ("0.0", "0.3", "0.5", "0.7", "1.0", "-0.5", "1.5", "%w=0.3", "%w=0.7",
                                             "%w=0.9999999990686774", "%w=2.0", "%z")]
     + [f"aten::addcmul(%x, %y, %z, {v})" for v in ("1", "2", "-0.5", "0", "%s=2.5", "%s=1.0")]
-    # activations (their fixed boundaries, +-3 and 6, are in tests/test_activations.py)
+    # activations (their fixed boundaries, +-3 and 6, join the inputs: _BOUNDARIES)
     + ["aten::hardswish(%x)", "aten::hardsigmoid(%x)", "aten::relu6(%x)", "aten::mish(%x)"]
     + [f"aten::leaky_relu(%x, {s})" for s in ("0.01", "-0.2", "0", "1.5", "%s=0.3")]
     + [f"aten::elu(%x, {a})" for a in ("1, 1, 1", "0.5, 2, 1.5", "-1.5, 1, 1", "1.6732632423543772, 1.0507009873554805, 1",
