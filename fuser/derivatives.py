@@ -83,8 +83,8 @@ def _f(name: str) -> Callable[[V], V]:
     return lambda a: op(f"aten::{name}", a)
 
 
-exp, cos, sin, sinh, cosh, tanh, sqrt, rsqrt, log, trunc = map(
-    _f, ("exp", "cos", "sin", "sinh", "cosh", "tanh", "sqrt", "rsqrt", "log", "trunc"))
+exp, cos, sin, sinh, cosh, tanh, sqrt, rsqrt, log, log1p, trunc = map(
+    _f, ("exp", "cos", "sin", "sinh", "cosh", "tanh", "sqrt", "rsqrt", "log", "log1p", "trunc"))
 erf = _f("erf")
 
 
@@ -240,6 +240,62 @@ def _silu(g, a, y):
     return g * s * ((a * (1 - s)) + 1.0)
 
 
+def _hardtanh_grad(g, a, lo, hi):
+    # (NaN gets 0, as eager's vectorized CPU loop gives; its scalar loop and CUDA pass the gradient)
+    return where(a > lo, where(a < hi, g, 0.0), 0.0)
+
+
+def _hardswish(g, a, y):
+    # eager's hardswish_backward: 0 up to -3 inclusive, g * (x / 3 + 0.5) below 3, g from 3 on; NaN takes the
+    # middle formula (its vectorized CPU loop; CUDA and its scalar loop give g). x clamped to [-3, 3] there keeps
+    # the unused side finite (0 * inf would make the double backward NaN) and gives eager's double backward, 0 for
+    # x at NaN, since clamp passes no gradient to NaN.
+    inner = g * ((op("aten::clamp", a, -3.0, 3.0) / 3.0) + 0.5)
+    return where(a <= -3.0, 0.0, where(a >= 3.0, g, inner))
+
+
+# eager's one_sixth is 1.0f / 6.0f, also in its float64 kernels
+_ONE_SIXTH_F = float(torch.tensor(1.0 / 6.0, dtype=torch.float32))
+
+
+def _hardsigmoid(g, a, y):
+    # (eager has no double backward here; this one is exact: 0 for x, hardsigmoid_backward for the gradient)
+    return where(a > -3.0, where(a < 3.0, g * _ONE_SIXTH_F, 0.0), 0.0)
+
+
+def _leaky_relu(g, x, y):
+    return [where(x[0] > 0.0, g, _scalar_times(g, x[1])), None]
+
+
+def _elu(g, x, y):
+    a, alpha, scale, input_scale = x
+    # eager's elu_backward(is_result=False): g * input_scale * negcoef * exp(x * input_scale) at x <= 0 (and NaN,
+    # in its vectorized CPU loop; CUDA: g * scale), negcoef = alpha * scale formed first; g * scale above 0. Its
+    # double backward masks x < 0: at x = 0 the gradient has no x in it.
+    gi = _scalar_times(g, input_scale)
+    ka, ks = alpha.constant(), scale.constant()
+    at_zero = gi * (ka * ks) if ka is not None and ks is not None else (gi * alpha) * scale
+    # (x > 0 gives exp(0) on the side it does not take: exp(inf) there would make the double backward NaN)
+    below = at_zero * exp(_scalar_times(where(a > 0.0, 0.0, a), input_scale))
+    return [where(a > 0.0, _scalar_times(g, scale), where(a.eq(0.0), at_zero, below)), None, None, None]
+
+
+def _softplus(g, x, y):
+    a, beta, threshold = x
+    # eager's softplus_backward: g above the threshold, g * z / (z + 1) with z = exp(x * beta) at and below it.
+    # Its double backward masks x * beta < threshold: at the tie z comes from the threshold, which has no derivative.
+    xb = _scalar_times(a, beta)
+    z = exp(where(xb >= threshold, threshold, xb))
+    return [where(xb > threshold, g, (g * z) / (z + 1.0)), None, None]
+
+
+def _mish(g, a, y):
+    # eager's mish_backward, and under create_graph the same formula in differentiable ops
+    s = op("aten::sigmoid", a)
+    t = tanh(log1p(exp(a)))
+    return g * (t + a * s * (1 - t * t))
+
+
 _LN2, _LN10, _TWO_OVER_SQRT_PI = math.log(2.0), math.log(10.0), 2.0 / math.sqrt(math.pi)
 
 DERIVATIVES: dict[str, Callable] = {
@@ -275,8 +331,14 @@ DERIVATIVES: dict[str, Callable] = {
     "trunc": _unary(lambda g, a, y: ZERO),
     "silu": _unary(_silu),
     "gelu": _gelu,
-    # (NaN gets 0, as eager's vectorized CPU loop gives; its scalar loop and CUDA pass the gradient)
-    "hardtanh": lambda g, x, y: [where(x[0] > x[1], where(x[0] < x[2], g, 0.0), 0.0), None, None],
+    "hardtanh": lambda g, x, y: [_hardtanh_grad(g, x[0], x[1], x[2]), None, None],
+    "hardswish": _unary(_hardswish),
+    "hardsigmoid": _unary(_hardsigmoid),
+    "relu6": _unary(lambda g, a, y: _hardtanh_grad(g, a, 0.0, 6.0)),  # eager's relu6 is hardtanh(x, 0, 6)
+    "leaky_relu": _leaky_relu,
+    "elu": _elu,
+    "softplus": _softplus,
+    "mish": _unary(_mish),
     "add": _add,
     "sub": _sub,
     "rsub": _rsub,

@@ -476,6 +476,8 @@ def _near_edge(name: str, E: list, M: list, out_dtype: torch.dtype, in_dtypes: l
         return pos(m) & (_dist(A, B) <= m)  # inf == inf counts as a tie
     if name == "threshold":
         return pos(mA) & (_dist(A, E[1]) <= mA)
+    if name == "softplus":  # x * beta > threshold takes x itself
+        return pos(mA) & (_dist(A * E[1], E[2]) <= mA * E[1].abs())
     if name == "div":
         B, mB = E[1], M[1]
         return pos(mB) & (B.abs() <= mB)
@@ -518,11 +520,11 @@ _COMPARISONS = {"eq", "ne", "ge", "gt", "le", "lt"}
 _ZERO_TIE_OPS = {"maximum", "minimum", "clamp", "clamp_min", "clamp_max", "clamp_tensor", "clamp_min_tensor",
                  "clamp_max_tensor"}
 # ops whose Python-scalar arguments fuser rounds exactly as eager does (``OpDef.round_operands``): judged exactly
-_EXACT_SCALAR_OPS = _COMPARISONS | {"threshold"}
+_EXACT_SCALAR_OPS = _COMPARISONS | {"threshold", "softplus"}
 _EDGE_OPS = _ROUNDING | _ZERO_EDGE | _ZERO_TIE_OPS | {"round", "log1p", "acos", "asin", "lgamma", "sin", "cos", "tan", "sinh",
                                      "cosh", "eq", "ne",
                                      "ge", "gt", "le", "lt", "threshold", "div", "fmod", "remainder", "atan2",
-                                     "pow", "pow_scalar", "type_as"}
+                                     "pow", "pow_scalar", "type_as", "softplus"}
 
 
 # ops computed as x * f(x) with f bounded (the CDF in gelu, the sigmoid in silu): f's absolute rounding error,
@@ -834,7 +836,11 @@ ARG_POOLS = {
     "weight": (0.3, 0.5, 0.7, 1.0, 0.0, -0.5, 1.5, 0.49999, math.nan),
     "min_val": (-1, -0.5, 0.0, 1.0, -math.inf, math.nan, 2),
     "max_val": (1, 0.5, 0.0, -1.0, math.inf, math.nan, 3),
-    "threshold": (0.1, 0.0, 1, -0.5, math.nan, 1e30),
+    "threshold": (0.1, 0.0, 1, -0.5, math.nan, 1e30, 20),
+    "negative_slope": (0.01, 0.2, 0, -0.5, 1, 1.5, math.nan),
+    "beta": (1, 2, 0.5, -1, 0, 1e-3, 100.0),
+    "scale": (1, 1.0507009873554805, 2, -1, 0.5),
+    "input_scale": (1, 0.5, 2, -1.5, 0),
 }
 
 

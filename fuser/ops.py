@@ -69,6 +69,8 @@ class OpDef:
     expression; the kernel runs over the pieces' shape and writes each piece into its slice of the output.
     targets: per target (``"cpu"``, ``"cuda"``), expressions that replace ``exprs`` there, where eager's kernels
     of that device compute differently (addcmul's order of roundings). The kernel follows the eager of its device.
+    (hardswish's CUDA kernel multiplies by ``1.0f / 6.0f``, a float constant 3e-8 away from 1/6 even in
+    float64, where the CPU kernel divides by 6.)
     """
 
     name: str
@@ -120,6 +122,14 @@ def _cuda_clamp(x: str, lo: str, hi: str, nan_fills: bool = False) -> Exprs:
 
 # clamp: a bound given as None is not given ($has_b / $has_c, from codegen)
 _CUDA_CLAMP = Exprs(*["fz_clamp_scalar($a, $b, $c, $has_b, $has_c)"] * 3)
+
+def _sixth(name: str, times: str) -> OpDef:
+    """hardswish / hardsigmoid: ``times`` relu6(x + 3) over 6. Eager's CPU kernel divides by 6; its CUDA kernel
+    multiplies by 1.0f / 6.0f, a float also in float64 (3e-8 away from 1/6)."""
+    f, d = times + "fz_min(fz_max($a + 3.f, 0.f), 6.f)", times + "fz_min(fz_max($a + 3.0, 0.0), 6.0)"
+    return OpDef(name, (f"aten::{name}(Tensor self) -> Tensor",), {None: Exprs(f"({f} / 6.f)", f"({d} / 6.0)")},
+                 targets={"cuda": {None: Exprs(f"({f} * (1.f / 6.f))", f"({d} * (double)(1.f / 6.f))")}})
+
 
 _OPS: list[OpDef] = [
     _unary("abs", "fabsf($a)", "fabs($a)", "($a < 0 ? ($T)(-$a) : $a)"),
@@ -176,6 +186,33 @@ _OPS: list[OpDef] = [
     OpDef("hardtanh", ("aten::hardtanh(Tensor self, Scalar min_val=-1, Scalar max_val=1) -> Tensor",),
           {None: Exprs("fz_min(fz_max($a, $b), $c)", "fz_min(fz_max($a, $b), $c)")},
           targets={"cuda": {None: _cuda_clamp("$a", "$b", "$c")}}),  # eager's hardtanh is clamp(self, min, max)
+    # The activations below follow ATen's kernels (cpu/Activation.cpp, cpu/Elu.h, cuda/Activation*Kernel.cu) in
+    # their order of operations; both compute float16/bfloat16 in float, as these expressions do.
+    _sixth("hardswish", "$a * "),
+    _sixth("hardsigmoid", ""),
+    # hardtanh(x, 0, 6), i.e. clamp, which takes integers too; CUDA's clamp passes NaN, then fmaxf/fminf, which
+    # turn -0.0 into +0 (the CPU keeps -0.0)
+    OpDef("relu6", ("aten::relu6(Tensor self) -> Tensor",),
+          {None: Exprs("fz_min(fz_max($a, 0.f), 6.f)", "fz_min(fz_max($a, 0.0), 6.0)",
+                       "fz_min(fz_max($a, ($T)0), ($T)6)")},
+          targets={"cuda": {None: Exprs("($a != $a ? $a : fminf(fmaxf($a, 0.f), 6.f))",
+                                        "($a != $a ? $a : fmin(fmax($a, 0.0), 6.0))",
+                                        "fz_min(fz_max($a, ($T)0), ($T)6)")}}),
+    OpDef("leaky_relu", ("aten::leaky_relu(Tensor self, Scalar negative_slope=0.01) -> Tensor",),
+          {None: Exprs("($a > 0.f ? $a : $a * $b)", "($a > 0.0 ? $a : $a * $b)")}),
+    # (alpha * scale) is eager's negcoef, formed in the compute type; the CPU takes the exponential side below 0,
+    # CUDA at or below 0: the sign of a zero result differs when alpha * scale < 0
+    OpDef("elu", ("aten::elu(Tensor self, Scalar alpha=1, Scalar scale=1, Scalar input_scale=1) -> Tensor",),
+          {None: Exprs("($a < 0.f ? expm1f($a * $d) * ($b * $c) : $a * $c)",
+                       "($a < 0.0 ? expm1($a * $d) * ($b * $c) : $a * $c)")},
+          targets={"cuda": {None: Exprs("($a > 0.f ? $a * $c : expm1f($a * $d) * ($b * $c))",
+                                        "($a > 0.0 ? $a * $c : expm1($a * $d) * ($b * $c))")}}),
+    # x itself above the threshold: a jump there (log(2) at x = 0 for threshold 0)
+    OpDef("softplus", ("aten::softplus(Tensor self, Scalar beta=1, Scalar threshold=20) -> Tensor",),
+          {None: Exprs("($a * $b > $c ? $a : log1pf(expf($a * $b)) / $b)",
+                       "($a * $b > $c ? $a : log1p(exp($a * $b)) / $b)")}, discrete=True),
+    OpDef("mish", ("aten::mish(Tensor self) -> Tensor",),
+          {None: Exprs("($a * tanhf(log1pf(expf($a))))", "($a * tanh(log1p(exp($a))))")}),
     OpDef("add", ("aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
                   "aten::add.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor"),
           # eager (CPU vector and scalar loops, CUDA) computes fma(alpha, other, self): without the fused

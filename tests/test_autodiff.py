@@ -79,7 +79,9 @@ def test_gradcheck_every_op(case):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.op in ("sigmoid", "tanh", "mul", "div", "gelu", "silu",
-                                                               "lerp", "addcmul", "maximum", "exp")],
+                                                               "lerp", "addcmul", "maximum", "exp", "hardswish",
+                                                               "hardsigmoid", "relu6", "leaky_relu", "elu",
+                                                               "softplus", "mish")],
                          ids=lambda c: c.id)
 def test_gradients_equal_eagers_in_float32(case):
     """Against eager autograd (independent of our formulas), float32."""

@@ -49,6 +49,13 @@ CALLS = (
     + [f"aten::lerp(%x, %y, {w})" for w in ("0.0", "0.3", "0.5", "0.7", "1.0", "-0.5", "1.5", "%w=0.3", "%w=0.7",
                                             "%w=0.9999999990686774", "%w=2.0", "%z")]
     + [f"aten::addcmul(%x, %y, %z, {v})" for v in ("1", "2", "-0.5", "0", "%s=2.5", "%s=1.0")]
+    # activations (their fixed boundaries, +-3 and 6, join the inputs: _BOUNDARIES)
+    + ["aten::hardswish(%x)", "aten::hardsigmoid(%x)", "aten::relu6(%x)", "aten::mish(%x)"]
+    + [f"aten::leaky_relu(%x, {s})" for s in ("0.01", "-0.2", "0", "1.5", "%s=0.3")]
+    + [f"aten::elu(%x, {a})" for a in ("1, 1, 1", "0.5, 2, 1.5", "-1.5, 1, 1", "1.6732632423543772, 1.0507009873554805, 1",
+                                       "%s=0.5, %w=2.0, 1.5")]
+    # ties x * beta == threshold at x = 0.5, 0, 2 and 0.5
+    + [f"aten::softplus(%x, {a})" for a in ("1, 20", "2, 1", "0.5, 0", "1, 2.0", "-1, -0.5", "%s=2.0, %w=1.0")]
 )
 N_CHUNKS = 7
 
@@ -57,6 +64,18 @@ def _values(dtype, huge=True):
     fi = torch.finfo(dtype)
     return [NAN, INF, -INF, 0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0, -2.5, 0.1, -1.5, fi.tiny ** 0.5 / 8,
             fi.max / 2 if huge else 1e4]
+
+
+# the activations' fixed boundaries, where their gradients switch formulas, and each one's neighbours in the dtype
+_BOUNDARIES = {"aten::hardswish": (-3.0, 3.0), "aten::hardsigmoid": (-3.0, 3.0), "aten::relu6": (6.0,)}
+
+
+def _boundaries(name: str, dtype) -> list:
+    out = []
+    for b in _BOUNDARIES.get(name, ()):
+        t = torch.tensor(b, dtype=dtype)
+        out += [b] + [torch.nextafter(t, torch.tensor(v, dtype=dtype)).item() for v in (-INF, INF)]
+    return out
 
 
 class Case:
@@ -115,7 +134,7 @@ def _inputs(case: Case, dtype, n: int, huge=True) -> dict:
     """Every combination of special values for the floating tensors (tiled over n elements), the condition
     alternating per tile."""
     names = [v for kind, v in case.args if kind == "t"]
-    grid = list(itertools.product(_values(dtype, huge), repeat=len(names)))
+    grid = list(itertools.product(_values(dtype, huge) + _boundaries(case.name, dtype), repeat=len(names)))
     out = {}
     for j, name in enumerate(names):
         col = torch.tensor([p[j] for p in grid], dtype=F64).to(dtype)
@@ -171,6 +190,13 @@ def _chunk_results(chunk: int, dtype, gmode: str, order: int):
     return results
 
 
+# eager implements no derivative of hardsigmoid_backward (grad / 6 inside (-3, 3), else 0). It is linear in grad
+# and piecewise constant in x: the exact double backward is 0 for x and eager's own kernel on the weights for grad.
+_NO_EAGER_DOUBLE_BACKWARD = {
+    "aten::hardsigmoid": lambda x, w: [torch.zeros_like(x), torch.ops.aten.hardsigmoid_backward(w, x)],
+}
+
+
 def _group_results(cases, dtype, gmode, order, seed, expect_fused):
     key, graph = _group(cases)
     nodes = [n for n in graph.nodes() if n.kind() != "prim::Constant"]
@@ -209,7 +235,9 @@ def _group_results(cases, dtype, gmode, order, seed, expect_fused):
         fused = {v: mine_by[(c.k, v)] for v in names}
         if order == 2:
             s = sum((m * w).sum() for m, w in zip(theirs, weights) if m is not None and m.requires_grad)
-            if torch.is_tensor(s):
+            if c.name in _NO_EAGER_DOUBLE_BACKWARD:
+                theirs = _NO_EAGER_DOUBLE_BACKWARD[c.name](d["x"], weights[0])
+            elif torch.is_tensor(s):
                 theirs = torch.autograd.grad(s, [ts[v] for v in names] + [g], allow_unused=True)
             else:
                 theirs = [None] * (len(names) + 1)

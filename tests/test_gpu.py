@@ -8,6 +8,8 @@ from helpers import (FMA_OPS, SIGMOID_GT_IR as IR, assert_op_result, assert_same
                      check_fused_multiply_adds, check_scalar_rounding, eager, expect_fused, make_args, random_tensor,
                      sigmoid_gt_reference as reference)
 
+from test_activations import CALLS as ACTIVATION_CALLS
+
 import fuser
 from fuser import executor
 from fuser.fallback import run_graph
@@ -331,6 +333,17 @@ def test_lstm_cell_gradients_on_cuda(dtype):
         tol = {torch.float32: 1e-3, torch.bfloat16: 5e-2}[dtype]
         bad = (m.double() - tr).abs() > (t.double() - tr).abs() + tol * (1 + tr.abs())
         assert not bool(bad.any()), (m[bad][:4], t[bad][:4], tr[bad][:4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("call", [c[0] for c in ACTIVATION_CALLS], ids=lambda c: c[6:])
+def test_activations_on_cuda_at_boundaries(call, dtype):
+    """Against eager's CUDA kernels, which compute some of them differently from the CPU ones (ops.OpDef.targets):
+    bit-equal for the piecewise-linear ones, signs of zeros included; gradients away from NaN (at NaN the formulas
+    follow eager's CPU loop, see derivatives.py)."""
+    from test_activations import check_at_boundaries
+    _, ref, boundaries = next(c for c in ACTIVATION_CALLS if c[0] == call)
+    check_at_boundaries(call, ref, boundaries, dtype, "cuda", grads=dtype in (torch.float32, torch.float64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
