@@ -14,7 +14,7 @@ import sys
 import time
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -95,9 +95,14 @@ def infer_types(spec: KernelSpec, arg_spec: ArgSpec) -> list[codegen.NodeTypes]:
     return types
 
 
-def build(spec: KernelSpec, arg_spec: ArgSpec) -> Optional[CompiledKernel]:
+def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None) -> Optional[CompiledKernel]:
     """Generate and compile the kernel of ``spec`` for ``arg_spec``; None where fusion is not possible
-    for these inputs (the caller falls back)."""
+    for these inputs (the caller falls back).
+
+    ``load(source, name, arg_spec, n_strided, kernel_dtypes, n_scalar_slots, vec) -> (backend, compiled)``
+    turns the source into the kernel's backend; default: the arg spec's device's (g++ for the CPU, NVRTC and
+    the driver for CUDA). The CUDA emulator passes its own (``fuser.cuda.emulate``).
+    """
     t0 = time.perf_counter()
     if any(d.dtype not in DTYPES for d in arg_spec.inputs) or spec.concat_consumed:
         return None
@@ -126,20 +131,25 @@ def build(spec: KernelSpec, arg_spec: ArgSpec) -> Optional[CompiledKernel]:
     n_strided = len(strided) + sum(lay in STRIDED_LAYOUTS for lay in arg_spec.outputs)
     vector = codegen.has_vector_path(arg_spec.inputs, target, arg_spec.outputs)
     vec = codegen.vector_width(arg_spec.inputs, kernel_dtypes) if vector else 1
-    if target == "cpu":
-        from .cpu import compiler as cpu_compiler
-        backend, compiled = cpu_compiler.compile_kernel(source, name), True
-    else:
-        from .cuda import launch as cuda_launch
-        n_slots = len(spec.input_is_tensor) - spec.n_tensor_inputs + (rng.N_STATE if spec.random else 0)
-        backend, compiled = cuda_launch.load_kernel(source, name, arg_spec, n_strided, kernel_dtypes, n_slots,
-                                                    vec)
+    n_slots = len(spec.input_is_tensor) - spec.n_tensor_inputs + (rng.N_STATE if spec.random else 0)
+    load = load or (_load_cpu if target == "cpu" else _load_cuda)
+    backend, compiled = load(source, name, arg_spec, n_strided, kernel_dtypes, n_slots, vec)
     if compiled:
         _count_compile()
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: compiled {name} for {arg_spec}\n{source}", file=sys.stderr)
     return CompiledKernel(name, arg_spec, out_dtypes, source, strided, vec, backend,
                           (time.perf_counter() - t0) * 1e3, _scalar_limits(spec, nodes, types), spec.random)
+
+
+def _load_cpu(source: str, name: str, *_) -> tuple:
+    from .cpu import compiler as cpu_compiler
+    return cpu_compiler.compile_kernel(source, name), True
+
+
+def _load_cuda(*args) -> tuple:
+    from .cuda import launch as cuda_launch
+    return cuda_launch.load_kernel(*args)
 
 
 def _scalar_limits(spec: KernelSpec, nodes, types) -> tuple:
