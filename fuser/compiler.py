@@ -128,7 +128,7 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None) 
     kernel_dtypes = tuple(dt for v, dt in zip(spec.graph.outputs(), out_dtypes)
                           for _ in (concat_pieces(spec.graph, v) or [v]))
     strided = tuple(k for k, d in enumerate(arg_spec.inputs) if d.layout in STRIDED_LAYOUTS)
-    n_strided = len(strided) + sum(lay in STRIDED_LAYOUTS for lay in arg_spec.outputs)
+    n_strided = codegen.strided_operands(arg_spec.inputs, arg_spec.outputs)
     vector = codegen.has_vector_path(arg_spec.inputs, target, arg_spec.outputs)
     vec = codegen.vector_width(arg_spec.inputs, kernel_dtypes) if vector else 1
     n_slots = len(spec.input_is_tensor) - spec.n_tensor_inputs + (rng.N_STATE if spec.random else 0)

@@ -1,8 +1,8 @@
 """The CUDA backend's generated kernels, run on the CPU through the host emulation (fuser/cuda/emulate.py)
 under AddressSanitizer and UBSan, against eager on fresh random inputs: every op of the table in every dtype
-it supports, every layout class in both index widths on the vector and the scalar path, rand_like against
-an independent Philox4x32-10, and the harness itself (fibers, shared memory, the sanitizers' reports). Runs
-in CI without a GPU.
+it supports, every layout class in both index widths on the vector and the scalar path, cat outputs along
+every dim, rand_like against an independent Philox4x32-10, and the harness itself (fibers, shared memory,
+the sanitizers' reports). Runs in CI without a GPU.
 
 Every selected test's kernels are registered before the first one runs (:func:`_compile_together`), so
 they compile as a few units in parallel rather than one executable each."""
@@ -155,6 +155,72 @@ def test_more_dims_than_the_cuda_kernels_take_fall_back():
     assert isinstance(reason, str) and "9 dims" in reason
     assert emulate.run_graph(torch.parse_ir(SIGMOID_GT_IR), [x, y, 0.5]) is None
     assert not isinstance(executor.plan(spec, [x, y, 0.5], target="cpu"), str)  # the CPU kernels take any rank
+
+
+# --------------------------------------------------------------------------------------------------------
+# cat: each piece written into its slice of the result (strided outputs unless along the first dim)
+
+CAT_IR = """graph(%x : Tensor, %y : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %d : int = prim::Constant[value={dim}]()
+  %s : Tensor = aten::add(%x, %y, %one)
+  %a : Tensor = aten::sigmoid(%s)
+  %b : Tensor = aten::mul(%x, %y)
+{third}  %l : Tensor[] = prim::ListConstruct(%a, %b{third_item})
+  %c : Tensor = aten::cat(%l, %d)
+  return (%c, %b)
+"""
+CAT_LAYOUTS = {
+    "contiguous": lambda d: (_t(d, 5, 13, 96), _t(d, 5, 13, 96)),
+    "transposed": lambda d: (_t(d, 96, 13, 5).permute(2, 1, 0), _t(d, 5, 13, 96)),
+    "broadcast": lambda d: (_t(d, 5, 13, 96), _t(d, 13, 96)),
+    "sliced": lambda d: (_t(d, 5, 26, 96)[:, ::2], _t(d, 1, 13, 1)),
+}
+CAT_PARAMS = [(dim, lay, dt, i32, n) for dim in (0, 1, 2, -1) for lay in CAT_LAYOUTS
+              for dt in (torch.float32, torch.float16) for i32 in (True, False) for n in (2, 3)
+              if n == 2 or (dt == torch.float32 and i32)]
+
+
+def _cat_graph(dim: int, n: int) -> torch.Graph:
+    third = "  %e : Tensor = aten::sub(%x, %y, %one)\n" if n == 3 else ""
+    return torch.parse_ir(CAT_IR.format(dim=dim, third=third, third_item=", %e" if n == 3 else ""))
+
+
+def _cat_reference(x, y, dim, n):
+    pieces = [torch.sigmoid(x + y), x * y, x - y][:n]
+    return torch.cat(pieces, dim), pieces[1]
+
+
+def _register_cat(em, dim, layout, dtype, index32, n):
+    emulate.kernel_for(_cat_graph(dim, n), list(CAT_LAYOUTS[layout](dtype)), index32, em)
+
+
+@pytest.mark.parametrize("dim,layout,dtype,index32,n", CAT_PARAMS,
+                         ids=[f"dim{d}-{lay}-{str(dt)[6:]}-{'i32' if i else 'i64'}-{n}pieces"
+                              for d, lay, dt, i, n in CAT_PARAMS])
+def test_cat(dim, layout, dtype, index32, n):
+    x, y = CAT_LAYOUTS[layout](dtype)
+    out = emulate.run_graph(_cat_graph(dim, n), [x, y], index32)
+    assert out is not None, "fell back"
+    c, b = _cat_reference(x, y, dim, n)
+    assert out[0].shape == c.shape and out[0].is_contiguous()
+    assert_same(out[0], c)
+    _assert_equal(out[1], b)
+
+
+def _assert_equal(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_cat_of_sigmoid_and_product_along_dim_1():
+    """torch.cat([(x + y).sigmoid(), x * y], 1): two strided outputs and no strided input (issue 9: its
+    FzArgs had stride rows for the strided inputs only, and the kernel read a second one)."""
+    x, y = torch.randn(300, 40), torch.randn(300, 40)
+    out = emulate.run_graph(_cat_graph(1, 2), [x, y])
+    assert out is not None
+    c, b = _cat_reference(x, y, 1, 2)
+    assert_same(out[0], c)
+    _assert_equal(out[1], b)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -460,7 +526,8 @@ def test_production_source_keeps_its_prelude_and_the_host_source_only_swaps_it()
 # --------------------------------------------------------------------------------------------------------
 # compile every selected test's kernels together, before the first runs
 
-_REGISTER = {"test_op": _register_op, "test_layout": _register_layout, "test_rand_like_is_philox": _register_rand}
+_REGISTER = {"test_op": _register_op, "test_layout": _register_layout, "test_cat": _register_cat,
+             "test_rand_like_is_philox": _register_rand}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,8 +1,9 @@
 """CUDA C++ source templates (data, filled by ``fuser.codegen`` with strict substitution).
 
 Every kernel takes one by-value struct ``FzArgs`` (mirrored by a ctypes Structure in ``fuser.cuda.launch``):
-the element count, the compressed map sizes, the strides of each strided input, a flag saying the
-16-byte vector path may run, the data pointers (inputs then outputs) and the float arguments.
+the element count, the compressed map sizes, the strides of each strided input and then of each strided
+output (``codegen.strided_operands``), a flag saying the 16-byte vector path may run, the data pointers
+(inputs then outputs) and the float arguments.
 
 NVRTC compiles these without any header: integer types, half/bfloat16 conversions (PTX ``cvt``) and the
 helpers are defined here. The prelude is a template whose only device-specific pieces, the float16
