@@ -1,8 +1,8 @@
 """The CUDA backend's generated kernels, run on the CPU through the host emulation (fuser/cuda/emulate.py)
 under AddressSanitizer and UBSan, against eager on fresh random inputs: every op of the table in every dtype
 it supports, every layout class in both index widths on the vector and the scalar path, cat outputs along
-every dim, rand_like against an independent Philox4x32-10, and the harness itself (fibers, shared memory,
-the sanitizers' reports). Runs in CI without a GPU.
+every dim, rand_like against an independent Philox4x32-10, the benchmark's fused groups, and the harness
+itself (fibers, shared memory, the sanitizers' reports). Runs in CI without a GPU.
 
 Every selected test's kernels are registered before the first one runs (:func:`_compile_together`), so
 they compile as a few units in parallel rather than one executable each."""
@@ -14,10 +14,10 @@ from string import Template
 import numpy as np
 import pytest
 import torch
-from helpers import (FLOAT_DTYPES, SIGMOID_GT_IR, assert_op_result, assert_same, assert_same_comparison, build,
-                     cases, eager, expect_fused, make_args, random_tensor, sigmoid_gt_reference, tolerances)
+from helpers import (DROPOUT_IR, FLOAT_DTYPES, SIGMOID_GT_IR, assert_op_result, assert_same, assert_same_comparison,
+                     build, cases, eager, expect_fused, make_args, random_tensor, sigmoid_gt_reference)
 
-from fuser import executor, ops
+from fuser import bench, executor, fallback, graph_fuser, ops
 from fuser.cuda import emulate, templates
 from fuser.kernel_cache import STORE
 
@@ -60,7 +60,8 @@ def _cuda_eager(b, case, tensors: dict, floats: dict, dtype):
     if dtype not in (torch.float16, torch.bfloat16) or "cuda" not in op.round_operands or "cpu" in op.round_operands:
         return eager(b, tensors, floats)
     rnd = lambda v: torch.tensor(v, dtype=torch.float64).to(dtype).item()  # noqa: E731
-    call = {k: (kind, rnd(v) if kind == "const" and isinstance(v, float) else v) for k, (kind, v) in b.call_args.items()}
+    call = {k: (kind, rnd(v) if kind == "const" and isinstance(v, float) else v)
+            for k, (kind, v) in b.call_args.items()}
     return eager(dataclasses.replace(b, call_args=call), tensors, {k: rnd(v) for k, v in floats.items()})
 
 
@@ -145,6 +146,7 @@ def test_layout(layout, dtype, index32):
         assert kernel.backend.last_vec == (vector and vectorize is None)
         assert_same(out[0], c, dtype if dtype.is_floating_point else None)
         assert_same_comparison(out[1], d, c, x)
+        assert int(out[1].view(torch.uint8).max()) <= 1  # a bool no thread wrote holds 0xbe
 
 
 def test_more_dims_than_the_cuda_kernels_take_fall_back():
@@ -297,6 +299,64 @@ def test_rand_like_is_philox(layout, dtype, index32):
         assert_same(s, a + x)
 
 
+def _register_dropout(em, dtype):
+    emulate.kernel_for(torch.parse_ir(DROPOUT_IR), [_t(dtype, *SHAPE), 0.3, 1 / 0.7], emulator=em)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_dropout_float_arguments_come_before_the_philox_state(dtype):
+    x = _t(dtype, *SHAPE)
+    seed, offset = _random_u64(), _random_u64()
+    z, r = emulate.run_graph(torch.parse_ir(DROPOUT_IR), [x, 0.3, 1 / 0.7], rng_state=(seed, offset))
+    assert torch.equal(r, _uniform_reference(x.shape, dtype, seed, offset, 0))
+    assert_same(z, (r > 0.3).type_as(x) * x * (1 / 0.7))
+
+
+# --------------------------------------------------------------------------------------------------------
+# the benchmark's workloads: the groups the pass makes of them, on their small shapes, against the same
+# subgraph run op by op in float64
+
+BENCH = {wl.name: wl for wl in bench.WORKLOADS if not wl.train and not wl.random}
+BENCH_PARAMS = [(name, dt, i32) for name, wl in BENCH.items() for dt in wl.dtypes for i32 in (True, False)]
+
+
+def _bench_group(name: str, dtype):
+    """The one fusion group the pass makes of workload ``name``, and its inputs (chunks as the views the
+    group reads) for the workload's small shape."""
+    wl = BENCH[name]
+    g = bench._script_function(wl).graph.copy()
+    torch._C._jit_pass_inline(g)
+    graph_fuser.fuse_graph(g)
+    group, = [n for n in g.nodes() if n.kind() == "prim::FusionGroup"]
+    args = {v.unique(): a for v, a in zip(g.inputs(), wl.make_inputs(wl.shapes["small"], dtype, torch.device("cpu")))}
+    inputs = []
+    for v in group.inputs():
+        n = v.node()
+        if n.kind() == "prim::ListUnpack":  # a chunk of a function input: the pass leaves aten::chunk outside
+            chunk = n.inputsAt(0).node()
+            pieces = args[chunk.inputsAt(0).unique()].chunk(chunk.inputsAt(1).toIValue(), chunk.inputsAt(2).toIValue())
+            inputs.append(pieces[[o.unique() for o in n.outputs()].index(v.unique())])
+        else:
+            inputs.append(args[v.unique()])
+    return group.g("Subgraph"), inputs
+
+
+def _register_bench(em, name, dtype, index32):
+    graph, inputs = _bench_group(name, dtype)
+    emulate.kernel_for(graph, inputs, index32, em)
+
+
+@pytest.mark.parametrize("name,dtype,index32", BENCH_PARAMS,
+                         ids=[f"{n}-{str(dt)[6:]}-{'i32' if i else 'i64'}" for n, dt, i in BENCH_PARAMS])
+def test_bench_workload(name, dtype, index32):
+    graph, inputs = _bench_group(name, dtype)
+    out = emulate.run_graph(graph, inputs, index32)
+    assert out is not None, "fell back"
+    wide = [a.double() if isinstance(a, torch.Tensor) else a for a in inputs]
+    for actual, expected in zip(out, fallback.run_graph(graph, wide)):
+        assert_same(actual, expected.to(dtype))
+
+
 # --------------------------------------------------------------------------------------------------------
 # conversions: the host prelude's float16 conversions (PTX cvt on a GPU) and the bfloat16 store, bit for bit
 
@@ -443,7 +503,8 @@ def _run_raw(name: str, x: torch.Tensor, n_out: int, grid: int = 3, extra_args: 
     args = _RawArgs(n, (ctypes.c_void_p * 2)(0x10000, 0x90000))
     size = x.element_size()
     data = x.contiguous().view(torch.uint8).numpy().tobytes()
-    out, = em.run(name, grid, 256, bytes(args) + extra_args, [(0x10000, len(data), data), (0x90000, n_out * size, None)])
+    spans = [(0x10000, len(data), data), (0x90000, n_out * size, None)]
+    out, = em.run(name, grid, 256, bytes(args) + extra_args, spans)
     return torch.frombuffer(bytearray(out), dtype=x.dtype)
 
 
@@ -527,7 +588,9 @@ def test_production_source_keeps_its_prelude_and_the_host_source_only_swaps_it()
 # compile every selected test's kernels together, before the first runs
 
 _REGISTER = {"test_op": _register_op, "test_layout": _register_layout, "test_cat": _register_cat,
-             "test_rand_like_is_philox": _register_rand}
+             "test_rand_like_is_philox": _register_rand,
+             "test_dropout_float_arguments_come_before_the_philox_state": _register_dropout,
+             "test_bench_workload": _register_bench}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -98,8 +98,8 @@ static void fz_entry(const void* args) { ${name}(*static_cast<const FzArgs*>(arg
 }  // namespace fzk_${name}
 """)
 
-KERNEL_INFO = Template(r"""  {"${name}", &fzk_${name}::fz_entry, sizeof(fzk_${name}::FzArgs), offsetof(fzk_${name}::FzArgs, ptrs),
-   sizeof(fzk_${name}::FzArgs::ptrs) / sizeof(void*)},""")
+KERNEL_INFO = Template(r"""  {"${name}", &fzk_${name}::fz_entry, sizeof(fzk_${name}::FzArgs),
+   offsetof(fzk_${name}::FzArgs, ptrs), sizeof(fzk_${name}::FzArgs::ptrs) / sizeof(void*)},""")
 
 # a batch of kernels, compiled to its own object (batches compile in parallel)
 BATCH_UNIT = Template(r"""${header}
