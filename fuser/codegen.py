@@ -76,6 +76,13 @@ def has_vector_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Sequ
             and all(lay == DENSE for lay in out_layouts))
 
 
+def strided_operands(inputs: Sequence[TensorDesc], out_layouts: Sequence[str] = ()) -> int:
+    """Operands whose strides are kernel arguments: the strided inputs, then the strided outputs (a cat's
+    slices), in that order. Rows of the CUDA kernels' ``FzArgs.strides`` (and its ctypes mirror in
+    ``fuser.cuda.launch``) and of the CPU kernels' strides array."""
+    return sum(d.layout in STRIDED_LAYOUTS for d in inputs) + sum(lay in STRIDED_LAYOUTS for lay in out_layouts)
+
+
 # per thread and loop trip, of the narrowest tensor (FUSER_VECTOR_BYTES sets it for experiments; it changes
 # the source, so cached kernels follow it). On an H200, 16 beat 32 on a*b+c and fp32 rows, lost on fp16 GELU.
 VECTOR_BYTES = int(os.environ.get("FUSER_VECTOR_BYTES", "16"))

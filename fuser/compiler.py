@@ -16,7 +16,7 @@ import sys
 import time
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -108,14 +108,21 @@ def infer_types(spec: KernelSpec, arg_spec: ArgSpec, device: Optional[torch.devi
     return types
 
 
-def build(spec: KernelSpec, arg_spec: ArgSpec) -> Optional[CompiledKernel]:
+def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
+          probe_device: Optional[torch.device] = None) -> Optional[CompiledKernel]:
     """Generate and compile the kernel of ``spec`` for ``arg_spec``; None where fusion is not possible
-    for these inputs (the caller falls back)."""
+    for these inputs (the caller falls back).
+
+    ``load(source, name, arg_spec, n_strided, kernel_dtypes, n_scalar_slots, vec) -> (backend, compiled)``
+    turns the source into the kernel's backend; default: the arg spec's device's (g++ for the CPU, NVRTC and
+    the driver for CUDA). The CUDA emulator passes its own (``fuser.cuda.emulate``), and ``probe_device`` (where
+    the type probe runs; default: the arg spec's device) for its CPU tensors.
+    """
     t0 = time.perf_counter()
     if any(d.dtype not in DTYPES for d in arg_spec.inputs) or spec.concat_consumed:
         return None
     try:
-        types = infer_types(spec, arg_spec)
+        types = infer_types(spec, arg_spec, probe_device)
     except Exception:  # eager rejects these inputs: the fallback will raise eager's error
         return None
     if any(t.result not in DTYPES or t.compute not in DTYPES for t in types):
@@ -136,23 +143,28 @@ def build(spec: KernelSpec, arg_spec: ArgSpec) -> Optional[CompiledKernel]:
     kernel_dtypes = tuple(dt for v, dt in zip(spec.graph.outputs(), out_dtypes)
                           for _ in (concat_pieces(spec.graph, v) or [v]))
     strided = tuple(k for k, d in enumerate(arg_spec.inputs) if d.layout in STRIDED_LAYOUTS)
-    n_strided = len(strided) + sum(lay in STRIDED_LAYOUTS for lay in arg_spec.outputs)
+    n_strided = codegen.strided_operands(arg_spec.inputs, arg_spec.outputs)
     vector = codegen.has_vector_path(arg_spec.inputs, target, arg_spec.outputs)
     vec = codegen.vector_width(arg_spec.inputs, kernel_dtypes) if vector else 1
-    if target == "cpu":
-        from .cpu import compiler as cpu_compiler
-        backend, compiled = cpu_compiler.compile_kernel(source, name), True
-    else:
-        from .cuda import launch as cuda_launch
-        n_slots = len(spec.input_is_tensor) - spec.n_tensor_inputs + (rng.N_STATE if spec.random else 0)
-        backend, compiled = cuda_launch.load_kernel(source, name, arg_spec, n_strided, kernel_dtypes, n_slots,
-                                                    vec)
+    n_slots = len(spec.input_is_tensor) - spec.n_tensor_inputs + (rng.N_STATE if spec.random else 0)
+    load = load or (_load_cpu if target == "cpu" else _load_cuda)
+    backend, compiled = load(source, name, arg_spec, n_strided, kernel_dtypes, n_slots, vec)
     if compiled:
         _count_compile()
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: compiled {name} for {arg_spec}\n{source}", file=sys.stderr)
     return CompiledKernel(name, arg_spec, out_dtypes, source, strided, vec, backend,
                           (time.perf_counter() - t0) * 1e3, _scalar_limits(spec, nodes, types), spec.random)
+
+
+def _load_cpu(source: str, name: str, *_) -> tuple:
+    from .cpu import compiler as cpu_compiler
+    return cpu_compiler.compile_kernel(source, name), True
+
+
+def _load_cuda(*args) -> tuple:
+    from .cuda import launch as cuda_launch
+    return cuda_launch.load_kernel(*args)
 
 
 def _scalar_limits(spec: KernelSpec, nodes, types) -> tuple:

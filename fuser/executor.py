@@ -79,8 +79,12 @@ def _contiguous_strides(sizes: Sequence[int]) -> list[int]:
     return out[::-1]
 
 
-def plan(spec: KernelSpec, args: Sequence) -> Union[Plan, str]:
-    """A :class:`Plan` for running ``spec`` on ``args``, or the reason it must fall back."""
+def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Union[Plan, str]:
+    """A :class:`Plan` for running ``spec`` on ``args``, or the reason it must fall back.
+
+    target: the backend to plan for; None: the tensors' device's, if its fusion is on. The CUDA emulator
+    (``fuser.cuda.emulate``) plans "cuda" kernels for CPU tensors.
+    """
     if len(args) != len(spec.input_is_tensor):
         return f"expected {len(spec.input_is_tensor)} inputs, got {len(args)}"
     tensors, scalars = [], []
@@ -109,8 +113,10 @@ def plan(spec: KernelSpec, args: Sequence) -> Union[Plan, str]:
         return f"no fuser for device type {device.type}"
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return "an input requires grad (autograd needs the interpreter)"
-    if not settings.fusion_enabled(device.type):
-        return f"{device.type} fusion is off"
+    if target is None:
+        target = device.type
+        if not settings.fusion_enabled(device.type):
+            return f"{device.type} fusion is off"
 
     shapes = [t.shape for t in tensors]
     first = shapes[0]
@@ -154,14 +160,14 @@ def plan(spec: KernelSpec, args: Sequence) -> Union[Plan, str]:
             if out_layouts[-1] != DENSE:
                 out_strided.append(st)
         strided += out_strided
-        if strided and device.type == "cuda" and len(sizes) > cuda_t.MAX_DIMS:
+        if strided and target == "cuda" and len(sizes) > cuda_t.MAX_DIMS:
             return f"{len(sizes)} dims after compression (the CUDA kernels take {cuda_t.MAX_DIMS})"
     extent = max([numel] + [math.prod(c[0]) for c in concat or () if c is not None])
     for t, layout in zip(tensors, layouts):
         if layout in STRIDED_LAYOUTS:
             extent = max(extent, 1 + sum((s - 1) * x for s, x in zip(t.shape, t.stride())))
     descs = tuple(TensorDesc(t.dtype, lay, t.dim() == 0) for t, lay in zip(tensors, layouts))
-    arg_spec = ArgSpec(device.type, device.index, descs, extent < INDEX32_LIMIT,
+    arg_spec = ArgSpec(target, device.index, descs, extent < INDEX32_LIMIT,
                        tuple(out_layouts) if concat else ())
     return Plan(arg_spec, tensors, scalars, shape, numel, sizes or [1],
                 [st or [0] for st in strided], concat)
@@ -290,7 +296,7 @@ def run(spec: KernelSpec, args: Sequence) -> Optional[list[torch.Tensor]]:
     elif geo.concat is None:
         outputs = kernel_outputs = [torch.empty(geo.shape, dtype=dt, device=device) for dt in geo.out_dtypes]
     else:
-        outputs, kernel_outputs = _concat_outputs(geo, device)
+        outputs, kernel_outputs = concat_outputs(geo, device)
     if geo.numel == 0:
         return outputs
     if geo.kernel.random:
@@ -302,7 +308,7 @@ def run(spec: KernelSpec, args: Sequence) -> Optional[list[torch.Tensor]]:
     return outputs
 
 
-def _concat_outputs(geo: Geometry, device) -> tuple[list, list]:
+def concat_outputs(geo: Geometry, device) -> tuple[list, list]:
     """The group's outputs, and the tensors the kernel writes: a cat's result as one slice per piece."""
     outputs, kernel_outputs = [], []
     for info, dt in zip(geo.concat, geo.out_dtypes):

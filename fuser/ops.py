@@ -107,7 +107,7 @@ def _unary(name: str, f: str, d: str, i: Optional[str] = None, fast: Optional[st
                  fast={None: fast} if fast else {}, discrete=discrete)
 
 
-def _cuda_clamp(x: str, lo: str, hi: str, nan_fills: bool = False) -> Exprs:
+def _cuda_clamp(x: str, lo: str, hi: str, nan_fills: bool = False, integers: bool = True) -> Exprs:
     """CUDA eager's clamp with Scalar bounds (``fz_clamp_scalar`` in the CUDA prelude); ``"false"`` for a bound
     that is not given. ``nan_fills``: a NaN bound makes the whole result NaN (the clamp_min and clamp_max ops
     fill it; clamp with one bound given passes that bound to the kernel, which ignores a NaN)."""
@@ -117,7 +117,7 @@ def _cuda_clamp(x: str, lo: str, hi: str, nan_fills: bool = False) -> Exprs:
     if nan_fills:
         bound = lo_v if has(lo) == "true" else hi_v
         e = f"({bound} != {bound} ? {bound} : {e})"
-    return Exprs(e, e, e)
+    return Exprs(e, e, e if integers else None)
 
 
 # clamp: a bound given as None is not given ($has_b / $has_c, from codegen)
@@ -185,7 +185,7 @@ _OPS: list[OpDef] = [
     ),
     OpDef("hardtanh", ("aten::hardtanh(Tensor self, Scalar min_val=-1, Scalar max_val=1) -> Tensor",),
           {None: Exprs("fz_min(fz_max($a, $b), $c)", "fz_min(fz_max($a, $b), $c)")},
-          targets={"cuda": {None: _cuda_clamp("$a", "$b", "$c")}}),  # eager's hardtanh is clamp(self, min, max)
+          targets={"cuda": {None: _cuda_clamp("$a", "$b", "$c", integers=False)}}),  # eager's hardtanh is clamp(self, min, max)
     # The activations below follow ATen's kernels (cpu/Activation.cpp, cpu/Elu.h, cuda/Activation*Kernel.cu) in
     # their order of operations; both compute float16/bfloat16 in float, as these expressions do.
     _sixth("hardswish", "$a * "),

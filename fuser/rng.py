@@ -56,6 +56,12 @@ def _words(x: int) -> list[float]:
     return [float(x & 0xFFFFFFFF), float((x >> 32) & 0xFFFFFFFF)]
 
 
+def state_words(seed: int, offset: int) -> list[float]:
+    """The launch state a kernel reads from its last :data:`N_STATE` float slots: key ``seed`` and counter
+    word ``offset`` (64 bits each) as uint32 values, low word first, exact in the kernel's double slots."""
+    return _words(seed) + _words(offset)
+
+
 def launch_state(device: torch.device) -> list[float]:
     """(seed, offset) for one launch as four uint32 values (exact in the kernel's double slots), taken from
     torch's default generator of ``device``, which advances so that the next launch gets fresh numbers."""
@@ -64,7 +70,7 @@ def launch_state(device: torch.device) -> list[float]:
         gen = torch.cuda.default_generators[index]
         offset = gen.get_offset()
         gen.set_offset(offset + 4)  # torch's Philox offsets move in steps of 4
-        return _words(gen.initial_seed()) + _words(offset)
+        return state_words(gen.initial_seed(), offset)
     # the CPU generator (a Mersenne twister) has no offset: draw a fresh 63-bit seed and offset from it
     seed, offset = torch.empty(2, dtype=torch.int64).random_().tolist()
-    return _words(seed) + _words(offset)
+    return state_words(seed, offset)

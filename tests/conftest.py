@@ -29,6 +29,13 @@ def _seed(request):
     torch.manual_seed(SEED ^ zlib.crc32(request.node.nodeid.encode()))
 
 
+def pytest_terminal_summary(terminalreporter):
+    emulate = sys.modules.get("fuser.cuda.emulate")  # imported by tests/test_cuda_emulated.py when it runs
+    line = emulate.summary() if emulate is not None else None
+    if line:
+        terminalreporter.write_line(line)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -220,6 +220,18 @@ def sigmoid_gt_reference(x, y, s):
     return c, c > x
 
 
+# dropout as a group: rand_like beside float arguments (p, then the scale); returns (z, r)
+DROPOUT_IR = """graph(%x : Tensor, %p : float, %scale : float):
+  %none : NoneType = prim::Constant()
+  %r : Tensor = aten::rand_like(%x, %none, %none, %none, %none, %none)
+  %m : Tensor = aten::gt(%r, %p)
+  %t : Tensor = aten::type_as(%m, %x)
+  %y : Tensor = aten::mul(%t, %x)
+  %z : Tensor = aten::mul(%y, %scale)
+  return (%z, %r)
+"""
+
+
 def expect_fused(case: Case, expected: torch.Tensor, dtype: torch.dtype) -> bool:
     """False only where the op table has no integer expression for an integer computation."""
     from fuser import ops

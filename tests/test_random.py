@@ -4,21 +4,12 @@ import math
 
 import pytest
 import torch
-from helpers import assert_same, fused_graph
+from helpers import DROPOUT_IR, assert_same, fused_graph
 
 import fuser
 from fuser import executor, rng
 from fuser.kernel_cache import STORE
 
-DROPOUT_IR = """graph(%x : Tensor, %p : float, %scale : float):
-  %none : NoneType = prim::Constant()
-  %r : Tensor = aten::rand_like(%x, %none, %none, %none, %none, %none)
-  %m : Tensor = aten::gt(%r, %p)
-  %t : Tensor = aten::type_as(%m, %x)
-  %y : Tensor = aten::mul(%t, %x)
-  %z : Tensor = aten::mul(%y, %scale)
-  return (%z, %r)
-"""
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 

@@ -44,8 +44,9 @@ def _raw_cu_launch():
     return fn
 
 
-def _args_struct(index32: bool, n_strided: int, n_ptrs: int, n_scalars: int):
-    """ctypes mirror of the kernel's ``FzArgs`` (see ``fuser/cuda/templates.py``)."""
+def args_struct(index32: bool, n_strided: int, n_ptrs: int, n_scalars: int):
+    """ctypes mirror of the kernel's ``FzArgs`` (see ``fuser/cuda/templates.py``); ``n_strided``: strided
+    inputs and strided outputs (``fuser.codegen.strided_operands``)."""
     idx = ctypes.c_int32 if index32 else ctypes.c_int64
     d = templates.MAX_DIMS
 
@@ -63,6 +64,53 @@ def _args_struct(index32: bool, n_strided: int, n_ptrs: int, n_scalars: int):
         ]
 
     return FzArgs
+
+
+class LaunchArgs:
+    """One kernel's ``FzArgs`` and the one-entry parameter array that points to it, refilled per launch.
+
+    :meth:`fill` writes what the driver passes: a kernel keeps one per thread and launches with it, and the
+    CUDA emulator (``fuser.cuda.emulate``) fills one to get the same bytes for its host run.
+    """
+
+    __slots__ = ("args", "params", "params_addr", "geometry", "context_ready", "vec_align")
+
+    def __init__(self, struct, vec_align: tuple):
+        self.args = struct()
+        self.params = (ctypes.c_void_p * 1)(ctypes.addressof(self.args))
+        self.params_addr = ctypes.addressof(self.params)
+        self.geometry = None  # the geometry whose sizes and strides args holds
+        self.context_ready = False  # the thread has a current context (CudaKernel._do_launch)
+        self.vec_align = vec_align  # per pointer: bytes it must be aligned to for the vector path (0: any)
+
+    def fill(self, geo, tensors, scalars, outputs) -> bool:
+        """Fill for inputs of geometry ``geo`` (fuser.executor.Geometry), the tensors' data pointers (inputs,
+        then outputs) and the float arguments; returns whether the vector path runs (``args.vec``)."""
+        args = self.args
+        if self.geometry is not geo:  # sizes and strides change only with the input signature
+            args.numel = geo.numel
+            args.rank = len(geo.sizes)
+            for d, s in enumerate(geo.sizes):
+                args.sizes[d] = s
+                args.magic[d], args.shift[d] = divider(s)
+            for j, st in enumerate(geo.strides):
+                row = args.strides[j]
+                for d, x in enumerate(st):
+                    row[d] = x
+            self.geometry = geo
+        addrs = [t.data_ptr() for t in tensors]
+        addrs += [o.data_ptr() for o in outputs]
+        args.ptrs[:] = addrs
+        vec_ok = geo.vec_shape
+        if vec_ok:
+            for ptr, a in zip(addrs, self.vec_align):
+                if a and ptr % a:
+                    vec_ok = False
+                    break
+        args.vec = vec_ok
+        if scalars:
+            args.scalars[:len(scalars)] = scalars
+        return vec_ok
 
 
 def _primary_context(device_index: int):
@@ -99,51 +147,20 @@ class CudaKernel:
         props = torch.cuda.get_device_properties(device_index)
         waves = GRID_WAVES if n_strided else GRID_WAVES_DENSE
         self.max_blocks = max(1, per_sm) * props.multi_processor_count * waves if waves > 0 else 2 ** 31 - 1
-        self._struct = _args_struct(index32, n_strided, n_ptrs, n_scalars)
+        self._struct = args_struct(index32, n_strided, n_ptrs, n_scalars)
         self._local = threading.local()
         self._launch = driver.cuLaunchKernel
         self._success = driver.CUresult.CUDA_SUCCESS
         self._raw_launch = _raw_cu_launch() if LAUNCH == "ctypes" else None
         self._function_ptr = int(self._function)
 
-    def _buffers(self):
-        loc = self._local
-        args = getattr(loc, "args", None)
-        if args is None:
-            args = loc.args = self._struct()
-            loc.params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
-            loc.params_addr = ctypes.addressof(loc.params)
-            loc.geometry = None
-            loc.context_ready = False
-        return loc
-
     def launch(self, geo, tensors, scalars, outputs) -> None:
         """Launch on the current stream of the device for inputs of geometry ``geo`` (fuser.executor)."""
-        loc = self._buffers()
-        args = loc.args
-        if loc.geometry is not geo:  # sizes and strides change only with the input signature
-            args.numel = geo.numel
-            args.rank = len(geo.sizes)
-            for d, s in enumerate(geo.sizes):
-                args.sizes[d] = s
-                args.magic[d], args.shift[d] = divider(s)
-            for j, st in enumerate(geo.strides):
-                row = args.strides[j]
-                for d, x in enumerate(st):
-                    row[d] = x
-            loc.geometry = geo
-        addrs = [t.data_ptr() for t in tensors]
-        addrs += [o.data_ptr() for o in outputs]
-        args.ptrs[:] = addrs
-        vec_ok = geo.vec_shape
-        if vec_ok:
-            for ptr, a in zip(addrs, self.vec_align):
-                if a and ptr % a:
-                    vec_ok = False
-                    break
-        args.vec = vec_ok
-        if scalars:
-            args.scalars[:len(scalars)] = scalars
+        try:
+            loc = self._local.args
+        except AttributeError:  # this thread's first launch of the kernel
+            loc = self._local.args = LaunchArgs(self._struct, self.vec_align)
+        vec_ok = loc.fill(geo, tensors, scalars, outputs)
         grid = geo.grid_vec if vec_ok else geo.grid_scalar
         if grid is None:
             work = geo.numel // self.vec if vec_ok else geo.numel
@@ -209,12 +226,17 @@ def load_kernel(source: str, name: str, arg_spec, n_strided: int, out_dtypes, n_
     fields = [("nvrtc", repr(nvrtc_version())), ("arch", repr(options)),
               ("flags", b" ".join(options.flags())), ("name", name), ("source", source)]
     image = disk_cache.get_or_build(fields, build, ".cubin" if options.cubin else ".ptx")
+    kernel = CudaKernel(name, image, index, arg_spec.index32, n_strided, len(arg_spec.inputs) + len(out_dtypes),
+                        n_scalars, vec, vector_alignment(arg_spec, out_dtypes, vec))
+    return kernel, bool(compiled)
+
+
+def vector_alignment(arg_spec, out_dtypes, vec: int) -> tuple:
+    """Per pointer (inputs, then outputs): the bytes it must be aligned to for the vector path, 0 where it
+    is not read in vectors."""
     size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
     align = tuple(size(d.dtype) * vec if d.layout in ("dense", "rows") else 0 for d in arg_spec.inputs)
-    align += tuple(size(dt) * vec for dt in out_dtypes)
-    kernel = CudaKernel(name, image, index, arg_spec.index32, n_strided, len(arg_spec.inputs) + len(out_dtypes),
-                        n_scalars, vec, align)
-    return kernel, bool(compiled)
+    return align + tuple(size(dt) * vec for dt in out_dtypes)
 
 
 def _raw_stream(index: int) -> int:

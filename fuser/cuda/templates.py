@@ -1,11 +1,14 @@
 """CUDA C++ source templates (data, filled by ``fuser.codegen`` with strict substitution).
 
 Every kernel takes one by-value struct ``FzArgs`` (mirrored by a ctypes Structure in ``fuser.cuda.launch``):
-the element count, the compressed map sizes, the strides of each strided input, a flag saying the
-16-byte vector path may run, the data pointers (inputs then outputs) and the float arguments.
+the element count, the compressed map sizes, the strides of each strided input and then of each strided
+output (``codegen.strided_operands``), a flag saying the 16-byte vector path may run, the data pointers
+(inputs then outputs) and the float arguments.
 
 NVRTC compiles these without any header: integer types, half/bfloat16 conversions (PTX ``cvt``) and the
-helpers are defined here.
+helpers are defined here. The prelude is a template whose only device-specific pieces, the float16
+conversions written in PTX, are filled in below; ``fuser.cuda.host_prelude`` fills the same template with
+host C++ so that the CI's CPU runs the rest of this text as it is (``fuser.cuda.emulate``).
 """
 from string import Template
 
@@ -14,7 +17,7 @@ from ..rng import PHILOX
 
 MAX_DIMS = 8  # compressed map dims; more falls back
 
-PRELUDE = r"""
+PRELUDE_TEMPLATE = Template(r"""
 #define FZ_FN __device__ __forceinline__
 typedef signed char int8_t;
 typedef unsigned char uint8_t;
@@ -28,17 +31,11 @@ typedef unsigned long long uint64_t;
 struct __align__(2) fz_half { uint16_t x; };
 struct __align__(2) fz_bf16 { uint16_t x; };
 
-__device__ __forceinline__ float fz_ld(fz_half h) {
-  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.x)); return f;
-}
-__device__ __forceinline__ float fz_ld(fz_bf16 h) { return __int_as_float(((int)h.x) << 16); }
+${half_load}__device__ __forceinline__ float fz_ld(fz_bf16 h) { return __int_as_float(((int)h.x) << 16); }
 template <class T> __device__ __forceinline__ T fz_ld(T v) { return v; }
 
 template <class S, class C> __device__ __forceinline__ S fz_st(C v) { return (S)v; }
-template <> __device__ __forceinline__ fz_half fz_st<fz_half, float>(float f) {
-  fz_half h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(f)); return h;
-}
-template <> __device__ __forceinline__ fz_bf16 fz_st<fz_bf16, float>(float f) {
+${half_store}template <> __device__ __forceinline__ fz_bf16 fz_st<fz_bf16, float>(float f) {
   fz_bf16 h;
 #if __CUDA_ARCH__ >= 800
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.x) : "f"(f));  // one instruction from Ampere on
@@ -50,7 +47,7 @@ template <> __device__ __forceinline__ fz_bf16 fz_st<fz_bf16, float>(float f) {
   return h;
 }
 
-""" + HELPERS + r"""// CUDA eager's max/min of floats (clamp, relu, hardtanh too): of two zeros, max is +0 and min is -0, whatever
+${helpers}// CUDA eager's max/min of floats (clamp, relu, hardtanh too): of two zeros, max is +0 and min is -0, whatever
 // their order (CPU eager keeps the first); NaN propagates
 __device__ __forceinline__ float fz_max(float a, float b) {
   return (a != a || b != b) ? a + b : a != b ? (a > b ? a : b) : (__float_as_uint(a) >> 31 ? b : a);
@@ -105,7 +102,18 @@ template <> struct fz_limits<int64_t> { static __device__ __forceinline__ int64_
 // N elements of T moved together: 16-byte accesses (the compiler splits a 32-byte struct into two, both
 // issued before either is used); alignment capped at 16, the widest access
 template <class T, int N> struct __align__(sizeof(T) * N < 16 ? sizeof(T) * N : 16) fz_vec { T v[N]; };
+""")
+
+# float16 loads and stores: one PTX conversion each (round to nearest even; NaN stays NaN)
+HALF_LOAD = r"""__device__ __forceinline__ float fz_ld(fz_half h) {
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.x)); return f;
+}
 """
+HALF_STORE = r"""template <> __device__ __forceinline__ fz_half fz_st<fz_half, float>(float f) {
+  fz_half h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(f)); return h;
+}
+"""
+PRELUDE = PRELUDE_TEMPLATE.substitute(half_load=HALF_LOAD, half_store=HALF_STORE, helpers=HELPERS)
 
 # appended to the prelude when a kernel draws random numbers (rand_like)
 RNG = "\n#define FZ_MULHI(a, b) __umulhi(a, b)\n" + PHILOX

@@ -1,0 +1,612 @@
+"""The CUDA backend's generated kernels, run on the CPU through the host emulation (fuser/cuda/emulate.py)
+under AddressSanitizer and UBSan, against eager on fresh random inputs: every op of the table in every dtype
+it supports, every layout class in both index widths on the vector and the scalar path, cat outputs along
+every dim, rand_like against an independent Philox4x32-10, the benchmark's fused groups, and the harness
+itself (fibers, shared memory, the sanitizers' reports). Runs in CI without a GPU.
+
+Every selected test's kernels are registered before the first one runs (:func:`_compile_together`), so
+they compile as a few units in parallel rather than one executable each."""
+import ctypes
+import dataclasses
+import math
+from string import Template
+
+import numpy as np
+import pytest
+import torch
+from helpers import (DROPOUT_IR, FLOAT_DTYPES, SIGMOID_GT_IR, assert_op_result, assert_same, assert_same_comparison,
+                     build, cases, eager, expect_fused, make_args, random_tensor, sigmoid_gt_reference)
+
+from fuser import bench, executor, fallback, graph_fuser, ops
+from fuser.cuda import emulate, templates
+from fuser.kernel_cache import STORE
+
+INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
+SHAPE = (67, 97)  # odd: the vector loop leaves a tail; 6499 elements: 3 blocks of 256 threads wrap
+
+
+def _number_args(case) -> bool:
+    return any(str(a.type) in ("number", "Optional[number]") for a in torch._C.parse_schema(case.schema).arguments)
+
+
+# every case of the table, and each one with a Scalar as a float argument (a kernel argument in FzArgs)
+OP_CASES = cases() + [dataclasses.replace(c, scalars_as_inputs=True) for c in cases() if _number_args(c)]
+OP_PARAMS = [(c, dt) for c in OP_CASES for dt in FLOAT_DTYPES + INT_DTYPES]
+
+
+def _emulator() -> emulate.Emulator:
+    return emulate.default()
+
+
+# --------------------------------------------------------------------------------------------------------
+# every op in every dtype: dense inputs, the vector path and then the scalar path of the same kernel
+
+
+def _op_inputs(case, dtype):
+    b = build(case)
+    args, tensors, floats = make_args(b, dtype, shape=SHAPE)
+    return b, args, tensors, floats
+
+
+def _register_op(em, case, dtype):
+    b, args, _, _ = _op_inputs(case, dtype)
+    emulate.kernel_for(b.graph, args, emulator=em)
+
+
+def _cuda_eager(b, case, tensors: dict, floats: dict, dtype):
+    """eager as it runs on CUDA: where CUDA's eager rounds Scalars to a float16/bfloat16 compute dtype and
+    the CPU's does not (``ops.OpDef.round_operands``), round them before calling the CPU's."""
+    op = ops.OPS_BY_NAME[case.op]
+    if dtype not in (torch.float16, torch.bfloat16) or "cuda" not in op.round_operands or "cpu" in op.round_operands:
+        return eager(b, tensors, floats)
+    rnd = lambda v: torch.tensor(v, dtype=torch.float64).to(dtype).item()  # noqa: E731
+    call = {k: (kind, rnd(v) if kind == "const" and isinstance(v, float) else v)
+            for k, (kind, v) in b.call_args.items()}
+    return eager(dataclasses.replace(b, call_args=call), tensors, {k: rnd(v) for k, v in floats.items()})
+
+
+def _assert_result(case, actual, expected):
+    if expected.dtype == torch.bool:  # bytes: an element no thread wrote holds 0xbe, which a bool hides
+        assert actual.dtype == torch.bool and actual.shape == expected.shape
+        assert torch.equal(actual.view(torch.uint8), expected.view(torch.uint8))
+        return
+    if "cuda" in ops.OPS_BY_NAME[case.op].targets and expected.dtype == torch.float64:
+        # CUDA's own expression (ops.OpDef.targets) against the CPU's eager: hardswish's CUDA kernel multiplies by
+        # the float 1.0f / 6.0f, 3e-8 from 1/6, in float64 too (tests/test_gpu.py checks it against CUDA eager)
+        torch.testing.assert_close(actual, expected, rtol=1e-7, atol=1e-7, equal_nan=True)
+        return
+    assert_op_result(case, actual, expected)
+
+
+@pytest.mark.parametrize("case,dtype", OP_PARAMS, ids=[f"{c.id}-{str(dt)[6:]}" for c, dt in OP_PARAMS])
+def test_op(case, dtype):
+    b, args, tensors, floats = _op_inputs(case, dtype)
+    try:
+        expected = _cuda_eager(b, case, tensors, floats, dtype)
+    except Exception:  # eager rejects these inputs: the group falls back, no kernel
+        assert emulate.run_graph(b.graph, args) is None
+        return
+    out = emulate.run_graph(b.graph, args)
+    if not expect_fused(case, expected, dtype):
+        assert out is None
+        return
+    assert out is not None, f"{case.id} on {dtype} fell back"
+    kernel = emulate.kernel_for(b.graph, args)
+    assert kernel.backend.last_vec == (kernel.vec > 1)  # dense and aligned: the vector path when there is one
+    _assert_result(case, out[0], expected)
+    out = emulate.run_graph(b.graph, args, vectorize=False)
+    _assert_result(case, out[0], expected)
+
+
+# --------------------------------------------------------------------------------------------------------
+# layouts: x and y of SIGMOID_GT_IR (x * y + s, sigmoid, > x) in each layout class, both index widths
+
+LAYOUT_DTYPES = FLOAT_DTYPES + (torch.uint8, torch.int64)
+
+
+def _t(dtype, *shape):
+    return random_tensor(shape, dtype)
+
+
+# name -> (x, y) maker, and whether the launcher takes the vector path (inner sizes of 96 and offsets of 16
+# or 96 elements keep whole, aligned vectors for every dtype here)
+LAYOUTS = {
+    "dense": (lambda d: (_t(d, *SHAPE), _t(d, *SHAPE)), True),
+    "rows": (lambda d: (_t(d, 67, 128)[:, :96], _t(d, 67, 96)), True),
+    "chunk": (lambda d: (_t(d, 67, 3 * 96).chunk(3, 1)[1], _t(d, 67, 96)), True),
+    "chunk_odd": (lambda d: (_t(d, 67, 3 * 97).chunk(3, 1)[1], _t(d, *SHAPE)), False),
+    "strided": (lambda d: (_t(d, 67, 194)[:, ::2], _t(d, *SHAPE)), False),
+    "transposed": (lambda d: (_t(d, 97, 67).t(), _t(d, *SHAPE)), False),
+    "scalar_0d": (lambda d: (_t(d, *SHAPE), _t(d)), True),
+    "scalar_1x1": (lambda d: (_t(d, *SHAPE), _t(d, 1, 1)), True),
+    "row": (lambda d: (_t(d, 67, 96), _t(d, 96)), True),
+    # a column read once per vector: the launcher asks its row stride to be a multiple of the width too
+    "column": (lambda d: (_t(d, 67, 96), _t(d, 67, 1)), False),
+    "column_stride16": (lambda d: (_t(d, 67, 96), _t(d, 67, 16)[:, :1]), True),
+    "offset": (lambda d: (_t(d, 67 * 97 + 1)[1:].view(SHAPE), _t(d, *SHAPE)), False),
+    "offset_aligned": (lambda d: (_t(d, 67 * 97 + 16)[16:].view(SHAPE), _t(d, *SHAPE)), True),
+    "3d_broadcast": (lambda d: (_t(d, 5, 13, 96), _t(d, 5, 1, 96)), True),
+    "rank8": (lambda d: (_t(d, 5, 2, 3, 2, 3, 2, 3, 2).permute(7, 6, 5, 4, 3, 2, 1, 0), _t(d, 2, 3, 2, 3, 2, 3, 2, 5)),
+              False),
+}
+LAYOUT_PARAMS = [(lay, dt, i32) for lay in LAYOUTS for dt in LAYOUT_DTYPES for i32 in (True, False)]
+
+
+def _register_layout(em, layout, dtype, index32):
+    x, y = LAYOUTS[layout][0](dtype)
+    emulate.kernel_for(torch.parse_ir(SIGMOID_GT_IR), [x, y, 0.25], index32, em)
+
+
+@pytest.mark.parametrize("layout,dtype,index32", LAYOUT_PARAMS,
+                         ids=[f"{lay}-{str(dt)[6:]}-{'i32' if i else 'i64'}" for lay, dt, i in LAYOUT_PARAMS])
+def test_layout(layout, dtype, index32):
+    make, vector = LAYOUTS[layout]
+    x, y = make(dtype)
+    g = torch.parse_ir(SIGMOID_GT_IR)
+    c, d = sigmoid_gt_reference(x, y, 0.25)
+    kernel = emulate.kernel_for(g, [x, y, 0.25], index32)
+    assert kernel is not None and kernel.arg_spec.index32 == index32
+    for vectorize in (None, False):
+        out = emulate.run_graph(g, [x, y, 0.25], index32, vectorize)
+        assert kernel.backend.last_vec == (vector and vectorize is None)
+        assert_same(out[0], c, dtype if dtype.is_floating_point else None)
+        assert_same_comparison(out[1], d, c, x)
+        assert int(out[1].view(torch.uint8).max()) <= 1  # a bool no thread wrote holds 0xbe
+
+
+def test_more_dims_than_the_cuda_kernels_take_fall_back():
+    x = _t(torch.float32, *(2,) * 9).permute(*reversed(range(9)))
+    y = _t(torch.float32, *(2,) * 9)
+    spec = STORE.get(STORE.register(torch.parse_ir(SIGMOID_GT_IR)))
+    reason = executor.plan(spec, [x, y, 0.5], target="cuda")
+    assert isinstance(reason, str) and "9 dims" in reason
+    assert emulate.run_graph(torch.parse_ir(SIGMOID_GT_IR), [x, y, 0.5]) is None
+    assert not isinstance(executor.plan(spec, [x, y, 0.5], target="cpu"), str)  # the CPU kernels take any rank
+
+
+# --------------------------------------------------------------------------------------------------------
+# cat: each piece written into its slice of the result (strided outputs unless along the first dim)
+
+CAT_IR = """graph(%x : Tensor, %y : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %d : int = prim::Constant[value={dim}]()
+  %s : Tensor = aten::add(%x, %y, %one)
+  %a : Tensor = aten::sigmoid(%s)
+  %b : Tensor = aten::mul(%x, %y)
+{third}  %l : Tensor[] = prim::ListConstruct(%a, %b{third_item})
+  %c : Tensor = aten::cat(%l, %d)
+  return (%c, %b)
+"""
+CAT_LAYOUTS = {
+    "contiguous": lambda d: (_t(d, 5, 13, 96), _t(d, 5, 13, 96)),
+    "transposed": lambda d: (_t(d, 96, 13, 5).permute(2, 1, 0), _t(d, 5, 13, 96)),
+    "broadcast": lambda d: (_t(d, 5, 13, 96), _t(d, 13, 96)),
+    "sliced": lambda d: (_t(d, 5, 26, 96)[:, ::2], _t(d, 1, 13, 1)),
+}
+CAT_PARAMS = [(dim, lay, dt, i32, n) for dim in (0, 1, 2, -1) for lay in CAT_LAYOUTS
+              for dt in (torch.float32, torch.float16) for i32 in (True, False) for n in (2, 3)
+              if n == 2 or (dt == torch.float32 and i32)]
+
+
+def _cat_graph(dim: int, n: int) -> torch.Graph:
+    third = "  %e : Tensor = aten::sub(%x, %y, %one)\n" if n == 3 else ""
+    return torch.parse_ir(CAT_IR.format(dim=dim, third=third, third_item=", %e" if n == 3 else ""))
+
+
+def _cat_reference(x, y, dim, n):
+    pieces = [torch.sigmoid(x + y), x * y, x - y][:n]
+    return torch.cat(pieces, dim), pieces[1]
+
+
+def _register_cat(em, dim, layout, dtype, index32, n):
+    emulate.kernel_for(_cat_graph(dim, n), list(CAT_LAYOUTS[layout](dtype)), index32, em)
+
+
+@pytest.mark.parametrize("dim,layout,dtype,index32,n", CAT_PARAMS,
+                         ids=[f"dim{d}-{lay}-{str(dt)[6:]}-{'i32' if i else 'i64'}-{n}pieces"
+                              for d, lay, dt, i, n in CAT_PARAMS])
+def test_cat(dim, layout, dtype, index32, n):
+    x, y = CAT_LAYOUTS[layout](dtype)
+    out = emulate.run_graph(_cat_graph(dim, n), [x, y], index32)
+    assert out is not None, "fell back"
+    c, b = _cat_reference(x, y, dim, n)
+    assert out[0].shape == c.shape and out[0].is_contiguous()
+    assert_same(out[0], c)
+    _assert_equal(out[1], b)
+
+
+def _assert_equal(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_cat_of_sigmoid_and_product_along_dim_1():
+    """torch.cat([(x + y).sigmoid(), x * y], 1): two strided outputs and no strided input (issue 9: its
+    FzArgs had stride rows for the strided inputs only, and the kernel read a second one)."""
+    x, y = torch.randn(300, 40), torch.randn(300, 40)
+    out = emulate.run_graph(_cat_graph(1, 2), [x, y])
+    assert out is not None
+    c, b = _cat_reference(x, y, 1, 2)
+    assert_same(out[0], c)
+    _assert_equal(out[1], b)
+
+
+# --------------------------------------------------------------------------------------------------------
+# rand_like: exactly the numbers of Philox4x32-10 for counter (i, r << 24, offset) and key seed
+
+RAND_IR = """graph(%x : Tensor):
+  %none : NoneType = prim::Constant()
+  %one : int = prim::Constant[value=1]()
+  %a : Tensor = aten::rand_like(%x, %none, %none, %none, %none, %none)
+  %b : Tensor = aten::rand_like(%x, %none, %none, %none, %none, %none)
+  %s : Tensor = aten::add(%a, %x, %one)
+  return (%a, %b, %s)
+"""
+_M0, _M1, _W0, _W1, _MASK = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85, 0xFFFFFFFF
+
+
+def philox4x32_10(counter, key):
+    """Philox4x32-10 (Salmon et al., SC'11; the Random123 reference's round and key schedule) of four uint32
+    counter arrays and a (uint32, uint32) key, in numpy: independent of fuser/rng.py."""
+    c0, c1, c2, c3 = (np.asarray(w, dtype=np.uint64) for w in counter)
+    k0, k1 = key
+    for _ in range(10):
+        p0, p1 = np.uint64(_M0) * c0, np.uint64(_M1) * c2  # exact: both factors are below 2^32
+        c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0), p1 & np.uint64(_MASK), \
+            (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1), p0 & np.uint64(_MASK)
+        k0, k1 = (k0 + _W0) & _MASK, (k1 + _W1) & _MASK
+    return c0, c1, c2, c3
+
+
+def test_philox_reference_matches_random123_known_answers():
+    """The reference against the known-answer vectors of Random123 (kat_vectors, philox4x32 10 rounds)."""
+    kat = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+           ((_MASK,) * 4, (_MASK, _MASK), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+           ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counter, key, expected in kat:
+        assert tuple(int(w[0]) for w in philox4x32_10([[w] for w in counter], key)) == expected
+
+
+def _uniform_reference(shape, dtype, seed: int, offset: int, r: int) -> torch.Tensor:
+    n = math.prod(shape)
+    i = np.arange(n, dtype=np.uint64)
+    counter = (i & np.uint64(_MASK), (i >> np.uint64(32)) | np.uint64(r << 24),
+               np.full(n, offset & _MASK, np.uint64), np.full(n, offset >> 32, np.uint64))
+    c0, c1, _, _ = philox4x32_10(counter, (seed & _MASK, seed >> 32))
+    if dtype == torch.float64:
+        bits = ((c0 << np.uint64(21)) ^ (c1 >> np.uint64(11))).astype(np.float64)
+        return torch.from_numpy(bits * 2.0 ** -53).reshape(shape)
+    k = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}[dtype]
+    return torch.from_numpy((c0 >> np.uint64(32 - k)).astype(np.float64) * 2.0 ** -k).reshape(shape).to(dtype)
+
+
+RAND_LAYOUTS = {"dense": lambda d: _t(d, *SHAPE), "transposed": lambda d: _t(d, 97, 67).t()}
+RAND_PARAMS = [(lay, dt, i32) for lay in RAND_LAYOUTS for dt in FLOAT_DTYPES for i32 in (True, False)]
+
+
+def _register_rand(em, layout, dtype, index32):
+    emulate.kernel_for(torch.parse_ir(RAND_IR), [RAND_LAYOUTS[layout](dtype)], index32, em)
+
+
+def _random_u64() -> int:
+    return int.from_bytes(torch.randint(0, 256, (8,), dtype=torch.uint8).numpy().tobytes(), "little")
+
+
+@pytest.mark.parametrize("layout,dtype,index32", RAND_PARAMS,
+                         ids=[f"{lay}-{str(dt)[6:]}-{'i32' if i else 'i64'}" for lay, dt, i in RAND_PARAMS])
+def test_rand_like_is_philox(layout, dtype, index32):
+    x = RAND_LAYOUTS[layout](dtype)
+    seed, offset = _random_u64(), _random_u64()
+    for vectorize in (None, False):  # the element's index, not the thread, picks its numbers
+        a, b, s = emulate.run_graph(torch.parse_ir(RAND_IR), [x], index32, vectorize, (seed, offset))
+        assert torch.equal(a, _uniform_reference(x.shape, dtype, seed, offset, 0))
+        assert torch.equal(b, _uniform_reference(x.shape, dtype, seed, offset, 1))
+        assert_same(s, a + x)
+
+
+def _register_dropout(em, dtype):
+    emulate.kernel_for(torch.parse_ir(DROPOUT_IR), [_t(dtype, *SHAPE), 0.3, 1 / 0.7], emulator=em)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_dropout_float_arguments_come_before_the_philox_state(dtype):
+    x = _t(dtype, *SHAPE)
+    seed, offset = _random_u64(), _random_u64()
+    z, r = emulate.run_graph(torch.parse_ir(DROPOUT_IR), [x, 0.3, 1 / 0.7], rng_state=(seed, offset))
+    assert torch.equal(r, _uniform_reference(x.shape, dtype, seed, offset, 0))
+    assert_same(z, (r > 0.3).type_as(x) * x * (1 / 0.7))
+
+
+# --------------------------------------------------------------------------------------------------------
+# the benchmark's workloads: the groups the pass makes of them, on their small shapes, against the same
+# subgraph run op by op in float64
+
+BENCH = {wl.name: wl for wl in bench.WORKLOADS if not wl.train and not wl.random}
+BENCH_PARAMS = [(name, dt, i32) for name, wl in BENCH.items() for dt in wl.dtypes for i32 in (True, False)]
+
+
+def _bench_group(name: str, dtype):
+    """The one fusion group the pass makes of workload ``name``, and its inputs (chunks as the views the
+    group reads) for the workload's small shape."""
+    wl = BENCH[name]
+    g = bench._script_function(wl).graph.copy()
+    torch._C._jit_pass_inline(g)
+    graph_fuser.fuse_graph(g)
+    group, = [n for n in g.nodes() if n.kind() == "prim::FusionGroup"]
+    args = {v.unique(): a for v, a in zip(g.inputs(), wl.make_inputs(wl.shapes["small"], dtype, torch.device("cpu")))}
+    inputs = []
+    for v in group.inputs():
+        n = v.node()
+        if n.kind() == "prim::ListUnpack":  # a chunk of a function input: the pass leaves aten::chunk outside
+            chunk = n.inputsAt(0).node()
+            pieces = args[chunk.inputsAt(0).unique()].chunk(chunk.inputsAt(1).toIValue(), chunk.inputsAt(2).toIValue())
+            inputs.append(pieces[[o.unique() for o in n.outputs()].index(v.unique())])
+        else:
+            inputs.append(args[v.unique()])
+    return group.g("Subgraph"), inputs
+
+
+def _register_bench(em, name, dtype, index32):
+    graph, inputs = _bench_group(name, dtype)
+    emulate.kernel_for(graph, inputs, index32, em)
+
+
+@pytest.mark.parametrize("name,dtype,index32", BENCH_PARAMS,
+                         ids=[f"{n}-{str(dt)[6:]}-{'i32' if i else 'i64'}" for n, dt, i in BENCH_PARAMS])
+def test_bench_workload(name, dtype, index32):
+    graph, inputs = _bench_group(name, dtype)
+    out = emulate.run_graph(graph, inputs, index32)
+    assert out is not None, "fell back"
+    wide = [a.double() if isinstance(a, torch.Tensor) else a for a in inputs]
+    for actual, expected in zip(out, fallback.run_graph(graph, wide)):
+        assert_same(actual, expected.to(dtype))
+
+
+# --------------------------------------------------------------------------------------------------------
+# conversions: the host prelude's float16 conversions (PTX cvt on a GPU) and the bfloat16 store, bit for bit
+
+def _type_as_graph() -> torch.Graph:
+    return torch.parse_ir("""graph(%x : Tensor, %y : Tensor):
+      %r : Tensor = aten::type_as(%x, %y)
+      return (%r)
+    """)
+
+
+def _rounding_cases(dtype) -> torch.Tensor:
+    """Every value of ``dtype`` as float32, the midpoints between neighbours (ties), and the floats next to
+    them, with zeros, infinities, NaN and the overflow threshold."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).float()
+    vals = bits[torch.isfinite(bits)].unique()
+    mid = (vals[1:] + vals[:-1]) / 2  # exact in float32: one bit more than the dtype holds
+    up, down = torch.nextafter(mid, torch.tensor(math.inf)), torch.nextafter(mid, torch.tensor(-math.inf))
+    top = torch.finfo(dtype).max
+    extra = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-30, -1e-30, top * (1 + 2 ** -12), 3e38,
+                          65520.0, torch.finfo(torch.float32).max])
+    return torch.cat([vals, mid, up, down, extra, torch.tensor([top]).float()])
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_stores_round_to_nearest_even(dtype):
+    x = _rounding_cases(dtype)
+    out = emulate.run_graph(_type_as_graph(), [x, torch.zeros(1, dtype=dtype)])[0]
+    expected = x.to(dtype)
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_loads_are_exact(dtype):
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    out = emulate.run_graph(_type_as_graph(), [x, torch.zeros(1)])[0]
+    expected = x.float()
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan].view(torch.int32), expected[~nan].view(torch.int32))
+
+
+# --------------------------------------------------------------------------------------------------------
+# the harness itself: hand-written kernels (valid CUDA: NVRTC compiles them too) for fibers and shared
+# memory, the intrinsics' documented edges, and faults each of which must be reported
+
+RAW_ARGS = """
+struct FzArgs {
+  int n;
+  void* ptrs[2];
+};
+"""
+# each block mirrors its slice in shared memory; with ${sums}, then sums it by a tree of barriers into
+# out[n + block]
+_MIRROR = Template(r"""
+extern "C" __global__ void __launch_bounds__(256) ${name}(const FzArgs args) {
+  __shared__ double tile[256];
+  const double* in = (const double*)args.ptrs[0];
+  double* out = (double*)args.ptrs[1];
+  const unsigned t = threadIdx.x;
+  const int i = blockIdx.x * blockDim.x + t;
+  tile[t] = i < args.n ? in[i] : 0.0;
+${barrier}  const double mirrored = tile[blockDim.x - 1 - t];
+${barrier}  if (i < args.n) out[i] = mirrored;
+${sums}}
+""")
+_BARRIER = "  __syncthreads();\n"
+_SUMS = """  for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (t < s) tile[t] += tile[t + s];
+    __syncthreads();
+  }
+  if (t == 0) out[args.n + blockIdx.x] = tile[0];
+"""
+RAW = {
+    "fz_test_shared": _MIRROR.substitute(name="fz_test_shared", barrier=_BARRIER, sums=_SUMS),
+    # the mirror without its barriers: a race the emulation must not hide
+    "fz_test_no_barrier": _MIRROR.substitute(name="fz_test_no_barrier", barrier="", sums=""),
+    "fz_test_divergent_barrier": r"""
+extern "C" __global__ void __launch_bounds__(256) fz_test_divergent_barrier(const FzArgs args) {
+  if (threadIdx.x == 5) return;
+  __syncthreads();
+  ((double*)args.ptrs[1])[blockIdx.x * blockDim.x + threadIdx.x] = 1.0;
+}
+""",
+    "fz_test_read_past_end": r"""
+extern "C" __global__ void __launch_bounds__(256) fz_test_read_past_end(const FzArgs args) {
+  const double* in = (const double*)args.ptrs[0];
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < args.n; i += blockDim.x * gridDim.x)
+    ((double*)args.ptrs[1])[i] = in[i + 1];
+}
+""",
+    "fz_test_signed_overflow": r"""
+extern "C" __global__ void __launch_bounds__(256) fz_test_signed_overflow(const FzArgs args) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < args.n) ((double*)args.ptrs[1])[i] = (double)(args.n + (2147483647 - i));
+}
+""",
+    "fz_test_writes_input": r"""
+extern "C" __global__ void __launch_bounds__(256) fz_test_writes_input(const FzArgs args) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < args.n) ((double*)args.ptrs[0])[i] = ((double*)args.ptrs[1])[i] = 0.0;
+}
+""",
+    "fz_test_skips_odd": r"""
+extern "C" __global__ void __launch_bounds__(256) fz_test_skips_odd(const FzArgs args) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < args.n && i % 2 == 0) ((double*)args.ptrs[1])[i] = ((const double*)args.ptrs[0])[i];
+}
+""",
+    # __fdividef(x, y) and __expf(x) of float pairs, as CUDA documents them at their edges
+    "fz_test_intrinsics": r"""
+extern "C" __global__ void __launch_bounds__(256) fz_test_intrinsics(const FzArgs args) {
+  const float* in = (const float*)args.ptrs[0];
+  float* out = (float*)args.ptrs[1];
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < args.n) {
+    out[2 * i] = __fdividef(in[2 * i], in[2 * i + 1]);
+    out[2 * i + 1] = __expf(in[2 * i]);
+  }
+}
+""",
+}
+
+
+class _RawArgs(ctypes.Structure):
+    _fields_ = [("n", ctypes.c_int32), ("ptrs", ctypes.c_void_p * 2)]
+
+
+def _raw_source(name: str) -> str:
+    return templates.PRELUDE + RAW_ARGS + RAW[name]
+
+
+def _register_raw(em, name):
+    em.add(name, _raw_source(name))
+
+
+def _run_raw(name: str, x: torch.Tensor, n_out: int, grid: int = 3, extra_args: bytes = b"") -> torch.Tensor:
+    """Launch hand-written kernel ``name`` on input ``x`` (its n: x's elements, or pairs for the intrinsics)
+    with an output of ``n_out`` elements of x's dtype; fake addresses stand for the tensors."""
+    em = _emulator()
+    _register_raw(em, name)
+    n = x.numel() // 2 if name == "fz_test_intrinsics" else x.numel()
+    args = _RawArgs(n, (ctypes.c_void_p * 2)(0x10000, 0x90000))
+    size = x.element_size()
+    data = x.contiguous().view(torch.uint8).numpy().tobytes()
+    spans = [(0x10000, len(data), data), (0x90000, n_out * size, None)]
+    out, = em.run(name, grid, 256, bytes(args) + extra_args, spans)
+    return torch.frombuffer(bytearray(out), dtype=x.dtype)
+
+
+def test_shared_memory_and_barriers():
+    n = 700  # the last of 3 blocks of 256 is partly past the end
+    x = torch.randint(-1000, 1000, (n,)).double()
+    out = _run_raw("fz_test_shared", x, n + 3)
+    padded = torch.cat([x, torch.zeros(3 * 256 - n, dtype=torch.float64)]).view(3, 256)
+    assert torch.equal(out[:n], padded.flip(1).flatten()[:n])
+    assert torch.equal(out[n:], padded.sum(1))
+
+
+def test_a_missing_barrier_shows_as_a_race():
+    x = torch.randint(-1000, 1000, (768,)).double() + 2000  # no value is 0, what an unwritten tile holds
+    out = _run_raw("fz_test_no_barrier", x, 768)
+    assert not torch.equal(out, x.view(3, 256).flip(1).flatten())
+
+
+FAULTS = {  # kernel -> what its report says
+    "fz_test_divergent_barrier": "waits for threads that have returned",
+    "fz_test_read_past_end": "AddressSanitizer: heap-buffer-overflow",
+    "fz_test_signed_overflow": "runtime error: signed integer overflow",
+    "fz_test_writes_input": "wrote into input 0",
+}
+
+
+@pytest.mark.parametrize("kernel", FAULTS)
+def test_faults_are_reported(kernel):
+    x = torch.randn(500, dtype=torch.float64)
+    with pytest.raises(emulate.EmulationError, match=FAULTS[kernel]):
+        _run_raw(kernel, x, 768)
+    # the server starts again for the next launch
+    assert torch.equal(_run_raw("fz_test_skips_odd", x, 500)[::2], x[::2])
+
+
+def test_elements_no_thread_writes_show():
+    out = _run_raw("fz_test_skips_odd", torch.randn(101, dtype=torch.float64), 101)
+    assert bytes(out[1::2].numpy().tobytes()) == b"\xbe" * 8 * 50
+
+
+def test_an_argument_struct_of_another_size_is_an_error():
+    with pytest.raises(emulate.EmulationError, match="ctypes mirror disagrees"):
+        _run_raw("fz_test_skips_odd", torch.randn(10, dtype=torch.float64), 10, extra_args=b"\0" * 8)
+
+
+def test_fast_intrinsics_at_their_documented_edges():
+    """__fdividef(x, y) is 0 for 2^126 < |y| (NaN for an infinite x), x / y below; __expf flushes results
+    under 2^-126 to 0 (CUDA Math API, intrinsics)."""
+    inf = math.inf
+    pairs = [(1.0, 2.0 ** 126), (1.0, 2.0 ** 127), (1.0, -(2.0 ** 127)), (-3.0, 3e38), (inf, 2.0 ** 127),
+             (1.0, inf), (6.0, 3.0), (-100.0, 1.0), (-80.0, 1.0), (0.5, 1.0), (100.0, 1.0), (math.nan, 1.0)]
+    x = torch.tensor(pairs, dtype=torch.float32).flatten()
+    out = _run_raw("fz_test_intrinsics", x, len(pairs) * 2).view(-1, 2)
+    quotient, exp = out[:, 0], out[:, 1]
+    want = [2.0 ** -126, 0.0, -0.0, -0.0, math.nan, 0.0, 2.0, -100.0, -80.0, 0.5, 100.0, math.nan]
+    torch.testing.assert_close(quotient, torch.tensor(want), equal_nan=True, rtol=0, atol=0)
+    assert [math.copysign(1, v) for v in quotient[1:4].tolist()] == [1, -1, -1]
+    assert exp[7] == 0.0  # exp(-100) = 3.7e-44: subnormal, flushed
+    torch.testing.assert_close(exp[[6, 8, 9]], torch.exp(x.view(-1, 2)[[6, 8, 9], 0]), rtol=1e-5, atol=0)
+    assert exp[10] == math.inf and math.isnan(exp[11])
+
+
+@pytest.mark.parametrize("arch", (80, 90))
+def test_hand_written_kernels_are_cuda(arch):
+    from fuser.cuda import driver
+    for name in RAW:
+        driver.compile_source(_raw_source(name), name, driver.NvrtcOptions(arch))
+
+
+def test_production_source_keeps_its_prelude_and_the_host_source_only_swaps_it():
+    x, y = torch.randn(4, 8), torch.randn(8)
+    kernel = emulate.kernel_for(torch.parse_ir(SIGMOID_GT_IR), [x, y, 1.0])
+    src = kernel.source
+    assert templates.PRELUDE in src and templates.HALF_LOAD in src and templates.HALF_STORE in src
+    host = emulate.host_source(src)
+    assert templates.HALF_LOAD not in host and templates.HALF_STORE not in host
+    assert host.split(emulate.host_prelude.PRELUDE) == src.split(templates.PRELUDE)
+
+
+# --------------------------------------------------------------------------------------------------------
+# compile every selected test's kernels together, before the first runs
+
+_REGISTER = {"test_op": _register_op, "test_layout": _register_layout, "test_cat": _register_cat,
+             "test_rand_like_is_philox": _register_rand,
+             "test_dropout_float_arguments_come_before_the_philox_state": _register_dropout,
+             "test_bench_workload": _register_bench}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compile_together(request):
+    em = _emulator()
+    with torch.random.fork_rng():  # the inputs made here only give layouts; tests draw their own
+        for item in request.session.items:
+            register = _REGISTER.get(getattr(item, "originalname", ""))
+            if item.module is request.module and register is not None:
+                register(em, **item.callspec.params)
+    for name in RAW:
+        _register_raw(em, name)
+    em.compile_pending()
+    yield
