@@ -21,7 +21,11 @@ import torch
 from . import ops, settings
 
 MAX_GROUP_ARGS = 128  # inputs + outputs of one group, as the legacy fuser capped it
-MIN_GROUP_SIZE = 2  # a single op gains nothing from fusion; eager runs it as one kernel already
+# A group must replace at least this many eager kernels. One kernel's worth (an op alone, or an op and a cast
+# that eager skips when the dtype already matches, as prepare's in-place and batch norm rewrites add) removes
+# no launch and no intermediate tensor, and a group call costs more host time than an eager op
+# (README bench, H200: a group call costs 17-42 us of host time, an eager op about 7-8 us).
+MIN_GROUP_KERNELS = 2
 
 _TENSOR_TYPES = (torch._C.TensorType,)
 
@@ -221,6 +225,14 @@ class _BlockFuser:
             return None
         return deferred
 
+    def _worth_a_kernel(self, members: list[torch._C.Node]) -> bool:
+        """Whether the group replaces :data:`MIN_GROUP_KERNELS` eager kernels: table ops, a cat counting (eager
+        writes its pieces first), an op that may return its input (``type_as``) not, and one op other than a
+        cat (a bare cat is eager's own job)."""
+        table = [self.ops[m] for m in members if self.ops[m] is not None]
+        kernels = [op for op in table if not op.aliases_input]
+        return len(kernels) >= MIN_GROUP_KERNELS and any(not op.concat for op in kernels)
+
     def _defer(self, nodes: list[torch._C.Node], after: torch._C.Node) -> None:
         """Move ``nodes`` (in order) right after ``after``; they only depend on values defined before it."""
         for n in nodes:
@@ -258,8 +270,7 @@ class _BlockFuser:
             g = self.group_of.get(n)
             if g is not None and id(g) not in seen:
                 seen.add(id(g))
-                computes = [m for m in g.members if self.ops[m] is not None and not self.ops[m].concat]
-                if len(g.members) >= MIN_GROUP_SIZE and computes:  # a bare cat is eager's own job
+                if self._worth_a_kernel(g.members):
                     groups.append(sorted(g.members, key=self.pos.__getitem__))
         return groups
 

@@ -1,4 +1,5 @@
 """The pass's grouping decisions, checked on the graphs it produces and on results against eager."""
+import pytest
 import torch
 from helpers import assert_same, fused_graph
 
@@ -180,7 +181,7 @@ def test_type_as_result_leaves_a_group_only_when_its_input_is_private():
         return a, b
 
     def private(x, y):
-        a = (x * 2).type_as(y)
+        a = (x * 2 + 1).type_as(y)
         a.add_(1)  # x * 2 is seen by no one else: a fresh tensor in its place is indistinguishable
         return a
 
@@ -263,3 +264,26 @@ def test_residual_through_a_chain_and_a_nested_block():
     x, b, w = torch.randn(3, 8), torch.randn(8), torch.randn(8, 8)
     for flag in (True, False):
         assert_same(fused(x, b, w, flag), f(x, b, w, flag))
+
+
+@pytest.mark.parametrize("body,fused,eager", [
+    # one kernel in eager (type_as returns its input when the dtype already matches): not worth a group
+    ("%r : Tensor = aten::add(%x, %y, %one)\n  %o : Tensor = aten::type_as(%r, %x)", False,
+     lambda x, y: (x + y).type_as(x)),
+    ("%r : Tensor = aten::add(%x, %y, %one)\n  %o : Tensor = aten::relu(%r)", True, lambda x, y: (x + y).relu()),
+    ("%t : Tensor = aten::type_as(%x, %y)\n  %o : Tensor = aten::relu(%t)", False,
+     lambda x, y: x.type_as(y).relu()),
+    # eager writes the product, then copies it into the cat
+    ("%r : Tensor = aten::mul(%x, %y)\n  %l : Tensor[] = prim::ListConstruct(%r, %y)\n"
+     "  %o : Tensor = aten::cat(%l, %one)", True, lambda x, y: torch.cat([x * y, y], 1)),
+])
+def test_a_group_must_replace_two_eager_kernels(body, fused, eager):
+    g = torch.parse_ir("graph(%x : Tensor, %y : Tensor):\n  %one : int = prim::Constant[value=1]()\n  "
+                       f"{body}\n  return (%o)\n")
+    graph_fuser.fuse_graph(g)
+    assert bool(_groups(g)) == fused
+    fuser.integration.fuse_graph_in_place(g)
+    fn = torch._C._create_function_from_graph("f", g)
+    for yd in (torch.float32, torch.float64):
+        x, y = torch.randn(3, 4), torch.randn(3, 4, dtype=yd)
+        assert_same(fn(x, y), eager(x, y))
