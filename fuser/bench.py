@@ -38,6 +38,8 @@ Method:
   (``fuser_first_call_ms``).
 * A failing cell records its error and the run goes on.
 
+``--models`` times real networks end to end instead (fuser/bench_models.py).
+
 On CPU (``--device cpu``) time.perf_counter replaces CUDA events; ``--quick`` shrinks sizes and iteration
 counts for smoke tests. Output: a table on stdout, all raw numbers as JSON (``--json``), and a grouped bar
 chart of the large rows' fractions of the floor (``--png``, needs matplotlib; skipped without it).
@@ -581,11 +583,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list from {','.join(SYSTEMS)}")
     p.add_argument("--json", default="bench_results.json", help="where to write all raw numbers")
     p.add_argument("--png", default="bench_results.png", help="where to draw the chart (needs matplotlib)")
+    p.add_argument("--models", action="store_true",
+                   help="time the model zoo instead (fuser/bench_models.py): ms per forward of Hugging Face models "
+                        "for eager, ts_nnc, fuser, compile; --only filters models")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                   help="with --models: the models' dtype")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    systems = SYSTEMS
+    if args.models:
+        from . import bench_models
+        systems = bench_models.SYSTEMS
+        if args.systems == list(SYSTEMS):  # the default: every system of this mode
+            args.systems = list(systems)
+    unknown = sorted(set(args.systems) - set(systems))
     if unknown or not args.systems:
-        p.error(f"unknown systems {unknown}; choose from {','.join(SYSTEMS)}")
+        p.error(f"unknown systems {unknown}; choose from {','.join(systems)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available")
     return args
@@ -593,6 +606,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.models:
+        from . import bench_models
+        return bench_models.main(args)
     device = torch.device(args.device)
     cfg = QUICK if args.quick else FULL
     workloads = [wl for wl in WORKLOADS if args.only in wl.name]

@@ -324,9 +324,9 @@ def _build(spec: Model, p: float, train: bool, seed: int = 0) -> nn.Module:
     return model
 
 
-def _inputs(spec: Model, seed: int = 1, grad: bool = False) -> tuple:
+def _inputs(spec: Model, seed: int = 1, grad: bool = False, device: str = "cpu") -> tuple:
     g = torch.Generator().manual_seed(seed)
-    xs = spec.inputs(g)
+    xs = tuple(x.to(device) for x in spec.inputs(g))
     return tuple(x.clone().requires_grad_() for x in xs) if grad and spec.image else xs
 
 
@@ -348,7 +348,7 @@ def _loss(out) -> torch.Tensor:
     total = 0
     for i, t in enumerate(_tensors(out)):
         if t.is_floating_point():
-            w = torch.randn(t.shape, generator=torch.Generator().manual_seed(100 + i))
+            w = torch.randn(t.shape, generator=torch.Generator().manual_seed(100 + i)).to(t.device, t.dtype)
             total = total + (t * w).sum()
     return total
 
@@ -367,12 +367,13 @@ def _trace(spec: Model, model: nn.Module, xs: tuple):
         fuser.uninstall()
 
 
-def _check_against_eager(spec: Model, fused, owner: nn.Module, ref: nn.Module, train: bool) -> None:
+def _check_against_eager(spec: Model, fused, owner: nn.Module, ref: nn.Module, train: bool,
+                         device: str = "cpu") -> None:
     """``fused`` (whose parameters and buffers are ``owner``'s) against ``ref`` (eager, in the same state)."""
     with torch.no_grad():
-        xs = _inputs(spec)
+        xs = _inputs(spec, device=device)
         _assert_close(fused(*xs), ref(*xs), f"{spec.name} forward (no_grad)")
-    xs_f, xs_e = _inputs(spec, grad=True), _inputs(spec, grad=True)
+    xs_f, xs_e = _inputs(spec, grad=True, device=device), _inputs(spec, grad=True, device=device)
     out_f, out_e = fused(*xs_f), ref(*xs_e)
     _assert_close(out_f, out_e, f"{spec.name} forward")
     _loss(out_f).backward()
@@ -408,6 +409,20 @@ def test_traced_model_matches_eager(name, mode):
     _check_against_eager(spec, fused, model, copy.deepcopy(model), mode == "train")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("name", [m.name for m in MODELS])
+def test_traced_model_matches_eager_on_cuda(name, mode):
+    # eager's CUDA batch norm computes ((x - mean) * invstd) * w + b: the CPU formula here is within float32's
+    # tolerance of it, not bitwise
+    assert fuser.can_fuse_on_gpu()
+    spec = BY_NAME[name]
+    model = _build(spec, 0.0, mode == "train").cuda()
+    fused = _trace(spec, model, _inputs(spec, device="cuda"))
+    spec.expect[mode](_fused(fused.graph))
+    _check_against_eager(spec, fused, model, copy.deepcopy(model), mode == "train", device="cuda")
+
+
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("name", [m.name for m in MODELS if m.scripts])
 def test_scripted_model_matches_eager(name, mode):
@@ -422,11 +437,12 @@ def test_scripted_model_matches_eager(name, mode):
     _check_against_eager(spec, fused, fused, model, mode == "train")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name", [m.name for m in MODELS if m.dropout])
-def test_train_mode_with_dropout_on(name, monkeypatch):
+def test_train_mode_with_dropout_on(name, device, monkeypatch):
     spec = BY_NAME[name]
-    model = _build(spec, 0.1, True).double()
-    xs = tuple(x.double() if x.is_floating_point() else x for x in _inputs(spec))
+    model = _build(spec, 0.1, True).double().to(device)
+    xs = tuple(x.double() if x.is_floating_point() else x for x in _inputs(spec, device=device))
     fused = _trace(spec, model, xs)
     spec.expect["train_dropout"](_fused(fused.graph))
 
@@ -445,7 +461,7 @@ def test_train_mode_with_dropout_on(name, monkeypatch):
     params = [p for p in model.parameters() if p.requires_grad]
     loss(7).backward()
     g = torch.Generator().manual_seed(3)
-    dirs = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+    dirs = [torch.randn(p.shape, generator=g, dtype=p.dtype).to(device) for p in params]
     analytic = sum(float((p.grad * d).sum()) for p, d in zip(params, dirs) if p.grad is not None)
     eps = 1e-6
     with torch.no_grad():
