@@ -326,6 +326,20 @@ def host_time_per_call_us(fn: Callable, sets: list, device: torch.device, cfg: C
     return samples
 
 
+def elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """The time of one ``fn()`` in ms: CUDA events around it on CUDA (device time), perf_counter on the CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def measure_copy_rate(device: torch.device, cfg: Config) -> tuple[float, list[float]]:
     """Copy bandwidth in bytes/s (read + written) of ``dst.copy_(src)``: median and per-copy samples."""
     src = torch.ones(cfg.copy_bytes // 4, dtype=torch.float32, device=device)
@@ -333,20 +347,8 @@ def measure_copy_rate(device: torch.device, cfg: Config) -> tuple[float, list[fl
     for _ in range(3):  # first touches and allocator warm-up
         dst.copy_(src)
     _sync(device)
-    rates = []
-    for _ in range(cfg.copy_repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            seconds = time.perf_counter() - t0
-        rates.append(2 * cfg.copy_bytes / seconds)
+    rates = [2 * cfg.copy_bytes / (elapsed_ms(lambda: dst.copy_(src), device) / 1e3)
+             for _ in range(cfg.copy_repeats)]
     del src, dst
     _free(device)
     return statistics.median(rates), rates

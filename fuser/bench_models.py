@@ -30,6 +30,8 @@ import torch
 
 import fuser
 
+from .bench import _sync, elapsed_ms
+
 SYSTEMS = ("eager", "ts_nnc", "fuser", "compile")
 _PROFILED_RUNS = torch._C._jit_get_num_profiled_runs()
 
@@ -135,11 +137,6 @@ def rel_error(out, ref) -> float:
     return worst
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_forward_ms(fn: Callable, inputs: tuple, device: torch.device, timing: Timing) -> list[float]:
     """Per run: one forward, timed by CUDA events around it (CPU: perf_counter), in ms."""
     for _ in range(timing.warmup):
@@ -149,20 +146,7 @@ def time_forward_ms(fn: Callable, inputs: tuple, device: torch.device, timing: T
     while time.perf_counter() - t0 < timing.warmup_s:
         fn(*inputs)
         _sync(device)
-    samples = []
-    for _ in range(timing.runs):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*inputs)
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn(*inputs)
-            samples.append((time.perf_counter() - t) * 1e3)
-    return samples
+    return [elapsed_ms(lambda: fn(*inputs), device) for _ in range(timing.runs)]
 
 
 def _n_groups(fn) -> Optional[int]:
