@@ -13,7 +13,9 @@ with its defaults, i.e. NNC on CUDA), ``fuser`` (``torch.jit.trace`` under ``fus
 Method: each system's first call is checked against eager's output (max abs error relative to max |eager|)
 and timed (fuser's includes its kernel builds); then warm-up calls past the profiling executor's profiled
 runs and for ``warmup_s`` more; then ``runs`` single forwards, each timed by CUDA events around it (CPU:
-time.perf_counter), reported as the median in ms per forward. fuser's row also gives its fusion groups.
+time.perf_counter), reported as the median in ms per forward. fuser's row also gives its fusion groups. On a
+shared CPU, run with ``OMP_NUM_THREADS=1``: intra-op threads beyond the CPU quota stall for whole scheduler
+periods (about 100 ms), which swamps millisecond forwards.
 """
 from __future__ import annotations
 

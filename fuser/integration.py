@@ -105,17 +105,27 @@ def _batch_norm_params(input: torch.Tensor, weight: Optional[torch.Tensor], bias
     kernel computes them in (float32 for float16/bfloat16 vectors). Arguments eager would reject go through
     eager's batch_norm, which raises its error."""
     vecs = [t for t in (weight, bias, running_mean, running_var) if t is not None]
-    nd = input.dim()
-    channels = input.shape[1] if nd >= 2 else -1
+    shape = input.shape
+    nd = len(shape)
     dtype = vecs[0].dtype
-    if not (channels >= 0 and input.numel() and all(
-            t.dim() == 1 and t.shape[0] == channels and t.dtype == dtype and t.device == input.device
-            for t in vecs) and (dtype == input.dtype or (dtype == torch.float32 and input.dtype in _REDUCED))):
-        torch.batch_norm(input, weight, bias, running_mean, running_var, False, 0.0, 1e-5, False)
-        if not input.numel():  # eager returns early without checking sizes; any broadcastable vector will do
-            return [t.reshape(-1)[:1].reshape((1,) * nd) for t in vecs]
-    shape = (channels,) + (1,) * (nd - 2)
-    return [(t.float() if t.dtype in _REDUCED else t).reshape(shape) for t in vecs]
+    if nd >= 2 and input.numel() and all(t.shape == (shape[1],) and t.dtype == dtype for t in vecs) and all(
+            t.device == input.device for t in vecs) and (dtype == input.dtype or (dtype == torch.float32 and
+                                                                                 input.dtype in _REDUCED)):
+        if dtype in _REDUCED:
+            vecs = [t.float() for t in vecs]
+        # called once per batch norm per forward: as_strided is the cheapest view (a third of view's host
+        # time), and eager's autograd records a view where a gradient is wanted
+        grad = torch.is_grad_enabled()
+        out_shape = (shape[1],) + (1,) * (nd - 2)
+        strides = (1,) * (nd - 1)
+        return [t.view(out_shape) if grad and t.requires_grad else t.as_strided(out_shape, (t.stride(0),) + strides[1:])
+                for t in vecs]
+    torch.batch_norm(input, weight, bias, running_mean, running_var, False, 0.0, 1e-5, False)
+    if not input.numel():  # eager returns early without checking sizes; any broadcastable vector will do
+        return [t.reshape(-1)[:1].reshape((1,) * nd) for t in vecs]
+    # eager accepted what the fast path did not (a vector of another shape with the right number of elements)
+    out_shape = (shape[1],) + (1,) * (nd - 2)
+    return [(t.float() if t.dtype in _REDUCED else t).reshape(out_shape) for t in vecs]
 
 
 _lib.impl("batch_norm_params", _batch_norm_params, "CompositeImplicitAutograd")
