@@ -102,6 +102,8 @@ def build(name: str, small: bool, device: torch.device, dtype: torch.dtype) -> t
 
 @contextlib.contextmanager
 def system(name: str, model: torch.nn.Module, inputs: tuple) -> Iterator[Callable]:
+    """The callable ``name`` makes of ``model`` (traced on ``inputs`` where it traces), with that system's
+    settings in effect while the caller times it."""
     if name == "eager":
         yield model
     elif name == "ts_nnc":
@@ -129,6 +131,7 @@ def _tensors(out) -> list[torch.Tensor]:
 
 
 def rel_error(out, ref) -> float:
+    """Largest |out - ref| over all output tensors relative to max |ref|, in float64 (inf if they differ in number)."""
     a, e = _tensors(out), _tensors(ref)
     if len(a) != len(e):
         return float("inf")
@@ -161,6 +164,8 @@ def _n_groups(fn) -> Optional[int]:
 
 def run_cell(name: str, system_name: str, small: bool, device: torch.device, dtype: torch.dtype,
              timing: Timing, ref) -> dict:
+    """One (model, system): first call (checked against ``ref``), median ms per forward, fuser's groups; or the
+    error it raised."""
     cell = {"model": name, "system": system_name}
     try:
         model, inputs = build(name, small, device, dtype)
@@ -191,6 +196,7 @@ def _cell_text(cell: dict) -> str:
 
 
 def format_table(rows: list[dict], systems) -> str:
+    """ms per forward, a row per model and a column per system, and fuser's group count."""
     head = ["model"] + list(systems) + ["fuser groups"]
     lines = [head]
     for model in dict.fromkeys(r["model"] for r in rows):
