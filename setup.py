@@ -11,5 +11,5 @@ setup(
         "cuda-python>=12.6",  # cuda.bindings: NVRTC and the driver API
         "nvidia-cuda-nvrtc",  # the NVRTC library itself, so kernels compile even on machines without a GPU
     ],
-    extras_require={"test": ["pytest>=7", "numpy"], "bench": ["matplotlib"]},
+    extras_require={"test": ["pytest>=7", "numpy", "transformers"], "bench": ["matplotlib"]},
 )

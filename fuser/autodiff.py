@@ -23,7 +23,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from . import derivatives as D
-from . import codegen, compiler, executor, fallback, ops
+from . import codegen, compiler, executor, fallback, ops, rng
 from .descs import DENSE, ArgSpec, TensorDesc
 from .kernel_cache import STORE, KernelSpec, concat_pieces
 
@@ -32,11 +32,19 @@ _STRUCTURAL = ("prim::Constant", "prim::ListConstruct", "aten::cat")
 _functorch_stack = torch._C._functorch.peek_interpreter_stack
 
 
-def run(spec: KernelSpec, args: list) -> list[torch.Tensor]:
-    """The group's outputs: the fused kernel, the differentiable fused group, or the interpreter."""
-    out = executor.run(spec, args)
+def run(spec: KernelSpec, args: list, rng_state: Optional[list] = None) -> list[torch.Tensor]:
+    """The group's outputs: the fused kernel, the differentiable fused group, or the interpreter.
+
+    ``rng_state``: a random group's backward replays its forward's numbers with the forward's state (kernels
+    only: the interpreter's rand_like would draw others, so there a replay raises).
+    """
+    out = executor.run(spec, args, rng_state)
     if out is None:
-        out = differentiable(spec, args)
+        out = differentiable(spec, args, rng_state)
+    if out is None and rng_state is not None:
+        raise RuntimeError("fuser: the backward of a fusion group with rand_like (dropout) could not run as a "
+                           "kernel, and the interpreter cannot redraw the forward's numbers. Please report this; "
+                           "fuser.override_can_fuse_on_cpu/gpu(False) before the forward avoids it.")
     return out if out is not None else fallback.run(spec, args)
 
 
@@ -69,8 +77,6 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     arrives for it. floating: ``unique()`` ids of the graph values whose dtype is floating for these inputs
     (gradients flow through those only, as in eager, where integer and bool results never require grad).
     """
-    if spec.random:  # the backward would recompute the forward and draw other numbers
-        raise _Unsupported("random ops")
     if spec.concat_consumed:
         raise _Unsupported("a cat's result used inside the group")
     fwd = spec.graph
@@ -150,6 +156,10 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     if not grad_inputs:
         return Backward(None, (), (), (), tuple(zero_inputs))
     torch._C._jit_pass_dce(g)
+    if _n_random(g) not in (0, _n_random(fwd)):
+        # the backward redraws the forward's numbers with its state: op r's numbers depend on its ordinal r,
+        # which must survive dead-code elimination (a random op nothing differentiable reads would not)
+        raise _Unsupported("a random op the gradient does not read")
     # keep only the inputs the gradients read (those are what the forward saves)
     n_fwd = len(list(fwd.inputs()))
     inputs = list(g.inputs())
@@ -163,6 +173,10 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     fwd_inputs = tuple(j for j in keep if j < n_fwd)
     grad_outputs = tuple(grad_in[j - n_fwd][0] for j in keep if j >= n_fwd)
     return Backward(bspec, fwd_inputs, grad_outputs, tuple(grad_inputs), tuple(zero_inputs))
+
+
+def _n_random(graph: torch._C.Graph) -> int:
+    return sum(1 for n in graph.nodes() if n.kind() == "aten::rand_like")
 
 
 # (spec key, needs, defined, dtype signature) -> Backward, or None where the table cannot form it
@@ -248,11 +262,13 @@ _carried: dict[tuple, tuple] = {}
 class _Call:
     """What the autograd Function needs besides the tensors: the group and where its arguments go."""
 
-    __slots__ = ("spec", "scalars", "needs", "sig", "saved", "carried")
+    __slots__ = ("spec", "scalars", "needs", "sig", "saved", "carried", "rng_state", "outputs")
 
-    def __init__(self, spec, scalars, needs, sig, saved, carried):
+    def __init__(self, spec, scalars, needs, sig, saved, carried, rng_state=None, outputs=None):
         self.spec, self.scalars, self.needs, self.sig, self.saved = spec, scalars, needs, sig, saved
         self.carried = carried  # per output: whether a wanted gradient reaches it
+        self.rng_state = rng_state  # a random group's launch state: the backward redraws the same numbers
+        self.outputs = outputs  # a random group's forward outputs, computed before (its kernel had to run)
 
     def args(self, tensors: Sequence) -> list:
         if self.spec.all_tensors:
@@ -265,9 +281,12 @@ class _FusedGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, *tensors):
         args = call.args(tensors)
-        out = executor.run(call.spec, args)  # grad mode is off in here: the forward kernel
+        out = call.outputs
+        if out is None:
+            out = executor.run(call.spec, args)  # grad mode is off in here: the forward kernel
         if out is None:
             out = fallback.run(call.spec, args)
+        call.outputs = None  # the Function holds them now
         ctx.call = call
         ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
         ctx.save_for_backward(*[t if keep else None for t, keep in zip(tensors, call.saved)])
@@ -296,7 +315,7 @@ class _FusedGroup(torch.autograd.Function):
         fwd_args = call.args(saved)
         if bw.spec is not None:
             args = [fwd_args[j] for j in bw.fwd_inputs] + [_grad_arg(spec, grads, k, j) for k, j in bw.grad_outputs]
-            outs = run(bw.spec, args)
+            outs = run(bw.spec, args, call.rng_state)
             for j, r in zip(bw.grad_inputs, outs):
                 shape, dtype, _ = ctx.meta[t_index[j]]
                 r = r if r.shape == shape else r.sum_to_size(shape)
@@ -318,9 +337,14 @@ def _grad_arg(spec: KernelSpec, grads: tuple, k: int, piece: Optional[int]) -> t
     return g.narrow(d, piece * size, size)
 
 
-def differentiable(spec: KernelSpec, args: list) -> Optional[list[torch.Tensor]]:
+def differentiable(spec: KernelSpec, args: list, rng_state: Optional[list] = None) -> Optional[list[torch.Tensor]]:
     """The group as one autograd Function, or None (the caller runs the interpreter) when grad mode is off,
-    no input requires grad, a transform or forward AD is active, or the gradient cannot be formed."""
+    no input requires grad, a transform or forward AD is active, or the gradient cannot be formed.
+
+    A random group (dropout) runs its forward kernel first, with ``rng_state`` or a fresh launch state that
+    its backward kernel then reuses: Philox numbers depend only on (seed, offset, op, element), so the
+    backward recomputes exactly the forward's mask. If the forward kernel cannot run, the interpreter does
+    (eager's autograd then records eager's own draw)."""
     if not torch.is_grad_enabled():
         return None
     if _forward_ad._current_level >= 0 or _functorch_stack() is not None:
@@ -357,4 +381,10 @@ def differentiable(spec: KernelSpec, args: list) -> Optional[list[torch.Tensor]]
         if is_t:
             saved.append(j in used)
     call = _Call(spec, tuple(float(s) for s in scalars), needs, sig, tuple(saved), _carried_outputs(spec, needs, sig))
+    if spec.random:
+        call.rng_state = rng.launch_state(device) if rng_state is None else rng_state
+        with torch.no_grad():
+            call.outputs = executor.run(spec, args, call.rng_state)
+        if call.outputs is None:
+            return None
     return list(_FusedGroup.apply(call, *tensors))

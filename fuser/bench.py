@@ -38,6 +38,8 @@ Method:
   (``fuser_first_call_ms``).
 * A failing cell records its error and the run goes on.
 
+``--models`` times real networks end to end instead (fuser/bench_models.py).
+
 On CPU (``--device cpu``) time.perf_counter replaces CUDA events; ``--quick`` shrinks sizes and iteration
 counts for smoke tests. Output: a table on stdout, all raw numbers as JSON (``--json``), and a grouped bar
 chart of the large rows' fractions of the floor (``--png``, needs matplotlib; skipped without it).
@@ -324,6 +326,20 @@ def host_time_per_call_us(fn: Callable, sets: list, device: torch.device, cfg: C
     return samples
 
 
+def elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """The time of one ``fn()`` in ms: CUDA events around it on CUDA (device time), perf_counter on the CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def measure_copy_rate(device: torch.device, cfg: Config) -> tuple[float, list[float]]:
     """Copy bandwidth in bytes/s (read + written) of ``dst.copy_(src)``: median and per-copy samples."""
     src = torch.ones(cfg.copy_bytes // 4, dtype=torch.float32, device=device)
@@ -331,20 +347,8 @@ def measure_copy_rate(device: torch.device, cfg: Config) -> tuple[float, list[fl
     for _ in range(3):  # first touches and allocator warm-up
         dst.copy_(src)
     _sync(device)
-    rates = []
-    for _ in range(cfg.copy_repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            seconds = time.perf_counter() - t0
-        rates.append(2 * cfg.copy_bytes / seconds)
+    rates = [2 * cfg.copy_bytes / (elapsed_ms(lambda: dst.copy_(src), device) / 1e3)
+             for _ in range(cfg.copy_repeats)]
     del src, dst
     _free(device)
     return statistics.median(rates), rates
@@ -581,11 +585,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list from {','.join(SYSTEMS)}")
     p.add_argument("--json", default="bench_results.json", help="where to write all raw numbers")
     p.add_argument("--png", default="bench_results.png", help="where to draw the chart (needs matplotlib)")
+    p.add_argument("--models", action="store_true",
+                   help="time the model zoo instead (fuser/bench_models.py): ms per forward of Hugging Face models "
+                        "for eager, ts_nnc, fuser, compile; --only filters models")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                   help="with --models: the models' dtype")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    systems = SYSTEMS
+    if args.models:
+        from . import bench_models
+        systems = bench_models.SYSTEMS
+        if args.systems == list(SYSTEMS):  # the default: every system of this mode
+            args.systems = list(systems)
+    unknown = sorted(set(args.systems) - set(systems))
     if unknown or not args.systems:
-        p.error(f"unknown systems {unknown}; choose from {','.join(SYSTEMS)}")
+        p.error(f"unknown systems {unknown}; choose from {','.join(systems)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available")
     return args
@@ -593,6 +608,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.models:
+        from . import bench_models
+        return bench_models.main(args)
     device = torch.device(args.device)
     cfg = QUICK if args.quick else FULL
     workloads = [wl for wl in WORKLOADS if args.only in wl.name]

@@ -25,3 +25,13 @@ class CompileError(RuntimeError):
 
 class DriverError(RuntimeError):
     """A CUDA driver or NVRTC call returned an error."""
+
+
+class PassError(RuntimeError):
+    """The fusion pass raised, or left a graph that fails TorchScript's lint. Carries the stage's name."""
+
+    def __init__(self, stage: str, cause: BaseException):
+        self.stage, self.cause = stage, cause
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        super().__init__(f"fuser: the fusion pass failed in its {stage!r} stage "
+                         f"({type(cause).__name__}: {first[:300]}).")

@@ -238,12 +238,14 @@ _NOT_FUSABLE = object()
 MAX_SIGNATURES = 256  # per spec; past it, old signatures are dropped (a bounded cache, not a leak)
 
 
-def run(spec: KernelSpec, args: Sequence) -> Optional[list[torch.Tensor]]:
+def run(spec: KernelSpec, args: Sequence, rng_state: Optional[list] = None) -> Optional[list[torch.Tensor]]:
     """Outputs of the fused kernel for ``args``, or None when the caller must fall back.
 
     The hot path: split the arguments, look the input signature (dtypes, devices, shapes, strides,
     requires_grad) up in the spec's geometry cache, check autograd and the device switch, allocate outputs,
-    launch. Everything else happens once per signature.
+    launch. Everything else happens once per signature. A random group draws with ``rng_state``
+    (``rng.launch_state``'s four words) when given, so a backward replays its forward's numbers; with a fresh
+    state otherwise.
     """
     if spec.all_tensors:
         tensors, scalars = args, ()
@@ -300,7 +302,7 @@ def run(spec: KernelSpec, args: Sequence) -> Optional[list[torch.Tensor]]:
     if geo.numel == 0:
         return outputs
     if geo.kernel.random:
-        scalars = [*scalars, *rng.launch_state(device)]
+        scalars = [*scalars, *(rng.launch_state(device) if rng_state is None else rng_state)]
     if geo.cpu_args is not None:
         _launch_cpu(geo, tensors, scalars, kernel_outputs)
     else:

@@ -8,12 +8,14 @@ executed function ignores later edits of its graph), modules get their methods' 
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from typing import Callable, Optional
 
 import torch
 
-from . import autodiff, executor, graph_fuser
+from . import autodiff, executor, graph_fuser, prepare, settings
+from .errors import PassError
 from .kernel_cache import STORE
 
 _SPECS = STORE._specs  # key -> spec; read without a lock on the hot path (a plain dict read under the GIL)
@@ -91,6 +93,44 @@ def _broadcasting_chunk(inputs: list[torch.Tensor], chunks: int, dim: int, n: in
 _lib.impl("broadcasting_chunk", _broadcasting_chunk, "CompositeImplicitAutograd")
 
 
+_lib.define("batch_norm_params(Tensor input, Tensor? weight, Tensor? bias, Tensor running_mean, "
+            "Tensor running_var) -> Tensor[]")
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+def _batch_norm_params(input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                       running_mean: torch.Tensor, running_var: torch.Tensor) -> list[torch.Tensor]:
+    """For the inference batch_norm decomposition (prepare.decompose_batch_norm): the given per-channel vectors
+    (weight, bias when present, mean, var) shaped to broadcast along dim 1 of ``input``, in the dtype eager's
+    kernel computes them in (float32 for float16/bfloat16 vectors). Arguments eager would reject go through
+    eager's batch_norm, which raises its error."""
+    vecs = [t for t in (weight, bias, running_mean, running_var) if t is not None]
+    shape = input.shape
+    nd = len(shape)
+    dtype = vecs[0].dtype
+    if nd >= 2 and input.numel() and all(t.shape == (shape[1],) and t.dtype == dtype for t in vecs) and all(
+            t.device == input.device for t in vecs) and (dtype == input.dtype or (dtype == torch.float32 and
+                                                                                 input.dtype in _REDUCED)):
+        if dtype in _REDUCED:
+            vecs = [t.float() for t in vecs]
+        # called once per batch norm per forward: as_strided is the cheapest view (a third of view's host
+        # time), and eager's autograd records a view where a gradient is wanted
+        grad = torch.is_grad_enabled()
+        out_shape = (shape[1],) + (1,) * (nd - 2)
+        strides = (1,) * (nd - 1)
+        return [t.view(out_shape) if grad and t.requires_grad else t.as_strided(out_shape, (t.stride(0),) + strides[1:])
+                for t in vecs]
+    torch.batch_norm(input, weight, bias, running_mean, running_var, False, 0.0, 1e-5, False)
+    if not input.numel():  # eager returns early without checking sizes; any broadcastable vector will do
+        return [t.reshape(-1)[:1].reshape((1,) * nd) for t in vecs]
+    # eager accepted what the fast path did not (a vector of another shape with the right number of elements)
+    out_shape = (shape[1],) + (1,) * (nd - 2)
+    return [(t.float() if t.dtype in _REDUCED else t).reshape(out_shape) for t in vecs]
+
+
+_lib.impl("batch_norm_params", _batch_norm_params, "CompositeImplicitAutograd")
+
+
 def register(node: torch._C.Node) -> int:
     if node.kind() != "prim::FusionGroup":
         raise ValueError(f"register_fusion expects a prim::FusionGroup node, got {node.kind()}")
@@ -102,12 +142,79 @@ def _register_for_lowering(node: torch._C.Node) -> tuple[int, str, str]:
     return spec.key, spec.digest, spec.ir
 
 
-def fuse_graph_in_place(graph: torch._C.Graph) -> int:
-    """Inline calls, group fusable ops, lower groups to ``fuser::fusion_group``. Returns groups made."""
-    torch._C._jit_pass_inline(graph)
-    made = graph_fuser.fuse_graph(graph)
-    graph_fuser.lower_fusion_groups(graph, _register_for_lowering)
+def run_pass(graph: torch._C.Graph) -> int:
+    """Every stage of the pass on ``graph``, in place, each result checked by TorchScript's lint.
+
+    Returns the groups made; raises :class:`PassError` naming the stage that failed or left an invalid graph.
+    """
+    stages = (("inline", torch._C._jit_pass_inline), ("prepare", prepare.prepare_graph),
+              ("fuse", graph_fuser.fuse_graph),
+              ("lower", lambda g: graph_fuser.lower_fusion_groups(g, _register_for_lowering)))
+    made = 0
+    for name, stage in stages:
+        try:
+            result = stage(graph)
+            torch._C._jit_pass_lint(graph)
+        except Exception as e:
+            raise PassError(name, e) from e
+        if name == "fuse":
+            made = result
     return made
+
+
+_warned = False
+
+
+def fuse_graph_in_place(graph: torch._C.Graph) -> int:
+    """Inline calls, prepare, group fusable ops, lower groups to ``fuser::fusion_group``. Returns groups made.
+
+    The pass works on a copy, which replaces ``graph``'s nodes only when every stage succeeded and the result
+    passed lint. Otherwise ``graph`` stays as it was (it runs unfused, as eager would) and the first such
+    failure in this process is reported by a warning; with ``settings.strict_pass`` (the tests) it raises.
+    """
+    global _warned
+    work = graph.copy()
+    try:
+        made = run_pass(work)
+        _install_graph(graph, work)
+    except PassError as e:
+        if settings.strict_pass:
+            raise
+        if not _warned:
+            _warned = True
+            warnings.warn(f"{e} This graph runs unfused (as eager would); later failures are not reported. "
+                          "Please report this with the model.", RuntimeWarning, stacklevel=2)
+        return 0
+    return made
+
+
+def _install_graph(graph: torch._C.Graph, fused: torch._C.Graph) -> None:
+    original = graph.copy()
+    try:
+        replace_graph(graph, fused)
+        torch._C._jit_pass_lint(graph)
+    except Exception as e:
+        replace_graph(graph, original)
+        raise PassError("install", e) from e
+
+
+def replace_graph(dst: torch._C.Graph, src: torch._C.Graph) -> None:
+    """Make ``dst``'s nodes and outputs copies of ``src``'s, in place (a module's method keeps its graph
+    object). Precondition: the inputs correspond one to one, as for a copy of ``dst`` that the pass edited."""
+    if len(list(dst.inputs())) != len(list(src.inputs())):
+        raise ValueError("replace_graph: the graphs' inputs differ")
+    for i in reversed(range(len(list(dst.outputs())))):
+        dst.eraseOutput(i)
+    for n in reversed(list(dst.nodes())):
+        n.destroy()
+    env = {s.unique(): d for s, d in zip(src.inputs(), dst.inputs())}
+    for n in src.nodes():
+        c = dst.createClone(n, lambda v: env[v.unique()])
+        dst.appendNode(c)
+        for a, b in zip(n.outputs(), c.outputs()):
+            env[a.unique()] = b
+    for v in src.outputs():
+        dst.registerOutput(env[v.unique()])
 
 
 _fused = weakref.WeakSet()  # objects that already went through the pass

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
 
 _override_cpu: Optional[bool] = None
 _override_gpu: Optional[bool] = None
+# A pass failure raises instead of leaving that graph unfused with a warning. The tests set it
+# (FUSER_STRICT_PASS=1), so that an invalid graph fails the test that made it.
+strict_pass: bool = os.environ.get("FUSER_STRICT_PASS", "") == "1"
 # device type -> fusion on; filled lazily, cleared by the overrides. The executor reads it on every call.
 enabled: dict[str, bool] = {}
 

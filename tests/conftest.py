@@ -6,6 +6,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# a pass failure raises (and every graph the pass makes is linted) instead of warning and running unfused
+os.environ.setdefault("FUSER_STRICT_PASS", "1")
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # torch.jit.script's since 2.11
 
 import fuser  # noqa: E402

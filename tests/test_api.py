@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -207,3 +208,65 @@ def test_saved_fused_module_runs_in_another_process(tmp_path):
     assert r.returncode == 0, r.stderr
     ok, compiled = r.stdout.split()
     assert ok == "True" and int(compiled) == 2  # the loaded group was rebuilt and compiled, not mistaken
+
+
+def _break_lint(graph_fuser_fuse):
+    """A fuse stage that leaves a use before its definition (what the pass once did, issue 16)."""
+    def broken(graph):
+        made = graph_fuser_fuse(graph)
+        use = graph.create("aten::neg", [graph.outputs()[0]], 1)
+        use.insertBefore(next(iter(graph.nodes())))
+        return made
+    return broken
+
+
+def _raise(graph):
+    raise RuntimeError("injected pass failure")
+
+
+@pytest.mark.parametrize("failure", ["raises", "invalid graph"])
+def test_a_pass_failure_runs_unfused_and_warns_once(monkeypatch, failure):
+    from fuser import graph_fuser, integration, settings
+    monkeypatch.setattr(settings, "strict_pass", False)
+    monkeypatch.setattr(integration, "_warned", False)
+    monkeypatch.setattr(graph_fuser, "fuse_graph",
+                        _raise if failure == "raises" else _break_lint(graph_fuser.fuse_graph))
+
+    def gelu_bias(x, b):
+        y = x + b
+        return 0.5 * y * (1 + torch.tanh(0.7978845608 * (y + 0.044715 * y * y * y)))
+
+    class Block(torch.nn.Module):
+        def forward(self, x, b):
+            return torch.sigmoid(x * b + 1) * x
+
+    fuser.install()
+    x, b = torch.randn(16, 8), torch.randn(8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traced = torch.jit.trace(gelu_bias, (x, b))
+        scripted = torch.jit.script(gelu_bias)
+        module = torch.jit.trace(Block(), (x, b))
+        results = [(traced(x, b), gelu_bias(x, b)), (scripted(x, b), gelu_bias(x, b)),
+                   (module(x, b), Block()(x, b))]
+    for actual, expected in results:
+        assert_same(actual, expected)
+    for fn in (traced, scripted, module):
+        assert not any(n.kind().startswith("fuser::") for n in fn.graph.nodes())
+    ours = [w for w in caught if "fusion pass failed" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    stage = "'fuse'"
+    assert stage in str(ours[0].message) and ("injected" in str(ours[0].message)) == (failure == "raises")
+
+
+def test_strict_pass_raises_the_failure(monkeypatch):
+    from fuser import graph_fuser, settings
+    from fuser.errors import PassError
+    monkeypatch.setattr(settings, "strict_pass", True)
+    monkeypatch.setattr(graph_fuser, "fuse_graph", _break_lint(graph_fuser.fuse_graph))
+    with pytest.raises(PassError, match="'fuse' stage"):
+        fuser.fuse(torch.jit.script(_sigmoid_block))
+
+
+def _sigmoid_block(x):
+    return (x * 2).sigmoid() + 1

@@ -171,9 +171,34 @@ def test_integer_input_raises_eagers_error():
         fuser.run_fusion(key, [torch.ones(4, dtype=torch.int64), 0.3, 1.0])
 
 
-def test_dropout_under_autograd_gives_eagers_gradient():
-    """A random group cannot recompute its forward in a backward kernel: the interpreter runs it and eager's
-    autograd records the mask it drew."""
+def test_dropout_under_autograd_replays_its_mask_in_the_backward_kernel(monkeypatch):
+    """The backward kernel recomputes the forward with the forward's launch state: the same Philox numbers,
+    so the gradient is the forward's mask times the scale (and no interpreter runs)."""
+    from fuser import fallback
+    monkeypatch.setattr(fallback, "run", lambda spec, args: pytest.fail("the interpreter ran"))
+    key = STORE.register(torch.parse_ir(DROPOUT_IR))
+    x = torch.randn(64, 32, requires_grad=True)
+    z, r = fuser.run_fusion(key, [x, 0.4, 1 / 0.6])
+    assert z.grad_fn is not None and not r.requires_grad
+    g = torch.randn_like(z)
+    z.backward(g)
+    assert_same(x.grad, g * (r > 0.4).float() / 0.6)
+    assert_same(z.detach(), x.detach() * (r > 0.4).float() / 0.6)
+
+
+def test_dropout_double_backward_replays_too():
+    key = STORE.register(torch.parse_ir(DROPOUT_IR))
+    x = torch.randn(16, 8, requires_grad=True)
+    z, r = fuser.run_fusion(key, [x, 0.4, 1 / 0.6])
+    (gx,) = torch.autograd.grad((z * z).sum(), x, create_graph=True)
+    mask = (r > 0.4).float() / 0.6
+    assert_same(gx.detach(), 2 * x.detach() * mask * mask)
+    (ggx,) = torch.autograd.grad(gx.sum(), x)
+    assert_same(ggx, 2 * mask * mask)
+
+
+def test_random_group_whose_kernel_cannot_run_uses_eagers_autograd():
+    fuser.override_can_fuse_on_cpu(False)
     key = STORE.register(torch.parse_ir(DROPOUT_IR))
     x = torch.randn(64, 32, requires_grad=True)
     z, r = fuser.run_fusion(key, [x, 0.4, 1 / 0.6])
