@@ -147,7 +147,10 @@ def run_pass(graph: torch._C.Graph) -> int:
 
     Returns the groups made; raises :class:`PassError` naming the stage that failed or left an invalid graph.
     """
-    stages = (("inline", torch._C._jit_pass_inline), ("prepare", prepare.prepare_graph),
+    # constant propagation after inlining folds the ``if inplace:`` of functional activations (F.hardswish,
+    # F.relu, F.leaky_relu... scripted), which would otherwise hide the op in a branch
+    stages = (("inline", torch._C._jit_pass_inline), ("constants", torch._C._jit_pass_constant_propagation),
+              ("prepare", prepare.prepare_graph),
               ("fuse", graph_fuser.fuse_graph),
               ("lower", lambda g: graph_fuser.lower_fusion_groups(g, _register_for_lowering)))
     made = 0

@@ -92,7 +92,8 @@ if [ -n "$fuzz_pid" ]; then
   note "fuzz: rc=$rc: $(grep -E '^seed .* graphs|  fused [0-9]+ of|  mismatches:' "$OUT/fuzz.log" | tr -s ' ' | tr '\n' ' ')"
   [ $rc -eq 0 ] || status=1
   if [ -d "$OUT/fuzz_failures" ]; then
-    tar czf "$OUT/fuzz_failures.tgz" -C "$OUT" fuzz_failures && rm -rf "$OUT/fuzz_failures"
+    # the reproducers (.py); their large inputs (.pt) stay out, to keep the archive small
+    (cd "$OUT" && tar czf fuzz_failures.tgz --exclude="*.pt" fuzz_failures) && rm -rf "$OUT/fuzz_failures"
   fi
 fi
 

@@ -287,3 +287,21 @@ def test_a_group_must_replace_two_eager_kernels(body, fused, eager):
     for yd in (torch.float32, torch.float64):
         x, y = torch.randn(3, 4), torch.randn(3, 4, dtype=yd)
         assert_same(fn(x, y), eager(x, y))
+
+
+def _functional_activations(x, b):
+    return torch.nn.functional.hardswish(x + b) * 2 + torch.nn.functional.leaky_relu(x) \
+        - torch.nn.functional.relu(b)
+
+
+def test_scripted_functional_activations_fuse():
+    """``F.hardswish(x)`` scripted keeps ``if inplace:`` around the op until constants propagate: the pass folds it,
+    so the whole expression is one group."""
+    fuser.install()
+    f = torch.jit.script(_functional_activations)
+    x, b = torch.randn(64, 32), torch.randn(32)
+    for _ in range(3):
+        out = f(x, b)
+    assert_same(out, _functional_activations(x, b))
+    g = fuser.graph_for(f, x, b)
+    assert [n.kind() for n in g.nodes()] == ["prim::FusionGroup"], g
