@@ -63,6 +63,23 @@ def literal(value, ctype: str) -> str:
     return f"(({ctype}){value!r})"
 
 
+# CUDA holds integers narrower than 32 bits in int; each op's result still wraps to its dtype (a cast through it).
+# With int8 values in int8 variables NVRTC (CUDA 13, sm_90) packed min/max into 16-bit SIMD and miscompiled
+# clamp_min(clamp_max(x, -x), -1) on the vector path: x itself in some bytes (H100; issue 9's fuzz campaign).
+_NARROW_INTS = (torch.int8, torch.uint8, torch.int16)
+
+
+def value_type(dtype: torch.dtype, target: str) -> str:
+    """C type a kernel holds values of ``dtype`` in: the compute type, or int for narrow integers on CUDA."""
+    return "int" if target == "cuda" and dtype in _NARROW_INTS else compute_type(dtype)
+
+
+def _held(dtype: torch.dtype, target: str, expr: str) -> str:
+    """``expr`` as a value of ``dtype`` held in :func:`value_type` (wrapped to the dtype first where they differ)."""
+    t = value_type(dtype, target)
+    return f"({t})({storage_type(dtype)})({expr})" if t != compute_type(dtype) else f"({t})({expr})"
+
+
 def typed_nodes(graph: torch._C.Graph) -> list[torch._C.Node]:
     """The nodes that have a result dtype (``compiler.infer_types`` gives one per node, in this order): all
     but constants and the lists a cat reads."""
@@ -125,7 +142,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
     for v in g_inputs:
         if isinstance(v.type(), torch._C.TensorType) and k < len(inputs):
             d = inputs[k]
-            vname[v.unique()], vtype[v.unique()], vdtype[v.unique()] = f"x{k}", compute_type(d.dtype), d.dtype
+            vname[v.unique()], vtype[v.unique()], vdtype[v.unique()] = f"x{k}", value_type(d.dtype, target), d.dtype
             k += 1
         else:
             vname[v.unique()], vtype[v.unique()], vdtype[v.unique()] = f"s{j}", "double", None
@@ -142,7 +159,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
             raise NotFusable(f"no op-table entry for {node.schema()}")
         if op.concat:  # nothing to compute: its pieces are stored into its slices
             continue
-        ctype = compute_type(nt.compute)
+        ctype = value_type(nt.compute, target)
         consts = {}
         variant = None
         if op.variant_arg is not None:
@@ -206,9 +223,9 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
                 consts["n" + arg] = f"(-{consts[arg]})"
         consts["T"] = ctype
         out = node.output()
-        rtype = compute_type(nt.result)
+        rtype = value_type(nt.result, target)
         vname[out.unique()], vtype[out.unique()], vdtype[out.unique()] = f"v{j}", rtype, nt.result
-        body.append(f"const {rtype} v{j} = ({rtype})({tmpl.substitute(consts)});")
+        body.append(f"const {rtype} v{j} = {_held(nt.result, target, tmpl.substitute(consts))};")
 
     # kernel outputs: a cat's result is written as its pieces, each converted to the cat's dtype the way eager
     # converts it: stored in its own dtype first (a float16 piece of a float32 cat holds float16 values)
@@ -267,7 +284,7 @@ class _Gen:
         return lines
 
     def hoisted(self) -> list[str]:
-        return [f"const {compute_type(d.dtype)} x{k} = fz_ld(t{k}[0]);"
+        return [f"const {value_type(d.dtype, self.target)} x{k} = fz_ld(t{k}[0]);"
                 for k, d in enumerate(self.inputs) if d.layout == SCALAR]
 
     def rng_state(self, scalars: str) -> list[str]:
@@ -280,7 +297,7 @@ class _Gen:
         lines = []
         for k, d in enumerate(self.inputs):
             if d.layout != SCALAR:
-                lines.append(f"const {compute_type(d.dtype)} x{k} = fz_ld({load(k, d)});")
+                lines.append(f"const {value_type(d.dtype, self.target)} x{k} = fz_ld({load(k, d)});")
         lines += [ln.replace("@IDX@", f"(unsigned long long)({index})") for ln in self.body]
         for m, (o, dt) in enumerate(zip(self.outputs, self.out_dtypes)):
             lines.append(f"{store(m)} = fz_st<{storage_type(dt)}>({o});")
@@ -309,6 +326,8 @@ class _Gen:
 
 
 class _CpuGen(_Gen):
+    target = "cpu"
+
     def source(self) -> str:
         params = self.pointer_decls("ptrs")
         params += [f"const double s{j} = scalars[{j}];" for j in range(self.n_scalars)]
@@ -332,6 +351,8 @@ class _CpuGen(_Gen):
 
 
 class _CudaGen(_Gen):
+    target = "cuda"
+
     def source(self) -> str:
         params = self.pointer_decls("args.ptrs")
         params += [f"const double s{j} = args.scalars[{j}];" for j in range(self.n_scalars)]
@@ -365,7 +386,7 @@ class _CudaGen(_Gen):
                 vloads.append(f"const fz_vec<{st}, {vec}> xv{k} = "
                               f"*reinterpret_cast<const fz_vec<{st}, {vec}>*>(t{k} + {where});")
             elif d.layout == REPEAT:
-                vloads.append(f"const {compute_type(d.dtype)} xr{k} = fz_ld(t{k}[off{k}]);")
+                vloads.append(f"const {value_type(d.dtype, self.target)} xr{k} = fz_ld(t{k}[off{k}]);")
         vdecls = [f"fz_vec<{storage_type(dt)}, {vec}> ov{m};" for m, dt in enumerate(self.out_dtypes)]
         vstores = [f"*reinterpret_cast<fz_vec<{storage_type(dt)}, {vec}>*>(o{m} + base) = ov{m};"
                    for m, dt in enumerate(self.out_dtypes)]

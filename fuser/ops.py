@@ -178,9 +178,11 @@ _OPS: list[OpDef] = [
         },
         variant_arg=1,
         # 0.5 * (1 + tanh(u)) == sigmoid(2u): no cancellation in the negative tail, and about half the work. Below
-        # u = -9 eager's tanhf(u) is -1 exactly and its result a zero (which a later inf * 0 turns into NaN, the
-        # fuzzer found): the same zero here, where sigmoid(2u) would still leave a bfloat16-sized 1e-8 * x
-        fast={"tanh": "(0.79788456080286535f * ($a + 0.044715f * $a * $a * $a) < -9.f ? 0.f * $a : "
+        # u = -9 eager's own form, as its CUDA kernel writes it: its tanhf(u) reaches -1 near u = -9.01 and the
+        # result is then a zero (which a later inf * 0 turns into NaN, the fuzzer found), where sigmoid(2u) would
+        # still leave a bfloat16-sized 1e-8 * x
+        fast={"tanh": "(0.79788456080286535f * ($a + 0.044715f * ($a * $a * $a)) < -9.f ? "
+                      "0.5f * $a * (1.f + tanhf(0.79788456080286535f * ($a + 0.044715f * ($a * $a * $a)))) : "
                       "__fdividef($a, 1.f + __expf(-1.5957691216057308f * ($a + 0.044715f * $a * $a * $a))))"},
     ),
     OpDef("hardtanh", ("aten::hardtanh(Tensor self, Scalar min_val=-1, Scalar max_val=1) -> Tensor",),

@@ -509,3 +509,22 @@ def test_addcmul_forms_the_product_first_on_cuda(dtype):
     got = fuser.debug_launch_graph(g, [t])[0]
     expected = run_graph(g, [t])[0]
     assert bool(expected.isnan().all()) and bool(got.isnan().all())
+
+
+@pytest.mark.parametrize("dtype", (torch.int8, torch.uint8, torch.int16), ids=str)
+def test_narrow_integer_min_max_chain_on_the_vector_path(dtype):
+    """clamp_min(clamp_max(x, -x), -1) on int8 came out as x in some bytes of the 16-byte vector path when NVRTC
+    packed int8 min/max into 16-bit SIMD (H100, CUDA 13; the fuzzer's graph 3703 of seed 3581607059): narrow
+    integers are held in int in CUDA kernels (codegen.value_type)."""
+    g = torch.parse_ir("""graph(%t0 : Tensor):
+  %m1 : int = prim::Constant[value=-1]()
+  %v0 : Tensor = aten::neg(%t0)
+  %v1 : Tensor = aten::clamp_max(%t0, %v0)
+  %v2 : Tensor = aten::clamp_min(%v1, %m1)
+  %v3 : Tensor = aten::maximum(%v2, %t0)
+  return (%v2, %v3)""")
+    info = torch.iinfo(dtype)
+    x = torch.randint(info.min, info.max + 1, (48035,), dtype=dtype, device="cuda")
+    out = fuser.debug_launch_graph(g, [x])
+    ref = run_graph(g, [x])
+    assert all(torch.equal(o, r) for o, r in zip(out, ref))
