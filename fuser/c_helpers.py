@@ -13,6 +13,9 @@ FZ_FN float fz_pow_scalar(float a, float b) {
 FZ_FN double fz_pow_scalar(double a, double b) {
   return b == 0.5 ? sqrt(a) : b == -0.5 ? 1.0 / sqrt(a) : pow(a, b);
 }
+// integer negation that wraps as eager's (-INT64_MIN is INT64_MIN), without signed overflow, which NVRTC takes as
+// impossible (abs(INT64_MIN) came out positive; the fuzzer)
+template <class T> FZ_FN T fz_neg(T a) { return (T)(0ull - (unsigned long long)a); }
 // max/min as eager's (NaN-propagating); each prelude adds its device's rule for a tie of signed zeros
 template <class T> FZ_FN T fz_max(T a, T b) { return (a != a || a >= b) ? a : b; }
 template <class T> FZ_FN T fz_min(T a, T b) { return (a != a || a <= b) ? a : b; }

@@ -80,6 +80,10 @@ def _held(dtype: torch.dtype, target: str, expr: str) -> str:
     return f"({t})({storage_type(dtype)})({expr})" if t != compute_type(dtype) else f"({t})({expr})"
 
 
+def _as_held(lit: str, ctype: str) -> str:
+    return lit if lit.startswith(f"(({ctype})") else f"(({ctype}){lit})"
+
+
 def typed_nodes(graph: torch._C.Graph) -> list[torch._C.Node]:
     """The nodes that have a result dtype (``compiler.infer_types`` gives one per node, in this order): all
     but constants and the lists a cat reads."""
@@ -204,11 +208,15 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
                 else:
                     if rounding and not isinstance(val, bool):
                         val = torch.tensor(val, dtype=torch.float64).to(nt.compute).item()
-                    consts[arg] = literal(val, ctype)
+                    # converted to the compute dtype as eager converts a Scalar (uint8(-7) is 249), then held
+                    consts[arg] = _as_held(literal(val, compute_type(nt.compute)), ctype)
                     # negated in the Scalar's own type, as eager's -alpha: an int 0 stays +0
-                    consts["n" + arg] = literal(val if isinstance(val, bool) else -val, ctype)
+                    consts["n" + arg] = _as_held(literal(val if isinstance(val, bool) else -val,
+                                                         compute_type(nt.compute)), ctype)
+                consts["scalar_" + arg] = "true"  # a Python scalar in eager (a CPU scalar to its CUDA kernels)
             else:
                 consts["has_" + arg] = "true"
+                consts["scalar_" + arg] = "true" if vdtype[v.unique()] is None else "false"
                 name_, t = vname[v.unique()], vtype[v.unique()]
                 # round anything not loaded straight from memory in this dtype: eager compares stored values
                 dt = vdtype[v.unique()]

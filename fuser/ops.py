@@ -132,7 +132,7 @@ def _sixth(name: str, times: str) -> OpDef:
 
 
 _OPS: list[OpDef] = [
-    _unary("abs", "fabsf($a)", "fabs($a)", "($a < 0 ? ($T)(-$a) : $a)"),
+    _unary("abs", "fabsf($a)", "fabs($a)", "($a < 0 ? fz_neg($a) : $a)"),
     _unary("acos", "acosf($a)", "acos($a)"),
     _unary("asin", "asinf($a)", "asin($a)"),
     _unary("atan", "atanf($a)", "atan($a)"),
@@ -150,7 +150,7 @@ _OPS: list[OpDef] = [
     _unary("log10", "log10f($a)", "log10($a)"),
     _unary("log1p", "log1pf($a)", "log1p($a)"),
     _unary("log2", "log2f($a)", "log2($a)"),
-    _unary("neg", "(-$a)", "(-$a)", "($T)(-$a)"),
+    _unary("neg", "(-$a)", "(-$a)", "fz_neg($a)"),
     _unary("reciprocal", "(1.f / $a)", "(1.0 / $a)"),
     # max(x, 0) with the device's rule for a tie of signed zeros (CPU eager keeps -0, CUDA's gives +0)
     _unary("relu", "fz_max($a, 0.f)", "fz_max($a, 0.0)", "($a > 0 ? $a : ($T)0)"),
@@ -233,7 +233,11 @@ _OPS: list[OpDef] = [
           {None: Exprs("($a * $b)", "($a * $b)", "($T)($a * $b)")}),
     OpDef("div", ("aten::div.Tensor(Tensor self, Tensor other) -> Tensor",
                   "aten::div.Scalar(Tensor self, Scalar other) -> Tensor"),
-          {None: Exprs("($a / $b)", "($a / $b)")}),
+          {None: Exprs("($a / $b)", "($a / $b)")},
+          # CUDA eager divides by a CPU scalar (a Python number, a 0-dim CPU tensor) as a product with its
+          # reciprocal in the compute type: x / 1e-40 is x * inf there (0 gives NaN)
+          targets={"cuda": {None: Exprs("($scalar_b ? $a * (1.f / $b) : $a / $b)",
+                                        "($scalar_b ? $a * (1.0 / $b) : $a / $b)")}}),
     OpDef("atan2", ("aten::atan2(Tensor self, Tensor other) -> Tensor",),
           {None: Exprs("atan2f($a, $b)", "atan2($a, $b)")}),
     OpDef("fmod", ("aten::fmod.Tensor(Tensor self, Tensor other) -> Tensor",

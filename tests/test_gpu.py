@@ -528,3 +528,40 @@ def test_narrow_integer_min_max_chain_on_the_vector_path(dtype):
     out = fuser.debug_launch_graph(g, [x])
     ref = run_graph(g, [x])
     assert all(torch.equal(o, r) for o, r in zip(out, ref))
+
+
+CUDA_CAMPAIGN_CASES = {  # third CUDA campaign (seed 1732361137): IR body over %t0 (and %f), input maker
+    "div_by_a_subnormal_scalar": ("%r : Tensor = aten::div(%t0, %f)",
+                                  lambda: torch.tensor([0.0, 2.0, -3.0, 1e-30] * 64, device="cuda"), 1e-40),
+    "div_by_a_scalar": ("%r : Tensor = aten::div(%t0, %f)", lambda: torch.randn(4096, device="cuda") * 1e3, 3.0),
+    "uint8_clamp_with_a_negative_bound": ("%r : Tensor = aten::clamp(%t0, %m7, %three)",
+                                         lambda: torch.randint(0, 256, (4099,), dtype=torch.uint8, device="cuda"),
+                                         None),
+    "uint8_ge_a_negative_scalar": ("%r : Tensor = aten::ge(%t0, %m7)",
+                                   lambda: torch.randint(0, 256, (4099,), dtype=torch.uint8, device="cuda"), None),
+    "abs_of_int64_min": ("%r : Tensor = aten::abs(%t0)",
+                         lambda: torch.tensor([-2 ** 63, -5, 7] * 100, dtype=torch.int64, device="cuda"), None),
+    "neg_of_int32_min": ("%r : Tensor = aten::neg(%t0)",
+                         lambda: torch.tensor([-2 ** 31, -5, 7] * 100, dtype=torch.int32, device="cuda"), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUDA_CAMPAIGN_CASES))
+def test_cuda_campaign_findings(name):
+    """CUDA eager divides by a CPU scalar as a product with its reciprocal; narrow integers take Scalars wrapped
+    to their dtype; integer negation wraps."""
+    body, make, f = CUDA_CAMPAIGN_CASES[name]
+    floats = "" if f is None else ", %f : float"
+    g = torch.parse_ir(f"""graph(%t0 : Tensor{floats}):
+  %m7 : int = prim::Constant[value=-7]()
+  %three : int = prim::Constant[value=3]()
+  {body}
+  %one : int = prim::Constant[value=1]()
+  %s : Tensor = aten::mul(%r, %one)
+  return (%s)""")
+    args = [make()] + ([] if f is None else [f])
+    out = executor.run(STORE.get(STORE.register(g)), args)
+    assert out is not None  # fused, not the interpreter
+    got, ref = out[0], run_graph(g, args)[0]
+    assert got.dtype == ref.dtype
+    assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(torch.nan_to_num(got), torch.nan_to_num(ref))
