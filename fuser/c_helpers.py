@@ -13,6 +13,9 @@ FZ_FN float fz_pow_scalar(float a, float b) {
 FZ_FN double fz_pow_scalar(double a, double b) {
   return b == 0.5 ? sqrt(a) : b == -0.5 ? 1.0 / sqrt(a) : pow(a, b);
 }
+// integer arithmetic in unsigned 64 bits, cast back: it wraps as eager's does, and no signed overflow (undefined,
+// and NVRTC takes it as impossible: max(x, x + 5) was x + 5 at INT64_MAX; the CUDA fuzzer) is left in a kernel
+#define FZ_U(x) ((unsigned long long)(x))
 // integer negation that wraps as eager's (-INT64_MIN is INT64_MIN), without signed overflow, which NVRTC takes as
 // impossible (abs(INT64_MIN) came out positive; the fuzzer)
 template <class T> FZ_FN T fz_neg(T a) { return (T)(0ull - (unsigned long long)a); }

@@ -59,9 +59,9 @@ class OpDef:
     fast: per variant, a CUDA float expression used when the result is float16/bfloat16. Such a result keeps
     at most 11 significant bits, so an approximation with relative error near 2^-20 (``__expf``) cannot
     change it beyond a rare last-bit tie, and it costs a fraction of the instructions: those kernels are
-    otherwise bound by arithmetic, not memory. (``__expf`` flushes results below 2^-126 to zero, and
-    ``__fdividef`` returns 0 for divisors above 2^126: results under 1.2e-38 that only bfloat16 could have
-    held become 0, an absolute change below any tolerance.)
+    otherwise bound by arithmetic, not memory. (``__expf`` flushes results below 2^-126 to zero; ``__fdividef``
+    returns 0 for divisors above 2^126, which ``fz_fdividef`` scales around, because a bfloat16 result of 6e-39
+    and one of 0 differ without bound downstream: lgamma of them is 88 or inf.)
     random: the op draws random numbers (``rand_like``, see ``fuser/rng.py``): ``$r`` is its ordinal among
     the group's random ops, ``$bits`` the random bits its result dtype holds, ``@IDX@`` the element's index in
     the map; its arguments after ``self`` are constant tensor options, of which only ``dtype`` may be given.
@@ -157,7 +157,7 @@ _OPS: list[OpDef] = [
     _unary("round", "nearbyintf($a)", "nearbyint($a)", "$a", discrete=True),
     _unary("rsqrt", "(1.f / sqrtf($a))", "(1.0 / sqrt($a))"),
     _unary("sigmoid", "(1.f / (1.f + expf(-$a)))", "(1.0 / (1.0 + exp(-$a)))",
-           fast="__fdividef(1.f, 1.f + __expf(-$a))"),
+           fast="fz_fdividef(1.f, 1.f + __expf(-$a))"),
     _unary("sin", "sinf($a)", "sin($a)"),
     _unary("sinh", "sinhf($a)", "sinh($a)"),
     _unary("sqrt", "sqrtf($a)", "sqrt($a)"),
@@ -165,7 +165,7 @@ _OPS: list[OpDef] = [
     _unary("tanh", "tanhf($a)", "tanh($a)", fast="fz_tanh_fast($a)"),
     _unary("trunc", "truncf($a)", "trunc($a)", "$a", discrete=True),
     _unary("silu", "($a / (1.f + expf(-$a)))", "($a / (1.0 + exp(-$a)))",
-           fast="__fdividef($a, 1.f + __expf(-$a))"),
+           fast="fz_fdividef($a, 1.f + __expf(-$a))"),
     OpDef(
         "gelu",
         ('aten::gelu(Tensor self, *, str approximate="none") -> Tensor',),
@@ -183,7 +183,7 @@ _OPS: list[OpDef] = [
         # still leave a bfloat16-sized 1e-8 * x
         fast={"tanh": "(0.79788456080286535f * ($a + 0.044715f * ($a * $a * $a)) < -9.f ? "
                       "0.5f * $a * (1.f + tanhf(0.79788456080286535f * ($a + 0.044715f * ($a * $a * $a)))) : "
-                      "__fdividef($a, 1.f + __expf(-1.5957691216057308f * ($a + 0.044715f * $a * $a * $a))))"},
+                      "fz_fdividef($a, 1.f + __expf(-1.5957691216057308f * ($a + 0.044715f * $a * $a * $a))))"},
     ),
     OpDef("hardtanh", ("aten::hardtanh(Tensor self, Scalar min_val=-1, Scalar max_val=1) -> Tensor",),
           {None: Exprs("fz_min(fz_max($a, $b), $c)", "fz_min(fz_max($a, $b), $c)")},
@@ -219,18 +219,18 @@ _OPS: list[OpDef] = [
                   "aten::add.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor"),
           # eager (CPU vector and scalar loops, CUDA) computes fma(alpha, other, self): without the fused
           # multiply-add a huge other*alpha overflows where eager's result is finite
-          {None: Exprs("fmaf($c, $b, $a)", "fma($c, $b, $a)", "($T)($a + $c * $b)")}),
+          {None: Exprs("fmaf($c, $b, $a)", "fma($c, $b, $a)", "($T)(FZ_U($a) + FZ_U($c) * FZ_U($b))")}),
     OpDef("sub", ("aten::sub.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
                   "aten::sub.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor"),
           # (-alpha as eager negates the Scalar: $nc, so an int 0 gives +0 and the sign of a zero result is eager's)
-          {None: Exprs("fmaf($nc, $b, $a)", "fma($nc, $b, $a)", "($T)($a - $c * $b)")}),
+          {None: Exprs("fmaf($nc, $b, $a)", "fma($nc, $b, $a)", "($T)(FZ_U($a) - FZ_U($c) * FZ_U($b))")}),
     OpDef("rsub", ("aten::rsub.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
                    "aten::rsub.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor"),
           # ``1 - x``: eager computes sub(other, self, alpha), i.e. fma(-alpha, self, other)
-          {None: Exprs("fmaf($nc, $a, $b)", "fma($nc, $a, $b)", "($T)($b - $c * $a)")}),
+          {None: Exprs("fmaf($nc, $a, $b)", "fma($nc, $a, $b)", "($T)(FZ_U($b) - FZ_U($c) * FZ_U($a))")}),
     OpDef("mul", ("aten::mul.Tensor(Tensor self, Tensor other) -> Tensor",
                   "aten::mul.Scalar(Tensor self, Scalar other) -> Tensor"),
-          {None: Exprs("($a * $b)", "($a * $b)", "($T)($a * $b)")}),
+          {None: Exprs("($a * $b)", "($a * $b)", "($T)(FZ_U($a) * FZ_U($b))")}),
     OpDef("div", ("aten::div.Tensor(Tensor self, Tensor other) -> Tensor",
                   "aten::div.Scalar(Tensor self, Scalar other) -> Tensor"),
           {None: Exprs("($a / $b)", "($a / $b)")},
@@ -301,8 +301,9 @@ _OPS: list[OpDef] = [
     OpDef("addcmul", ("aten::addcmul(Tensor self, Tensor tensor1, Tensor tensor2, *, Scalar value=1) -> Tensor",),
           # CPU eager: fma(value * tensor1, tensor2, self); CUDA eager: self + value * (tensor1 * tensor2), which
           # nvcc contracts to fma(value, tensor1 * tensor2, self) (the product first: inf * 0 is NaN there)
-          {None: Exprs("fmaf($d * $b, $c, $a)", "fma($d * $b, $c, $a)", "($T)($a + $d * $b * $c)")},
-          targets={"cuda": {None: Exprs("fmaf($d, $b * $c, $a)", "fma($d, $b * $c, $a)", "($T)($a + $d * ($b * $c))")}}),
+          {None: Exprs("fmaf($d * $b, $c, $a)", "fma($d * $b, $c, $a)", "($T)(FZ_U($a) + FZ_U($d) * FZ_U($b) * FZ_U($c))")},
+          targets={"cuda": {None: Exprs("fmaf($d, $b * $c, $a)", "fma($d, $b * $c, $a)",
+                                        "($T)(FZ_U($a) + FZ_U($d) * (FZ_U($b) * FZ_U($c)))")}}),
 ]
 
 for _cmp, _sym in (("eq", "=="), ("ne", "!="), ("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):

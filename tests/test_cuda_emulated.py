@@ -610,3 +610,52 @@ def _compile_together(request):
         _register_raw(em, name)
     em.compile_pending()
     yield
+
+
+# --------------------------------------------------------------------------------------------------------
+# the fourth CUDA fuzz campaign's findings (seed 3345125243, H100), regression tests that run here
+
+WRAP_IR = """graph(%t0 : Tensor):
+  %five : int = prim::Constant[value=5]()
+  %one : int = prim::Constant[value=1]()
+  %m1 : int = prim::Constant[value=-1]()
+  %three : int = prim::Constant[value=3]()
+  %v0 : Tensor = aten::add(%t0, %five, %one)
+  %v1 : Tensor = aten::clamp_min(%t0, %v0)
+  %v2 : Tensor = aten::rsub(%t0, %t0, %m1)
+  %v3 : Tensor = aten::le(%v2, %three)
+  %v4 : Tensor = aten::mul(%t0, %t0)
+  %v5 : Tensor = aten::addcmul(%t0, %t0, %t0, %three)
+  return (%v1, %v3, %v4, %v5)"""
+
+
+@pytest.mark.parametrize("dtype", (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8), ids=str)
+def test_integer_arithmetic_wraps_as_eager(dtype):
+    """Signed overflow is undefined in C, and NVRTC took max(x, x + 5) to be x + 5 at INT64_MAX, and 2x <= 3 to be
+    false at INT32_MAX: the kernels compute integer sums and products in unsigned 64 bits (FZ_U), which wrap as
+    eager does. UBSan in the emulation reports any signed overflow left."""
+    info = torch.iinfo(dtype)
+    x = torch.tensor([info.max, info.max - 3, info.min, info.min + 2, 0, -1 if info.min < 0 else 1, 7] * 40,
+                     dtype=dtype)
+    g = torch.parse_ir(WRAP_IR)
+    out = emulate.run_graph(g, [x])
+    assert out is not None
+    for o, r in zip(out, fallback.run_graph(g, [x])):
+        assert o.dtype == r.dtype and torch.equal(o, r), (o, r)
+
+
+def test_fast_sigmoid_keeps_results_below_2_to_the_minus_126():
+    """bfloat16 holds sigmoid(-88) = 6e-39; __fdividef gave 0 for its divisor above 2^126, and lgamma made that inf
+    where eager's is 88 (fz_fdividef)."""
+    g = torch.parse_ir("""graph(%t0 : Tensor):
+  %v0 : Tensor = aten::sigmoid(%t0)
+  %v1 : Tensor = aten::lgamma(%v0)
+  %v2 : Tensor = aten::silu(%t0)
+  return (%v1, %v0, %v2)""")
+    x = torch.tensor([-88.0, -87.5, -88.5, -89.0, -90.0, 0.5, -200.0] * 30, dtype=torch.bfloat16)
+    out = emulate.run_graph(g, [x])
+    assert out is not None
+    ref = fallback.run_graph(g, [x])
+    assert bool((out[1] > 0).eq(ref[1] > 0).all()) and bool((out[2] < 0).eq(ref[2] < 0).all())
+    for o, r in zip(out, ref):
+        assert_same(o, r)

@@ -70,6 +70,11 @@ template <class T> __device__ __forceinline__ T fz_clamp_scalar(T x, T lo, T hi,
   if (has_hi && hi == hi) x = fz_min(x, hi);
   return x;
 }
+// __fdividef(a, b), also for |b| in (2^126, 2^128], where __fdividef gives 0: sigmoid(-88) is 6e-39, which
+// bfloat16 holds, and lgamma of it is 88, not inf (the CUDA fuzzer)
+__device__ __forceinline__ float fz_fdividef(float a, float b) {
+  return fabsf(b) > 8.507059e37f ? __fdividef(a * 0.0625f, b * 0.0625f) : __fdividef(a, b);
+}
 // tanh for results stored as float16/bfloat16: branch-free (a branch diverges on mixed-sign data), absolute
 // error near 1e-7 like tanhf's, so 1 + tanh(x) keeps its accuracy where it cancels (GELU's negative tail)
 __device__ __forceinline__ float fz_tanh_fast(float x) {
