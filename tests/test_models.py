@@ -223,10 +223,10 @@ def _expect_tv_mobilenet_eval(g):
     assert not g.findAllNodes("aten::hardswish_") and not g.findAllNodes("aten::add_")
     assert not g.findAllNodes("aten::batch_norm")
     assert sum(_has_residual_add(gr) for gr in graph_fuser.fusion_groups(g)) == 1
-    # Today hardswish/hardsigmoid are not in the op table, so BN groups end before them: 3 BN groups + the
-    # project BN with the residual add. When the table has them (another change), BN + Hardswish are one group
-    # and the SE's hardsigmoid * x joins: then tighten to groups_with("rsqrt", "hardswish") == 3.
+    # each BN with its Hardswish (3), the project BN with the residual add, and the SE's hardsigmoid * x
     assert _groups_with(g, "rsqrt") == 4
+    assert _groups_with(g, "rsqrt", "hardswish") == 3
+    assert _groups_with(g, "hardsigmoid") == 1
 
 
 def _expect_tv_scripted(g):
