@@ -304,18 +304,23 @@ def test_sub_alpha_zero_signs_as_eager(op, alpha):
     assert torch.equal(out[0], ref) and torch.equal(out[0].signbit(), ref.signbit()), (out[0], ref)
 
 
+def _sigmoid_then(op: str):
+    """The spec of sigmoid(x) followed by ``op`` with a 0-dim CPU tensor constant %c."""
+    g = torch.parse_ir(f"""graph(%x : Tensor):
+  %c : Float(requires_grad=0, device=cpu) = prim::Constant[value={{0.25}}]()
+  %s : Tensor = aten::sigmoid(%x)
+  %t : Tensor = aten::{op}(%s, %c)
+  return (%t)""", parse_tensor_constants=True)
+    return STORE.get(STORE.register(g))
+
+
 def test_type_probe_runs_on_the_arg_specs_device(monkeypatch):
     """The compiler's eager type probe runs on the device the kernel is for (eager's CUDA kernels refuse CPU
     constants its CPU kernels take; tests/test_gpu.py checks those cases on CUDA). The meta device stands in
     for a second device here."""
     from fuser import compiler
     from fuser.descs import ArgSpec, TensorDesc
-    g = torch.parse_ir("""graph(%x : Tensor):
-  %c : Float(requires_grad=0, device=cpu) = prim::Constant[value={0.25}]()
-  %s : Tensor = aten::sigmoid(%x)
-  %t : Tensor = aten::mul(%s, %c)
-  return (%t)""", parse_tensor_constants=True)
-    spec = STORE.get(STORE.register(g))
+    spec = _sigmoid_then("mul")
     seen = []
     real = compiler.run_graph
     monkeypatch.setattr(compiler, "run_graph", lambda graph, args: seen.extend(args) or real(graph, args))
@@ -323,11 +328,5 @@ def test_type_probe_runs_on_the_arg_specs_device(monkeypatch):
     assert [t.result for t in types] == [torch.float16, torch.float16]
     assert [a.device.type for a in seen] == ["meta"]
     # a value that leaves the probe's device (type_as of a CPU constant) is no kernel's output
-    g2 = torch.parse_ir("""graph(%x : Tensor):
-  %c : Float(requires_grad=0, device=cpu) = prim::Constant[value={0.25}]()
-  %s : Tensor = aten::sigmoid(%x)
-  %t : Tensor = aten::type_as(%s, %c)
-  return (%t)""", parse_tensor_constants=True)
-    spec2 = STORE.get(STORE.register(g2))
     with pytest.raises(RuntimeError):
-        compiler.infer_types(spec2, ArgSpec("meta", None, (TensorDesc(torch.float32, "dense"),)))
+        compiler.infer_types(_sigmoid_then("type_as"), ArgSpec("meta", None, (TensorDesc(torch.float32, "dense"),)))
