@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import string
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -24,6 +26,7 @@ from .descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, Tensor
 TARGETS = ("cpu", "cuda")
 REDUCED = (torch.float16, torch.bfloat16)
 CPU_PARALLEL_THRESHOLD = 32768  # elements; below it OpenMP's start-up costs more than it saves
+CPU_ROW_CHUNK = 4096  # elements of one row per task of the vector path's row loop (a multiple of every width)
 
 
 class NotFusable(Exception):
@@ -157,6 +160,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
 
     body: list[str] = []
     n_random = 0
+    vector = _CpuVector(inputs, target, options)
     for j, (node, nt) in enumerate(zip(nodes, node_types)):
         op = ops.lookup(node.schema())
         if op is None:
@@ -186,6 +190,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
                 raise NotFusable(f"{op.name} with tensor options {options_given}")
             consts = {"r": str(n_random), "bits": str(rng.BITS.get(nt.result, 53)), "T": compute_type(nt.compute)}
             n_random += 1
+            vector.stop()
             out = node.output()
             rtype = compute_type(nt.result)
             vname[out.unique()], vtype[out.unique()], vdtype[out.unique()] = f"v{j}", rtype, nt.result
@@ -234,6 +239,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
         rtype = value_type(nt.result, target)
         vname[out.unique()], vtype[out.unique()], vdtype[out.unique()] = f"v{j}", rtype, nt.result
         body.append(f"const {rtype} v{j} = {_held(nt.result, target, tmpl.substitute(consts))};")
+        vector.add(node, op, variant, nt, consts, vname, vdtype, f"v{j}")
 
     # kernel outputs: a cat's result is written as its pieces, each converted to the cat's dtype the way eager
     # converts it: stored in its own dtype first (a float16 piece of a float32 cat holds float16 values)
@@ -253,9 +259,90 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
     out_layouts = tuple(out_layouts) or (DENSE,) * len(outputs)
     if len(out_layouts) != len(outputs):
         raise ValueError(f"{len(outputs)} kernel outputs but {len(out_layouts)} output layouts")
-    gen = _CpuGen if target == "cpu" else _CudaGen
-    return gen(name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, n_random > 0,
-               out_layouts).source()
+    if target == "cpu":
+        return _CpuGen(name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, n_random > 0,
+                       out_layouts, vector=vector.finish(graph, out_dtypes, vname, vdtype)).source()
+    return _CudaGen(name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, n_random > 0,
+                    out_layouts).source()
+
+
+# compute type -> the CPU vector path's value type (fuser/cpu/templates.py VECTOR_HEADER)
+VECTOR_TYPES = {"float": "fz_vf", "double": "fz_vd"}
+_CALL = re.compile(r"([A-Za-z_]\w*)\s*\(")
+
+
+def vector_ready(text: str) -> bool:
+    """Whether a scalar expression compiles on vectors unchanged: no conditional operator, and every call one
+    that the CPU vector header overloads for vectors (``cpu_t.VECTOR_FUNCTIONS``)."""
+    return "?" not in text and "@IDX@" not in text and all(
+        f in cpu_t.VECTOR_FUNCTIONS for f in _CALL.findall(text))
+
+
+def vector_template(op: ops.OpDef, variant: Optional[str], fam: str) -> Optional[string.Template]:
+    """The op's expression on the CPU vector path: the table's vector form, else its scalar one where that
+    compiles on vectors; None: the op has none (its group keeps the scalar loop)."""
+    text = op.vector_text(variant)
+    if text is None:
+        tmpl = op.template(variant, fam, "cpu")
+        text = tmpl.template if tmpl is not None and vector_ready(tmpl.template) else None
+    return None if text is None else string.Template(text)
+
+
+class _CpuVector:
+    """The CPU vector path's lines, built beside the scalar ones: every value a vector of the group's one compute
+    type (float for float16/bfloat16/float32, or double), constants and float arguments broadcast. Off for good
+    once a node or an operand has no vector form (a random op, integers, bools, mixed compute types): the kernel
+    then keeps the scalar loop alone."""
+
+    def __init__(self, inputs: Sequence[TensorDesc], target: str, options: KernelOptions):
+        ctypes_ = {compute_type(d.dtype) for d in inputs}
+        self.ctype = ctypes_.pop() if len(ctypes_) == 1 else None
+        self.on = target == "cpu" and options.vectorize and self.ctype in VECTOR_TYPES
+        self.lines: list[str] = []
+
+    def stop(self) -> None:
+        self.on = False
+
+    def add(self, node, op: ops.OpDef, variant, nt: NodeTypes, consts: dict, vname: dict, vdtype: dict,
+            out: str) -> None:
+        if not self.on:
+            return
+        ctype = self.ctype
+        tmpl = vector_template(op, variant, family(nt.compute))
+        if tmpl is None or compute_type(nt.compute) != ctype or compute_type(nt.result) != ctype:
+            return self.stop()
+        vt = VECTOR_TYPES[ctype]
+        vconsts = dict(consts, T=vt)
+        for i, v in enumerate(node.inputs()):
+            if i == op.variant_arg or i >= len(ops.ARG_NAMES):
+                continue
+            arg = ops.ARG_NAMES[i]
+            if v.node().kind() == "prim::Constant" or vdtype[v.unique()] is None:  # broadcast
+                for key in (arg, "n" + arg):
+                    if key in consts:
+                        vconsts[key] = f"{vt}({consts[key]})"
+                continue
+            # a value of the group: already of the compute type; rounded to it where the scalar line rounds
+            name_, st = vname[v.unique()], storage_type(nt.compute)
+            forms = {name_: name_, f"(({ctype}){name_})": name_,
+                     f"fz_ld(fz_st<{st}>(({ctype}){name_}))": f"fz_vround<{st}>({name_})"}
+            if consts.get(arg) not in forms:
+                return self.stop()
+            vconsts[arg] = forms[consts[arg]]
+            vconsts["n" + arg] = f"(-{vconsts[arg]})"
+        self.lines.append(f"const {vt} {out} = {tmpl.substitute(vconsts)};")
+
+    def finish(self, graph, out_dtypes, vname: dict, vdtype: dict) -> Optional[tuple[str, list[str], list[str]]]:
+        """(vector type, lines, per kernel output its vector expression), or None: no vector path."""
+        if not self.on or any(compute_type(dt) != self.ctype for dt in out_dtypes):
+            return None
+        # kernel outputs in the scalar loop's order; a cat piece of another dtype is stored in its own dtype first
+        pieces = [p for o in graph.outputs()
+                  for p in ([o] if o.node().kind() != "aten::cat" else o.node().inputsAt(0).node().inputs())]
+        outputs = [vname[p.unique()] if vdtype[p.unique()] == dt
+                   else f"fz_vround<{storage_type(vdtype[p.unique()])}>({vname[p.unique()]})"
+                   for p, dt in zip(pieces, out_dtypes)]
+        return VECTOR_TYPES[self.ctype], self.lines, outputs
 
 
 def _index_of(nodes: list, node) -> int:
@@ -336,26 +423,59 @@ class _Gen:
 class _CpuGen(_Gen):
     target = "cpu"
 
+    def __init__(self, *args, vector=None):
+        super().__init__(*args)
+        self.vector = vector  # _CpuVector.finish's (vector type, lines, outputs), or None: scalar loops only
+
     def source(self) -> str:
         params = self.pointer_decls("ptrs")
         params += [f"const double s{j} = scalars[{j}];" for j in range(self.n_scalars)]
         params += self.rng_state("scalars")
         params += [f"const int64_t* st{j} = strides + {j} * rank;" for j in range(len(self.offset_names))]
         body = self.element_body(self.scalar_load, self.scalar_store)
+        hoisted = self.hoisted()
+        rows = dict(parallel_threshold=CPU_PARALLEL_THRESHOLD,
+                    bases=", ".join(f"base{j} = 0" for j in range(len(self.offset_names))),
+                    accumulate="\n".join(f"        base{j} += m * st{j}[d];" for j in range(len(self.offset_names))))
+        offsets = [f"const int64_t {name} = base{j} + j * st{j}[rank - 1];" for j, name in enumerate(self.offset_names)]
+        if self.vector is not None:
+            vtype, vbody = self.vector[0], self.vector_body()
+            hoisted += [f"const fz_v xs{k} = fz_v(x{k});" for k, d in enumerate(self.inputs) if d.layout == SCALAR]
+            if self.offset_names:
+                loop = cpu_t.VECTOR_LOOP_ROWS.substitute(
+                    rows, chunk=CPU_ROW_CHUNK, offsets=self.block(offsets, "      "),
+                    vbody=self.block(vbody, "      "), body=self.block(body, "      "))
+            else:
+                loop = cpu_t.VECTOR_LOOP_FLAT.substitute(
+                    parallel_threshold=CPU_PARALLEL_THRESHOLD, vbody=self.block(vbody, "    "),
+                    body=self.block(body, "    "))
+            return cpu_t.VECTOR_KERNEL.substitute(
+                name=self.name, include=cpu_t.VECTOR_INCLUDE, rng=cpu_t.RNG if self.random else "", vtype=vtype,
+                params=self.block(params, "  "), hoisted=self.block(hoisted, "  "), loop=loop)
         if self.offset_names:
-            loop = cpu_t.LOOP_ROWS.substitute(
-                parallel_threshold=CPU_PARALLEL_THRESHOLD,
-                bases=", ".join(f"base{j} = 0" for j in range(len(self.offset_names))),
-                accumulate="\n".join(f"        base{j} += m * st{j}[d];" for j in range(len(self.offset_names))),
-                offsets="\n".join(f"      const int64_t {name} = base{j} + j * st{j}[rank - 1];"
-                                  for j, name in enumerate(self.offset_names)),
-                body=self.block(body, "      "))
+            loop = cpu_t.LOOP_ROWS.substitute(rows, offsets=self.block(offsets, "      "),
+                                              body=self.block(body, "      "))
         else:
             loop = cpu_t.LOOP_FLAT.substitute(parallel_threshold=CPU_PARALLEL_THRESHOLD,
                                               body=self.block(body, "    "))
         return cpu_t.KERNEL.substitute(
             name=self.name, prelude=cpu_t.PRELUDE + (cpu_t.RNG if self.random else ""), params=self.block(params, "  "),
-            hoisted=self.block(self.hoisted(), "  "), loop=loop)
+            hoisted=self.block(hoisted, "  "), loop=loop)
+
+    def vector_body(self) -> list[str]:
+        """One vector of elements: loads (converted to the compute type), the ops, stores."""
+        stride = {name: f"st{j}[rank - 1]" for j, name in enumerate(self.offset_names)}
+        lines = []
+        for k, d in enumerate(self.inputs):
+            load = {DENSE: f"fz_vload(t{k} + i)", SCALAR: f"xs{k}", ROWS: f"fz_vload(t{k} + off{k})",
+                    REPEAT: f"fz_v(fz_ld(t{k}[off{k}]))",
+                    STRIDED: f"fz_vgather(t{k} + off{k}, {stride.get(f'off{k}')})"}[d.layout]
+            lines.append(f"const fz_v x{k} = {load};")
+        lines += self.vector[1]
+        for m, (o, lay) in enumerate(zip(self.vector[2], self.out_layouts)):
+            lines.append({DENSE: f"fz_vstore(o{m} + i, {o});", ROWS: f"fz_vstore(o{m} + ooff{m}, {o});",
+                          STRIDED: f"fz_vscatter(o{m} + ooff{m}, {stride.get(f'ooff{m}')}, {o});"}[lay])
+        return lines
 
 
 class _CudaGen(_Gen):

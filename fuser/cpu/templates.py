@@ -5,6 +5,10 @@ ABI of every CPU kernel (one ctypes signature for all):
 void* const* ptrs, const double* scalars)``
 ``sizes``: the compressed map dims; ``strides``: ``rank`` strides (in elements) per strided input, in input
 order; ``ptrs``: inputs then outputs; ``scalars``: the float arguments.
+
+Two kinds of kernel: scalar loops over the C prelude (``KERNEL``), and vector loops over ATen's
+``at::vec::Vectorized`` (``VECTOR_KERNEL``), which include ``VECTOR_HEADER`` (precompiled once by
+``fuser.cpu.compiler``) and keep a scalar loop for each row's tail.
 """
 from string import Template
 
@@ -105,11 +109,8 @@ LOOP_FLAT = Template(r"""#pragma omp parallel for schedule(static) if (numel >= 
 ${body}
   }""")
 
-# strided inputs: one divmod walk over the outer dims per row of the innermost dim, not per element
-LOOP_ROWS = Template(r"""  const int64_t inner = sizes[rank - 1], rows = numel / inner;
-#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
-  for (int64_t row = 0; row < rows; ++row) {
-    int64_t ${bases};
+# the offsets of a row's first element: one divmod walk over the outer dims
+ROW_BASES = r"""    int64_t ${bases};
     {
       int64_t r = row;
       for (int64_t d = rank - 2; d >= 0; --d) {
@@ -118,7 +119,199 @@ LOOP_ROWS = Template(r"""  const int64_t inner = sizes[rank - 1], rows = numel /
 ${accumulate}
       }
     }
-    for (int64_t j = 0; j < inner; ++j) {
+"""
+
+# strided inputs: one divmod walk over the outer dims per row of the innermost dim, not per element
+LOOP_ROWS = Template(r"""  const int64_t inner = sizes[rank - 1], rows = numel / inner;
+#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
+  for (int64_t row = 0; row < rows; ++row) {
+""" + ROW_BASES + r"""    for (int64_t j = 0; j < inner; ++j) {
+      const int64_t i = row * inner + j;
+${offsets}
+${body}
+    }
+  }""")
+
+# ------------------------------------------------------------------------------------------ the vector path
+
+VECTOR_HEADER_NAME = "fuser_cpu_vec.h"
+VECTOR_INCLUDE = f'#include "{VECTOR_HEADER_NAME}"'
+
+# What VECTOR_HEADER overloads for fz_vf and fz_vd: a scalar expression of the op table that calls only these
+# (besides arithmetic, its operands and constants) compiles on vectors unchanged (fuser.codegen checks it).
+VECTOR_FUNCTIONS = frozenset("""
+    fabsf fabs acosf acos asinf asin atanf atan ceilf ceil cosf cos coshf cosh expf exp expm1f expm1 erff erf
+    erfcf erfc floorf floor truncf trunc lgammaf lgamma logf log log10f log10 log1pf log1p log2f log2
+    nearbyintf nearbyint sinf sin sinhf sinh sqrtf sqrt tanf tan tanhf tanh atan2f atan2 fmodf fmod powf pow
+    fmaf fma fz_max fz_min fz_remainder fz_pow_scalar fz_vsel fz_vround
+""".split())
+
+VECTOR_HEADER = r"""// fuser CPU vector header: ATen's at::vec::Vectorized, whose transcendental functions are the SLEEF ones
+// eager's vector loops call, and the scalar prelude. The C math functions and fuser's helpers are overloaded
+// for vectors (fz_vf: floats, fz_vd: doubles), so an op's scalar expression compiles on vectors unchanged.
+#ifndef FUSER_CPU_VEC_H
+#define FUSER_CPU_VEC_H
+#include <ATen/cpu/vec/vec.h>
+""" + PRELUDE + r"""
+typedef at::vec::Vectorized<float> fz_vf;
+typedef at::vec::Vectorized<double> fz_vd;
+#define FZ_VFN static inline
+
+// comparisons with a scalar on either side (at::vec takes scalars in + - * / only): lanes of all-one bits
+#define FZ_VCMP(V, S, op) \
+  FZ_VFN V operator op(const V& a, S b) { return a op V(b); } \
+  FZ_VFN V operator op(S a, const V& b) { return V(a) op b; }
+#define FZ_VCMPS(V, S) FZ_VCMP(V, S, <) FZ_VCMP(V, S, <=) FZ_VCMP(V, S, >) FZ_VCMP(V, S, >=) \
+  FZ_VCMP(V, S, ==) FZ_VCMP(V, S, !=)
+FZ_VCMPS(fz_vf, float)
+FZ_VCMPS(fz_vd, double)
+// arithmetic with a scalar as non-template overloads: a float constant converts to a double vector's lanes
+#define FZ_VARITH(V, S, op) FZ_VCMP(V, S, op)
+#define FZ_VARITHS(V, S) FZ_VARITH(V, S, +) FZ_VARITH(V, S, -) FZ_VARITH(V, S, *) FZ_VARITH(V, S, /)
+FZ_VARITHS(fz_vf, float)
+FZ_VARITHS(fz_vd, double)
+
+// both spellings of each C function for both vector types, so one vector expression serves both families
+#define FZ_V1(fn, fnf, method) \
+  FZ_VFN fz_vf fn(const fz_vf& a) { return a.method(); } FZ_VFN fz_vd fn(const fz_vd& a) { return a.method(); } \
+  FZ_VFN fz_vf fnf(const fz_vf& a) { return a.method(); } FZ_VFN fz_vd fnf(const fz_vd& a) { return a.method(); }
+#define FZ_V2(fn, fnf, method) \
+  FZ_VFN fz_vf fn(const fz_vf& a, const fz_vf& b) { return a.method(b); } \
+  FZ_VFN fz_vd fn(const fz_vd& a, const fz_vd& b) { return a.method(b); } \
+  FZ_VFN fz_vf fnf(const fz_vf& a, const fz_vf& b) { return a.method(b); } \
+  FZ_VFN fz_vd fnf(const fz_vd& a, const fz_vd& b) { return a.method(b); }
+FZ_V1(fabs, fabsf, abs) FZ_V1(acos, acosf, acos) FZ_V1(asin, asinf, asin) FZ_V1(atan, atanf, atan)
+FZ_V1(ceil, ceilf, ceil) FZ_V1(cos, cosf, cos) FZ_V1(cosh, coshf, cosh) FZ_V1(exp, expf, exp)
+FZ_V1(expm1, expm1f, expm1) FZ_V1(erfc, erfcf, erfc) FZ_V1(floor, floorf, floor) FZ_V1(trunc, truncf, trunc)
+FZ_V1(lgamma, lgammaf, lgamma) FZ_V1(log, logf, log) FZ_V1(log10, log10f, log10) FZ_V1(log1p, log1pf, log1p)
+FZ_V1(log2, log2f, log2) FZ_V1(nearbyint, nearbyintf, round) FZ_V1(sin, sinf, sin) FZ_V1(sinh, sinhf, sinh)
+FZ_V1(sqrt, sqrtf, sqrt) FZ_V1(tan, tanf, tan) FZ_V1(tanh, tanhf, tanh)
+FZ_V2(atan2, atan2f, atan2) FZ_V2(fmod, fmodf, fmod) FZ_V2(pow, powf, pow)
+// erf: at::vec's float erf is an approximation (1.5e-7 absolute error: 1e-3 relative near 0); SLEEF's is 1 ulp
+#if defined(CPU_CAPABILITY_AVX512)
+#define FZ_SLEEF_ERFF Sleef_erff16_u10
+#else
+#define FZ_SLEEF_ERFF Sleef_erff8_u10
+#endif
+FZ_VFN fz_vf erff(const fz_vf& a) { return fz_vf(FZ_SLEEF_ERFF(a)); }
+FZ_VFN fz_vf erf(const fz_vf& a) { return erff(a); }
+FZ_VFN fz_vd erf(const fz_vd& a) { return a.erf(); }
+FZ_VFN fz_vd erff(const fz_vd& a) { return a.erf(); }
+FZ_VFN fz_vf fmaf(const fz_vf& a, const fz_vf& b, const fz_vf& c) { return at::vec::fmadd(a, b, c); }
+FZ_VFN fz_vf fma(const fz_vf& a, const fz_vf& b, const fz_vf& c) { return at::vec::fmadd(a, b, c); }
+FZ_VFN fz_vd fma(const fz_vd& a, const fz_vd& b, const fz_vd& c) { return at::vec::fmadd(a, b, c); }
+FZ_VFN fz_vd fmaf(const fz_vd& a, const fz_vd& b, const fz_vd& c) { return at::vec::fmadd(a, b, c); }
+
+// c ? t : f, lane by lane (c: a comparison's mask)
+template <class V> FZ_VFN V fz_vsel(const V& c, const V& t, const V& f) { return V::blendv(f, t, c); }
+// the scalar helpers' semantics exactly: NaN-propagating, the first operand on a tie (-0.0 vs +0.0)
+template <class V> FZ_VFN V fz_vmax(const V& a, const V& b) { return fz_vsel((a != a) | (a >= b), a, b); }
+template <class V> FZ_VFN V fz_vmin(const V& a, const V& b) { return fz_vsel((a != a) | (a <= b), a, b); }
+FZ_VFN fz_vf fz_max(const fz_vf& a, const fz_vf& b) { return fz_vmax(a, b); }
+FZ_VFN fz_vd fz_max(const fz_vd& a, const fz_vd& b) { return fz_vmax(a, b); }
+FZ_VFN fz_vf fz_min(const fz_vf& a, const fz_vf& b) { return fz_vmin(a, b); }
+FZ_VFN fz_vd fz_min(const fz_vd& a, const fz_vd& b) { return fz_vmin(a, b); }
+template <class V> FZ_VFN V fz_vremainder(const V& a, const V& b) {
+  const V m = a.fmod(b), zero(0);
+  return fz_vsel((m != zero) & ((b < zero) ^ (m < zero)), m + b, m);
+}
+FZ_VFN fz_vf fz_remainder(const fz_vf& a, const fz_vf& b) { return fz_vremainder(a, b); }
+FZ_VFN fz_vd fz_remainder(const fz_vd& a, const fz_vd& b) { return fz_vremainder(a, b); }
+template <class V> FZ_VFN V fz_vpow_scalar(const V& a, const V& b) {
+  return fz_vsel(b == V(0.5), a.sqrt(), fz_vsel(b == V(-0.5), V(1) / a.sqrt(), a.pow(b)));
+}
+FZ_VFN fz_vf fz_pow_scalar(const fz_vf& a, const fz_vf& b) { return fz_vpow_scalar(a, b); }
+FZ_VFN fz_vd fz_pow_scalar(const fz_vd& a, const fz_vd& b) { return fz_vpow_scalar(a, b); }
+
+// one vector of elements from memory and back, converting float16/bfloat16 (fz_half/fz_bf16 have c10's layout)
+FZ_VFN fz_vf fz_vload(const float* p) { return fz_vf::loadu(p); }
+FZ_VFN fz_vd fz_vload(const double* p) { return fz_vd::loadu(p); }
+FZ_VFN fz_vf fz_vload(const fz_bf16* p) {
+  fz_vf v; at::vec::load_fp32_from_bf16(reinterpret_cast<const c10::BFloat16*>(p), v); return v;
+}
+FZ_VFN fz_vf fz_vload(const fz_half* p) {
+  fz_vf v; at::vec::load_fp32_from_fp16(reinterpret_cast<const c10::Half*>(p), v); return v;
+}
+FZ_VFN void fz_vstore(float* p, const fz_vf& v) { v.store(p); }
+FZ_VFN void fz_vstore(double* p, const fz_vd& v) { v.store(p); }
+#if defined(CPU_CAPABILITY_AVX512)
+FZ_VFN void fz_vstore(fz_bf16* p, const fz_vf& v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), at::vec::cvtfp32_bf16(__m512(v)));
+}
+FZ_VFN void fz_vstore(fz_half* p, const fz_vf& v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), at::vec::cvtfp32_fp16(__m512(v)));
+}
+#else
+FZ_VFN void fz_vstore(fz_bf16* p, const fz_vf& v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), at::vec::cvtfp32_bf16(__m256(v)));
+}
+FZ_VFN void fz_vstore(fz_half* p, const fz_vf& v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), at::vec::cvtfp32_fp16(__m256(v)));
+}
+#endif
+// a vector rounded to storage type S and back (what a scalar fz_ld(fz_st<S>(x)) does to each element)
+template <class S, class V> FZ_VFN V fz_vround(const V& v) {
+  S tmp[V::size()];
+  fz_vstore(tmp, v);
+  return fz_vload(tmp);
+}
+template <> inline fz_vf fz_vround<float, fz_vf>(const fz_vf& v) { return v; }
+template <> inline fz_vd fz_vround<double, fz_vd>(const fz_vd& v) { return v; }
+// elements `stride` apart (a strided operand's innermost dim)
+template <class S> FZ_VFN auto fz_vgather(const S* p, int64_t stride) -> decltype(fz_vload(p)) {
+  S tmp[decltype(fz_vload(p))::size()];
+  for (int k = 0; k < decltype(fz_vload(p))::size(); ++k) tmp[k] = p[k * stride];
+  return fz_vload(tmp);
+}
+template <class S, class V> FZ_VFN void fz_vscatter(S* p, int64_t stride, const V& v) {
+  S tmp[V::size()];
+  fz_vstore(tmp, v);
+  for (int k = 0; k < V::size(); ++k) p[k * stride] = tmp[k];
+}
+#endif
+"""
+
+VECTOR_KERNEL = Template(r"""// fuser CPU kernel ${name} (vector loops over at::vec, a scalar loop for the tails)
+${include}
+${rng}
+extern "C" void ${name}(int64_t numel, int64_t rank, const int64_t* sizes, const int64_t* strides,
+                        void* const* ptrs, const double* scalars) {
+  (void)rank; (void)sizes; (void)strides; (void)scalars;
+  typedef ${vtype} fz_v;
+  const int64_t W = fz_v::size();
+  (void)W;
+${params}
+${hoisted}
+${loop}
+}
+""")
+
+# every input dense or a broadcast scalar: the vectors split across threads, the tail after them
+VECTOR_LOOP_FLAT = Template(r"""  const int64_t nvec = numel / W;
+#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
+  for (int64_t v = 0; v < nvec; ++v) {
+    const int64_t i = v * W;
+${vbody}
+  }
+  for (int64_t i = nvec * W; i < numel; ++i) {
+${body}
+  }""")
+
+# strided operands: tasks of up to ${chunk} elements of one row (rows can be few and long), each a vector loop
+# and a scalar tail; one divmod walk over the outer dims per task
+VECTOR_LOOP_ROWS = Template(r"""  const int64_t inner = sizes[rank - 1], rows = numel / inner;
+  const int64_t chunks = (inner + ${chunk} - 1) / ${chunk};
+#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
+  for (int64_t task = 0; task < rows * chunks; ++task) {
+    const int64_t row = task / chunks, j0 = (task - row * chunks) * ${chunk};
+    const int64_t j1 = inner - j0 < ${chunk} ? inner : j0 + ${chunk};
+""" + ROW_BASES + r"""    int64_t j = j0;
+    for (; j + W <= j1; j += W) {
+      const int64_t i = row * inner + j;
+${offsets}
+${vbody}
+    }
+    for (; j < j1; ++j) {
       const int64_t i = row * inner + j;
 ${offsets}
 ${body}
