@@ -187,6 +187,10 @@ _OPS: list[OpDef] = [
                 "(0.5 * $a * (1.0 + tanh(0.79788456080286535588 * ($a + 0.044715 * $a * $a * $a))))"),
         },
         variant_arg=1,
+        # eager's CPU kernels (scalar and vector) are compiled with contraction: x + 0.044715 * x^3 is one fma there
+        targets={"cpu": {"tanh": Exprs(
+            "(0.5f * $a * (1.f + tanhf(0.79788456080286535f * fmaf(0.044715f, $a * $a * $a, $a))))",
+            "(0.5 * $a * (1.0 + tanh(0.79788456080286535588 * fma(0.044715, $a * $a * $a, $a))))")}},
         # 0.5 * (1 + tanh(u)) == sigmoid(2u): no cancellation in the negative tail, and about half the work. Below
         # u = -9 eager's own form, as its CUDA kernel writes it: its tanhf(u) reaches -1 near u = -9.01 and the
         # result is then a zero (which a later inf * 0 turns into NaN, the fuzzer found), where sigmoid(2u) would

@@ -197,10 +197,30 @@ FZ_VFN fz_vf erff(const fz_vf& a) { return fz_vf(FZ_SLEEF_ERFF(a)); }
 FZ_VFN fz_vf erf(const fz_vf& a) { return erff(a); }
 FZ_VFN fz_vd erf(const fz_vd& a) { return a.erf(); }
 FZ_VFN fz_vd erff(const fz_vd& a) { return a.erf(); }
-FZ_VFN fz_vf fmaf(const fz_vf& a, const fz_vf& b, const fz_vf& c) { return at::vec::fmadd(a, b, c); }
-FZ_VFN fz_vf fma(const fz_vf& a, const fz_vf& b, const fz_vf& c) { return at::vec::fmadd(a, b, c); }
-FZ_VFN fz_vd fma(const fz_vd& a, const fz_vd& b, const fz_vd& c) { return at::vec::fmadd(a, b, c); }
-FZ_VFN fz_vd fmaf(const fz_vd& a, const fz_vd& b, const fz_vd& c) { return at::vec::fmadd(a, b, c); }
+// lane 0; whether every lane of a vector is x, known when the kernel compiles (a broadcast constant after inlining)
+template <class R, size_t... K> FZ_VFN bool fz_known_lanes(const R& r, double x, std::index_sequence<K...>) {
+  return __builtin_constant_p(((r[K] == x) && ...)) && ((r[K] == x) && ...);
+}
+#if defined(CPU_CAPABILITY_AVX512)
+FZ_VFN float fz_vfirst(const fz_vf& v) { return _mm512_cvtss_f32(v); }
+FZ_VFN double fz_vfirst(const fz_vd& v) { return _mm512_cvtsd_f64(v); }
+FZ_VFN bool fz_vknown(const fz_vf& v, double x) { return fz_known_lanes(__m512(v), x, std::make_index_sequence<16>()); }
+FZ_VFN bool fz_vknown(const fz_vd& v, double x) { return fz_known_lanes(__m512d(v), x, std::make_index_sequence<8>()); }
+#else
+FZ_VFN float fz_vfirst(const fz_vf& v) { return _mm256_cvtss_f32(v); }
+FZ_VFN double fz_vfirst(const fz_vd& v) { return _mm256_cvtsd_f64(v); }
+FZ_VFN bool fz_vknown(const fz_vf& v, double x) { return fz_known_lanes(__m256(v), x, std::make_index_sequence<8>()); }
+FZ_VFN bool fz_vknown(const fz_vd& v, double x) { return fz_known_lanes(__m256d(v), x, std::make_index_sequence<4>()); }
+#endif
+// fma(1, b, c) is b + c and fma(-1, b, c) is c - b exactly (add and sub with alpha 1): an add's latency, not an
+// fma's, where the chain of a kernel's ops is what takes the time
+template <class V> FZ_VFN V fz_vfma(const V& a, const V& b, const V& c) {
+  return fz_vknown(a, 1) ? c + b : fz_vknown(a, -1) ? c - b : at::vec::fmadd(a, b, c);
+}
+FZ_VFN fz_vf fmaf(const fz_vf& a, const fz_vf& b, const fz_vf& c) { return fz_vfma(a, b, c); }
+FZ_VFN fz_vf fma(const fz_vf& a, const fz_vf& b, const fz_vf& c) { return fz_vfma(a, b, c); }
+FZ_VFN fz_vd fma(const fz_vd& a, const fz_vd& b, const fz_vd& c) { return fz_vfma(a, b, c); }
+FZ_VFN fz_vd fmaf(const fz_vd& a, const fz_vd& b, const fz_vd& c) { return fz_vfma(a, b, c); }
 
 // c ? t : f, lane by lane (c: a comparison's mask)
 template <class V> FZ_VFN V fz_vsel(const V& c, const V& t, const V& f) { return V::blendv(f, t, c); }
@@ -217,8 +237,12 @@ template <class V> FZ_VFN V fz_vremainder(const V& a, const V& b) {
 }
 FZ_VFN fz_vf fz_remainder(const fz_vf& a, const fz_vf& b) { return fz_vremainder(a, b); }
 FZ_VFN fz_vd fz_remainder(const fz_vd& a, const fz_vd& b) { return fz_vremainder(a, b); }
+// eager's CPU kernel takes these exponents apart: 2 and 3 as products, -1 and -2 as reciprocals, +-0.5 as roots
+// (b is a Scalar's broadcast: one test of its first lane, folded away for a constant)
 template <class V> FZ_VFN V fz_vpow_scalar(const V& a, const V& b) {
-  return fz_vsel(b == V(0.5), a.sqrt(), fz_vsel(b == V(-0.5), V(1) / a.sqrt(), a.pow(b)));
+  const auto e = fz_vfirst(b);
+  return e == 2 ? a * a : e == 3 ? a * a * a : e == 0.5 ? a.sqrt() : e == -0.5 ? V(1) / a.sqrt()
+       : e == -1 ? V(1) / a : e == -2 ? V(1) / (a * a) : a.pow(b);
 }
 FZ_VFN fz_vf fz_pow_scalar(const fz_vf& a, const fz_vf& b) { return fz_vpow_scalar(a, b); }
 FZ_VFN fz_vd fz_pow_scalar(const fz_vd& a, const fz_vd& b) { return fz_vpow_scalar(a, b); }
@@ -286,19 +310,25 @@ ${loop}
 }
 """)
 
-# every input dense or a broadcast scalar: the vectors split across threads, the tail after them
-VECTOR_LOOP_FLAT = Template(r"""  const int64_t nvec = numel / W;
+# every input dense or a broadcast scalar: trips of ${copies} vectors split across threads, then single vectors
+# and the scalar tail
+VECTOR_LOOP_FLAT = Template(r"""  const int64_t trip = ${copies} * W, trips = numel / trip;
 #pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
-  for (int64_t v = 0; v < nvec; ++v) {
-    const int64_t i = v * W;
+  for (int64_t t = 0; t < trips; ++t) {
+    const int64_t i = t * trip;
+${wide}
+  }
+  int64_t i0 = trips * trip;
+  for (; i0 + W <= numel; i0 += W) {
+    const int64_t i = i0;
 ${vbody}
   }
-  for (int64_t i = nvec * W; i < numel; ++i) {
+  for (int64_t i = i0; i < numel; ++i) {
 ${body}
   }""")
 
-# strided operands: tasks of up to ${chunk} elements of one row (rows can be few and long), each a vector loop
-# and a scalar tail; one divmod walk over the outer dims per task
+# strided operands: tasks of up to ${chunk} elements of one row (rows can be few and long), each trips of
+# ${copies} vectors, then single vectors and a scalar tail; one divmod walk over the outer dims per task
 VECTOR_LOOP_ROWS = Template(r"""  const int64_t inner = sizes[rank - 1], rows = numel / inner;
   const int64_t chunks = (inner + ${chunk} - 1) / ${chunk};
 #pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
@@ -306,6 +336,11 @@ VECTOR_LOOP_ROWS = Template(r"""  const int64_t inner = sizes[rank - 1], rows = 
     const int64_t row = task / chunks, j0 = (task - row * chunks) * ${chunk};
     const int64_t j1 = inner - j0 < ${chunk} ? inner : j0 + ${chunk};
 """ + ROW_BASES + r"""    int64_t j = j0;
+    for (; j + ${copies} * W <= j1; j += ${copies} * W) {
+      const int64_t i = row * inner + j;
+${offsets}
+${wide}
+    }
     for (; j + W <= j1; j += W) {
       const int64_t i = row * inner + j;
 ${offsets}
