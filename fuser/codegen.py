@@ -193,11 +193,11 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
                 raise NotFusable(f"{op.name} with tensor options {options_given}")
             consts = {"r": str(n_random), "bits": str(rng.BITS.get(nt.result, 53)), "T": compute_type(nt.compute)}
             n_random += 1
-            vector.stop()
             out = node.output()
             rtype = compute_type(nt.result)
             vname[out.unique()], vtype[out.unique()], vdtype[out.unique()] = f"v{j}", rtype, nt.result
             body.append(f"const {rtype} v{j} = ({rtype})({tmpl.substitute(consts)});")
+            vector.add(node, op, variant, nt, consts, vname, vdtype, f"v{j}")
             continue
         for i, v in enumerate(node.inputs()):
             if i == op.variant_arg:
@@ -293,21 +293,22 @@ def vector_template(op: ops.OpDef, variant: Optional[str], fam: str) -> Optional
 
 class _CpuVector:
     """The CPU vector path's lines, built beside the scalar ones: every value a vector of the group's one compute
-    type (float for float16/bfloat16/float32, or double), constants and float arguments broadcast. Off for good
-    once a node or an operand has no vector form (a random op, integers, bools, mixed compute types): the kernel
-    then keeps the scalar loop alone.
+    type (float for float16/bfloat16/float32, or double), constants and float arguments broadcast, bools masks of
+    that type (lanes of all-one bits, as comparisons give them). Off for good once a node or an operand has no
+    vector form (integers, mixed compute types): the kernel then keeps the scalar loop alone.
 
     Lines come in copies (``_0``, ``_1``... after every value's name), one per vector of a loop trip, interleaved op
     by op: the copies' independent chains keep the core busy through each other's latencies (SLEEF calls)."""
 
     def __init__(self, inputs: Sequence[TensorDesc], target: str, options: KernelOptions):
-        ctypes_ = {compute_type(d.dtype) for d in inputs}
+        ctypes_ = {compute_type(d.dtype) for d in inputs if d.dtype != torch.bool}
         self.ctype = ctypes_.pop() if len(ctypes_) == 1 else None
         self.on = target == "cpu" and options.vectorize and self.ctype in VECTOR_TYPES
         self.vtype = VECTOR_TYPES.get(self.ctype)
-        # per node: (result name, template, its arguments with every group value as (name, rounded to or None))
+        self.masks = {f"x{k}" for k, d in enumerate(inputs) if d.dtype == torch.bool}  # values that are masks
+        # per node: (result name, template, its arguments with every group value as a _ref tuple)
         self.nodes: list[tuple[str, string.Template, dict]] = []
-        self.outputs: list[tuple[str, Optional[str]]] = []
+        self.outputs: list[tuple] = []
 
     def stop(self) -> None:
         self.on = False
@@ -318,11 +319,12 @@ class _CpuVector:
             return
         ctype, vt = self.ctype, self.vtype
         tmpl = vector_template(op, variant, family(nt.compute))
-        if tmpl is None or compute_type(nt.compute) != ctype or compute_type(nt.result) != ctype:
+        mask = nt.result == torch.bool and op.compute == "common"  # a comparison
+        if tmpl is None or compute_type(nt.compute) != ctype or (compute_type(nt.result) != ctype and not mask):
             return self.stop()
         args: dict = dict(consts, T=vt)
         for i, v in enumerate(node.inputs()):
-            if i == op.variant_arg or i >= len(ops.ARG_NAMES):
+            if op.random or i == op.variant_arg or i >= len(ops.ARG_NAMES):
                 continue
             arg = ops.ARG_NAMES[i]
             if v.node().kind() == "prim::Constant" or vdtype[v.unique()] is None:  # broadcast
@@ -330,29 +332,40 @@ class _CpuVector:
                     if key in consts:
                         args[key] = f"{vt}({consts[key]})"
                 continue
-            # a value of the group: already of the compute type; rounded to it where the scalar line rounds
+            # a value of the group, already of the compute type (rounded to it where the scalar line rounds), or
+            # a mask: as it is where the op keeps the operand's type (where's condition), else as 1 or 0
             name_, st = vname[v.unique()], storage_type(nt.compute)
             forms = {name_: None, f"(({ctype}){name_})": None, f"fz_ld(fz_st<{st}>(({ctype}){name_}))": st}
-            if consts.get(arg) not in forms:
+            if consts.get(arg) not in forms or (name_ in self.masks and forms[consts[arg]] is not None):
                 return self.stop()
-            args[arg] = (name_, forms[consts[arg]])
+            args[arg] = (name_, forms[consts[arg]], name_ in self.masks and i not in op.keep_args)
+        if mask:
+            self.masks.add(out)
         self.nodes.append((out, tmpl, args))
 
     def finish(self, graph, out_dtypes, vname: dict, vdtype: dict) -> Optional["_CpuVector"]:
         """This, with the kernel outputs set; None: no vector path."""
-        if not self.on or any(compute_type(dt) != self.ctype for dt in out_dtypes):
+        if not self.on:
             return None
         # kernel outputs in the scalar loop's order; a cat piece of another dtype is stored in its own dtype first
         pieces = [p for o in graph.outputs()
                   for p in ([o] if o.node().kind() != "aten::cat" else o.node().inputsAt(0).node().inputs())]
-        self.outputs = [(vname[p.unique()], None if vdtype[p.unique()] == dt else storage_type(vdtype[p.unique()]))
-                        for p, dt in zip(pieces, out_dtypes)]
+        for p, dt in zip(pieces, out_dtypes):
+            name_, is_mask = vname[p.unique()], vname[p.unique()] in self.masks
+            if dt == torch.bool and is_mask:  # stored as bools
+                self.outputs.append((name_, None, False))
+            elif compute_type(dt) == self.ctype:
+                self.outputs.append((name_, None if is_mask or vdtype[p.unique()] == dt
+                                     else storage_type(vdtype[p.unique()]), is_mask))
+            else:
+                return None
         return self
 
     @staticmethod
     def value(ref: tuple, copy: int) -> str:
-        name_, rounded = ref
-        return f"{name_}_{copy}" if rounded is None else f"fz_vround<{rounded}>({name_}_{copy})"
+        name_, rounded, mask_value = ref
+        v = f"{name_}_{copy}"
+        return f"fz_vmask_value({v})" if mask_value else v if rounded is None else f"fz_vround<{rounded}>({v})"
 
     def lines(self, copies: int) -> list[str]:
         """The ops on ``copies`` vectors, interleaved op by op."""
@@ -361,7 +374,8 @@ class _CpuVector:
             for c in range(copies):
                 subs = {k: self.value(a, c) if isinstance(a, tuple) else a for k, a in args.items()}
                 subs.update({"n" + k: f"(-{subs[k]})" for k, a in args.items() if isinstance(a, tuple)})
-                out.append(f"const {self.vtype} {name_}_{c} = {tmpl.substitute(subs)};")
+                index = f"(unsigned long long)(i + {c} * W)" if c else "(unsigned long long)(i)"
+                out.append(f"const {self.vtype} {name_}_{c} = {tmpl.substitute(subs).replace('@IDX@', index)};")
         return out
 
     def output(self, m: int, copy: int) -> str:
@@ -463,7 +477,8 @@ class _CpuGen(_Gen):
         offsets = [f"const int64_t {name} = base{j} + j * st{j}[rank - 1];" for j, name in enumerate(self.offset_names)]
         if self.vector is not None:
             vtype, wide, vbody = self.vector.vtype, self.vector_body(CPU_VECTORS_PER_TRIP), self.vector_body(1)
-            hoisted += [f"const fz_v xs{k} = fz_v(x{k});" for k, d in enumerate(self.inputs) if d.layout == SCALAR]
+            hoisted += [f"const fz_v xs{k} = {f'fz_vload_mask<fz_v>(t{k}, 0)' if d.dtype == torch.bool else f'fz_v(x{k})'};"
+                        for k, d in enumerate(self.inputs) if d.layout == SCALAR]
             if self.offset_names:
                 loop = cpu_t.VECTOR_LOOP_ROWS.substitute(
                     rows, chunk=CPU_ROW_CHUNK, copies=CPU_VECTORS_PER_TRIP, offsets=self.block(offsets, "      "),
@@ -494,17 +509,26 @@ class _CpuGen(_Gen):
             for c in range(copies):
                 step = f" + {c} * W" if c else ""
                 st = stride.get(f"off{k}")
-                load = {DENSE: f"fz_vload(t{k} + i{step})", SCALAR: f"xs{k}",
-                        ROWS: f"fz_vload(t{k} + off{k}{step})", REPEAT: f"fz_v(fz_ld(t{k}[off{k}]))",
-                        STRIDED: f"fz_vgather(t{k} + off{k}{step and f'{step} * {st}'}, {st})"}[d.layout]
+                at = {DENSE: f"t{k} + i{step}", ROWS: f"t{k} + off{k}{step}", REPEAT: f"t{k} + off{k}",
+                      STRIDED: f"t{k} + off{k}{step and f'{step} * {st}'}", SCALAR: f"t{k}"}[d.layout]
+                if d.layout == SCALAR:
+                    load = f"xs{k}"
+                elif d.dtype == torch.bool:  # a mask
+                    load = f"fz_vload_mask<fz_v>({at}, { {DENSE: 1, ROWS: 1, REPEAT: 0}.get(d.layout, st)})"
+                else:
+                    load = {DENSE: f"fz_vload({at})", ROWS: f"fz_vload({at})", REPEAT: f"fz_v(fz_ld(t{k}[off{k}]))",
+                            STRIDED: f"fz_vgather({at}, {st})"}[d.layout]
                 lines.append(f"const fz_v x{k}_{c} = {load};")
         lines += self.vector.lines(copies)
         for m, lay in enumerate(self.out_layouts):
             for c in range(copies):
                 step, o, st = f" + {c} * W" if c else "", self.vector.output(m, c), stride.get(f"ooff{m}")
-                lines.append({DENSE: f"fz_vstore(o{m} + i{step}, {o});",
-                              ROWS: f"fz_vstore(o{m} + ooff{m}{step}, {o});",
-                              STRIDED: f"fz_vscatter(o{m} + ooff{m}{step and f'{step} * {st}'}, {st}, {o});"}[lay])
+                at = {DENSE: f"o{m} + i{step}", ROWS: f"o{m} + ooff{m}{step}",
+                      STRIDED: f"o{m} + ooff{m}{step and f'{step} * {st}'}"}[lay]
+                if self.out_dtypes[m] == torch.bool:  # a mask
+                    lines.append(f"fz_vstore_mask({at}, {1 if lay != STRIDED else st}, {o});")
+                else:
+                    lines.append(f"fz_vstore({at}, {o});" if lay != STRIDED else f"fz_vscatter({at}, {st}, {o});")
         return lines
 
 

@@ -279,7 +279,8 @@ _OPS: list[OpDef] = [
                     "aten::where.ScalarOther(Tensor condition, Tensor self, Scalar other) -> Tensor",
                     "aten::where.ScalarSelf(Tensor condition, Scalar self, Tensor other) -> Tensor",
                     "aten::where.Scalar(Tensor condition, Scalar self, Scalar other) -> Tensor"),
-          {None: Exprs("($a ? $b : $c)", "($a ? $b : $c)", "($a ? $b : $c)")}, keep_args=(0,)),
+          {None: Exprs("($a ? $b : $c)", "($a ? $b : $c)", "($a ? $b : $c)", v="fz_vsel($a, $b, $c)")},
+          keep_args=(0,)),
     OpDef("type_as", ("aten::type_as(Tensor self, Tensor other) -> Tensor",),
           {None: Exprs("$a", "$a", "$a")}, aliases_input=True, shape_args=(0,)),
     # Scalar and Tensor bounds are two entries: on CUDA a NaN Scalar bound is ignored where it is the only one
@@ -315,7 +316,8 @@ _OPS: list[OpDef] = [
                        v="fz_vsel(fabsf($c) < 0.5f, fmaf($c, $b - $a, $a), fmaf(-($b - $a), 1.f - $c, $b))")}),
     OpDef("rand_like", ("aten::rand_like(Tensor self, *, ScalarType? dtype=None, Layout? layout=None, "
                         "Device? device=None, bool? pin_memory=None, MemoryFormat? memory_format=None) -> Tensor",),
-          {None: Exprs("fz_uniform_f(fz_rs, $r, @IDX@, $bits)", "fz_uniform_d(fz_rs, $r, @IDX@)")}, random=True),
+          {None: Exprs("fz_uniform_f(fz_rs, $r, @IDX@, $bits)", "fz_uniform_d(fz_rs, $r, @IDX@)",
+                       v="fz_vuniform($T(), fz_rs, $r, @IDX@, $bits)")}, random=True),
     OpDef("cat", ("aten::cat(Tensor[] tensors, int dim=0) -> Tensor",), {}, concat=True),
     OpDef("addcmul", ("aten::addcmul(Tensor self, Tensor tensor1, Tensor tensor2, *, Scalar value=1) -> Tensor",),
           # CPU eager: fma(value * tensor1, tensor2, self); CUDA eager: self + value * (tensor1 * tensor2), which

@@ -143,7 +143,7 @@ VECTOR_FUNCTIONS = frozenset("""
     fabsf fabs acosf acos asinf asin atanf atan ceilf ceil cosf cos coshf cosh expf exp expm1f expm1 erff erf
     erfcf erfc floorf floor truncf trunc lgammaf lgamma logf log log10f log10 log1pf log1p log2f log2
     nearbyintf nearbyint sinf sin sinhf sinh sqrtf sqrt tanf tan tanhf tanh atan2f atan2 fmodf fmod powf pow
-    fmaf fma fz_max fz_min fz_remainder fz_pow_scalar fz_vsel fz_vround
+    fmaf fma fz_max fz_min fz_remainder fz_pow_scalar fz_vsel fz_vround fz_vuniform
 """.split())
 
 VECTOR_HEADER = r"""// fuser CPU vector header: ATen's at::vec::Vectorized, whose transcendental functions are the SLEEF ones
@@ -291,6 +291,79 @@ template <class S, class V> FZ_VFN void fz_vscatter(S* p, int64_t stride, const 
   S tmp[V::size()];
   fz_vstore(tmp, v);
   for (int k = 0; k < V::size(); ++k) p[k * stride] = tmp[k];
+}
+
+// bools on the vector path are masks: lanes of all-one bits (what comparisons give) or zero
+template <class V> FZ_VFN V fz_vmask_value(const V& m) { return m & V(1); }  // a bool as 1 or 0
+template <class V> FZ_VFN V fz_vload_mask(const bool* p, int64_t stride) {
+  typename V::value_type tmp[V::size()];
+  for (int k = 0; k < V::size(); ++k) tmp[k] = p[k * stride] ? 1 : 0;
+  return V::loadu(tmp) != V(0);
+}
+template <class V> FZ_VFN void fz_vstore_mask(bool* p, int64_t stride, const V& m) {
+  typename V::value_type tmp[V::size()];
+  fz_vmask_value(m).store(tmp);
+  for (int k = 0; k < V::size(); ++k) p[k * stride] = tmp[k] != 0;
+}
+
+// rand_like on vectors: the scalar fz_philox_at's numbers (fuser/rng.py) for a vector of elements at once
+#if defined(CPU_CAPABILITY_AVX512)
+typedef __m512i fz_vu32;
+FZ_VFN fz_vu32 fz_vset1(unsigned int k) { return _mm512_set1_epi32((int)k); }
+FZ_VFN fz_vu32 fz_vxor(fz_vu32 a, fz_vu32 b) { return _mm512_xor_si512(a, b); }
+FZ_VFN fz_vu32 fz_vmullo(fz_vu32 x, unsigned int k) { return _mm512_mullo_epi32(x, fz_vset1(k)); }
+FZ_VFN fz_vu32 fz_vmulhi(fz_vu32 x, unsigned int k) {  // even lanes' products, then odd lanes'
+  const fz_vu32 even = _mm512_srli_epi64(_mm512_mul_epu32(x, fz_vset1(k)), 32);
+  return _mm512_mask_blend_epi32(0xAAAA, even, _mm512_mul_epu32(_mm512_srli_epi64(x, 32), fz_vset1(k)));
+}
+#else
+typedef __m256i fz_vu32;
+FZ_VFN fz_vu32 fz_vset1(unsigned int k) { return _mm256_set1_epi32((int)k); }
+FZ_VFN fz_vu32 fz_vxor(fz_vu32 a, fz_vu32 b) { return _mm256_xor_si256(a, b); }
+FZ_VFN fz_vu32 fz_vmullo(fz_vu32 x, unsigned int k) { return _mm256_mullo_epi32(x, fz_vset1(k)); }
+FZ_VFN fz_vu32 fz_vmulhi(fz_vu32 x, unsigned int k) {
+  const fz_vu32 even = _mm256_srli_epi64(_mm256_mul_epu32(x, fz_vset1(k)), 32);
+  return _mm256_blend_epi32(even, _mm256_mul_epu32(_mm256_srli_epi64(x, 32), fz_vset1(k)), 0xAA);
+}
+#endif
+#define FZ_VU32_LANES ((int)(sizeof(fz_vu32) / 4))
+// elements i, i + 1, ... of random op r: their Philox blocks' first two words
+FZ_VFN void fz_vphilox_at(fz_vu32 c[2], const unsigned int* st, unsigned int r, unsigned long long i) {
+  unsigned int w0[FZ_VU32_LANES], w1[FZ_VU32_LANES];
+  for (int k = 0; k < FZ_VU32_LANES; ++k) {
+    w0[k] = (unsigned int)(i + k); w1[k] = (unsigned int)((i + k) >> 32) | (r << 24);
+  }
+  fz_vu32 c0, c1, c2 = fz_vset1(st[2]), c3 = fz_vset1(st[3]);
+  memcpy(&c0, w0, sizeof(c0)); memcpy(&c1, w1, sizeof(c1));
+  unsigned int k0 = st[0], k1 = st[1];
+  for (int round = 0; round < 10; ++round) {
+    const fz_vu32 hi0 = fz_vmulhi(c0, 0xD2511F53u), lo0 = fz_vmullo(c0, 0xD2511F53u);
+    const fz_vu32 hi1 = fz_vmulhi(c2, 0xCD9E8D57u), lo1 = fz_vmullo(c2, 0xCD9E8D57u);
+    c0 = fz_vxor(fz_vxor(hi1, c1), fz_vset1(k0)); c2 = fz_vxor(fz_vxor(hi0, c3), fz_vset1(k1));
+    c1 = lo1; c3 = lo0;
+    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+  }
+  c[0] = c0; c[1] = c1;
+}
+// uniform on [0, 1) as fz_uniform_f / fz_uniform_d (the vector type chooses)
+FZ_VFN fz_vf fz_vuniform(const fz_vf&, const unsigned int* st, unsigned int r, unsigned long long i, int bits) {
+  fz_vu32 c[2];
+  fz_vphilox_at(c, st, r, i);
+  unsigned int w[FZ_VU32_LANES];
+  float u[fz_vf::size()];
+  memcpy(w, &c[0], sizeof(w));
+  for (int k = 0; k < fz_vf::size(); ++k) u[k] = (float)(w[k] >> (32 - bits)) * (1.0f / (float)(1u << bits));
+  return fz_vf::loadu(u);
+}
+FZ_VFN fz_vd fz_vuniform(const fz_vd&, const unsigned int* st, unsigned int r, unsigned long long i, int) {
+  fz_vu32 c[2];
+  fz_vphilox_at(c, st, r, i);  // twice the lanes a double vector needs
+  unsigned int w0[FZ_VU32_LANES], w1[FZ_VU32_LANES];
+  double u[fz_vd::size()];
+  memcpy(w0, &c[0], sizeof(w0)); memcpy(w1, &c[1], sizeof(w1));
+  for (int k = 0; k < fz_vd::size(); ++k)
+    u[k] = (double)(((unsigned long long)w0[k] << 21) ^ (w1[k] >> 11)) * (1.0 / 9007199254740992.0);
+  return fz_vd::loadu(u);
 }
 #endif
 """
