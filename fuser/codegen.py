@@ -302,8 +302,9 @@ class _CpuVector:
 
     def __init__(self, inputs: Sequence[TensorDesc], target: str, options: KernelOptions):
         ctypes_ = {compute_type(d.dtype) for d in inputs if d.dtype != torch.bool}
+        # only bool inputs: the first node's compute type decides (where(c, 1.5, x) computes in float)
         self.ctype = ctypes_.pop() if len(ctypes_) == 1 else None
-        self.on = target == "cpu" and options.vectorize and self.ctype in VECTOR_TYPES
+        self.on = target == "cpu" and options.vectorize and (self.ctype in VECTOR_TYPES or not ctypes_)
         self.vtype = VECTOR_TYPES.get(self.ctype)
         self.masks = {f"x{k}" for k, d in enumerate(inputs) if d.dtype == torch.bool}  # values that are masks
         # per node: (result name, template, its arguments with every group value as a _ref tuple)
@@ -317,8 +318,12 @@ class _CpuVector:
             out: str) -> None:
         if not self.on:
             return
+        if self.ctype is None:
+            self.ctype, self.vtype = compute_type(nt.compute), VECTOR_TYPES.get(compute_type(nt.compute))
         ctype, vt = self.ctype, self.vtype
         tmpl = vector_template(op, variant, family(nt.compute))
+        if vt is None:
+            return self.stop()
         mask = nt.result == torch.bool and op.compute == "common"  # a comparison
         if tmpl is None or compute_type(nt.compute) != ctype or (compute_type(nt.result) != ctype and not mask):
             return self.stop()
@@ -345,7 +350,7 @@ class _CpuVector:
 
     def finish(self, graph, out_dtypes, vname: dict, vdtype: dict) -> Optional["_CpuVector"]:
         """This, with the kernel outputs set; None: no vector path."""
-        if not self.on:
+        if not self.on or self.vtype is None:
             return None
         # kernel outputs in the scalar loop's order; a cat piece of another dtype is stored in its own dtype first
         pieces = [p for o in graph.outputs()

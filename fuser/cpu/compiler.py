@@ -288,7 +288,9 @@ def compile_kernel(source: str, name: str) -> tuple[CpuKernel, bool]:
         with open(lib, "rb") as fh:
             return fh.read()
 
-    fields = [("what", "cpu-kernel"), ("identity", _identity(cxx)), ("flags", " ".join(cmd_flags)),
+    # the flags without the per-process stub directory (what the object depends on: compiler, flags, header)
+    key_flags = list(flags()) if tc is None else [*tc.flags, tc.header_dir, tc.torch_lib]
+    fields = [("what", "cpu-kernel"), ("identity", _identity(cxx)), ("flags", " ".join(key_flags)),
               ("name", name), ("source", source)]
     image = disk_cache.get_or_build(fields, build, ".so")
     if not compiled:  # from the disk cache: loaded from this process's private copy of the checked entry
