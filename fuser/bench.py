@@ -40,8 +40,10 @@ Method:
 
 ``--models`` times real networks end to end instead (fuser/bench_models.py).
 
-On CPU (``--device cpu``) time.perf_counter replaces CUDA events; ``--quick`` shrinks sizes and iteration
-counts for smoke tests. Output: a table on stdout, all raw numbers as JSON (``--json``), and a grouped bar
+On CPU (``--device cpu``) time.perf_counter replaces CUDA events, large rows are smaller (``CPU_LARGE``: 4M
+elements, past the L3 cache of small machines), the dtypes are float32 and bfloat16, the systems eager,
+torch.compile and fuser (and ts_nnc where torch has LLVM), and each cell reads time per call and speed-up over
+eager; ``--quick`` shrinks sizes and iteration counts for smoke tests. Output: a table on stdout, all raw numbers as JSON (``--json``), and a grouped bar
 chart of the large rows' fractions of the floor (``--png``, needs matplotlib; skipped without it).
 """
 from __future__ import annotations
@@ -52,6 +54,7 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -260,6 +263,30 @@ FULL = Config(warmup=max(5, _PROFILED_RUNS + 3), warmup_s=0.3, batch_calls=20, b
 QUICK = Config(warmup=max(4, _PROFILED_RUNS + 2), warmup_s=0.02, batch_calls=5, batches=3, host_calls=100,
                host_repeats=3, copy_bytes=2 ** 24, copy_repeats=5)
 
+# ------------------------------------------------------------------------------------------------ the CPU
+# Large rows on the CPU: calls of tens of ms, fewer per batch, more batches (a shared machine's stalls land in
+# a few of them, and the median skips those)
+CPU = Config(warmup=max(5, _PROFILED_RUNS + 3), warmup_s=0.3, batch_calls=3, batches=11, host_calls=500,
+             host_repeats=7, copy_bytes=2 ** 28, copy_repeats=5)
+CPU_LARGE = {"mul_add": (2 ** 22,), "gelu_bias": (1024, 4096), "lstm_cell": (1024, 1024), "silu_scale": (2 ** 22,),
+             "dropout_residual": (1024, 4096)}  # the *_train rows take their forward's
+CPU_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def cpu_name() -> str:
+    """The processor's model name and core count (what the CPU rows ran on)."""
+    model = platform.processor() or "cpu"
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as fh:
+            model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), model)
+    return f"{model}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}"
+
+
+def cpu_systems() -> tuple[str, ...]:
+    """On the CPU: TorchScript's NNC only where torch was built with LLVM (else it is the interpreter), and not
+    the legacy fuser (it fuses on CUDA only)."""
+    return ("eager", *(("ts_nnc",) if torch._C._llvm_enabled() else ()), "compile", "fuser")
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -435,6 +462,8 @@ def run_row(wl: Workload, dtype: torch.dtype, size: str, systems: Sequence[str],
             cfg: Config, quick: bool, copy_rate: float) -> dict:
     """All systems on one (workload, dtype, size)."""
     shape = wl.shapes["quick" if quick and size == "large" else size]
+    if device.type == "cpu" and size == "large" and not quick:
+        shape = CPU_LARGE.get(wl.name.removesuffix("_train"), shape)
     torch.manual_seed(0)
     make = wl.make_inputs
     if wl.train:  # floating inputs require grad; the output gradients ride along as the last argument
@@ -460,7 +489,7 @@ def run_row(wl: Workload, dtype: torch.dtype, size: str, systems: Sequence[str],
     else:
         traffic = set_bytes + _nbytes(_as_list(ref))
     floor_us = traffic / copy_rate * 1e6
-    row = {"workload": wl.name, "dtype": str(dtype).replace("torch.", ""), "size": size,
+    row = {"workload": wl.name, "dtype": str(dtype).replace("torch.", ""), "size": size, "device_type": device.type,
            "input_shapes": [list(v.shape) if isinstance(v, torch.Tensor) else repr(v)
                             for v in (first[:-1] if wl.train else first)],
            "n_input_sets": n_sets, "bytes_per_call": traffic, "floor_us": floor_us, "cells": {}}
@@ -488,6 +517,11 @@ def _cell_text(row: dict, system: str) -> str:
     if "error" in cell:
         return "ERR"
     flag = "!" if cell.get("mismatch") else ""
+    if row.get("device_type") == "cpu":  # time per call, and speed-up over eager
+        eager = row["cells"].get("eager", {}).get("us_per_call")
+        speedup = f" {eager / cell['us_per_call']:.2f}x" if eager else ""
+        return f"{cell['us_per_call']:.0f}us{speedup}{flag}" if row["size"] == "large" else \
+            f"{cell['us_per_call']:.1f}us{speedup}{flag}"
     if row["size"] == "large":
         return f"{cell['fraction_of_floor']:.2f} ({cell['us_per_call']:.0f}us){flag}"
     return f"{cell['us_per_call']:.1f}us{flag}"
@@ -598,6 +632,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         systems = bench_models.SYSTEMS
         if args.systems == list(SYSTEMS):  # the default: every system of this mode
             args.systems = list(systems)
+    if args.device == "cpu" and not args.models and args.systems == list(SYSTEMS):
+        args.systems = list(cpu_systems())
     unknown = sorted(set(args.systems) - set(systems))
     if unknown or not args.systems:
         p.error(f"unknown systems {unknown}; choose from {','.join(systems)}")
@@ -612,13 +648,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from . import bench_models
         return bench_models.main(args)
     device = torch.device(args.device)
-    cfg = QUICK if args.quick else FULL
+    cfg = QUICK if args.quick else CPU if device.type == "cpu" else FULL
     workloads = [wl for wl in WORKLOADS if args.only in wl.name]
     if not workloads:
         print(f"no workload matches --only {args.only!r}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     copy_rate, copy_samples = measure_copy_rate(device, cfg)
     print(f"device: {device_name}  torch {torch.__version__}  copy rate {copy_rate / 1e9:.1f} GB/s "
           f"(read + write)", file=sys.stderr)
@@ -626,7 +662,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = []
     for wl in workloads:
         for size in SIZES:
-            for dtype in wl.dtypes:
+            for dtype in [d for d in wl.dtypes if device.type != "cpu" or d in CPU_DTYPES]:
                 t0 = time.perf_counter()
                 rows.append(run_row(wl, dtype, size, args.systems, device, cfg, args.quick, copy_rate))
                 print(f"  {wl.name:<10} {str(dtype)[6:]:<9} {size:<5} {time.perf_counter() - t0:6.1f}s",
@@ -635,7 +671,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     first_calls = fuser_first_calls(rows)
     print(f"\n{device_name}, torch {torch.__version__}, copy rate {copy_rate / 1e9:.1f} GB/s; "
-          f"large rows: fraction of copy floor (us per call, device time); small rows: host us per call\n")
+          + ("time per call and speed-up over eager (large rows: median of batches; small rows: host time), "
+             f"{torch.get_num_threads()} threads\n" if device.type == "cpu" else
+             "large rows: fraction of copy floor (us per call, device time); small rows: host us per call\n"))
     print(format_table(rows, args.systems))
     if first_calls:
         print("\nfuser_first_call_ms (first call of the fused function, compile included):")

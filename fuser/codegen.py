@@ -25,7 +25,9 @@ from .descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, Tensor
 
 TARGETS = ("cpu", "cuda")
 REDUCED = (torch.float16, torch.bfloat16)
-CPU_PARALLEL_THRESHOLD = 32768  # elements; below it OpenMP's start-up costs more than it saves
+# elements; below it OpenMP's start-up costs more than it saves (FUSER_CPU_PARALLEL_THRESHOLD sets it for
+# experiments; it changes the source, so cached kernels follow it)
+CPU_PARALLEL_THRESHOLD = int(os.environ.get("FUSER_CPU_PARALLEL_THRESHOLD", "32768"))
 CPU_ROW_CHUNK = 4096  # elements of one row per task of the vector path's row loop (a multiple of every trip)
 # vectors per trip of the CPU vector loops, interleaved op by op. A tanh-GELU on one core of a 2-core EPYC
 # (float32 and bfloat16, 2048x4096): 1 vector 32.4/37.5 ms, 2 vectors 29.9/32.8 ms, 4 vectors 28.0/30.5 ms.

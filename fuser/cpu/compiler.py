@@ -189,18 +189,24 @@ def _make_toolchain(cap: str) -> Optional[Toolchain]:
     if not _precompiled_ok(header):
         if not _precompile(cxx, vflags, header):
             return None
-    stub = tempfile.TemporaryDirectory(prefix="fuser-cpu-stub-")
-    _toolchain["stub"] = stub
     # libtorch_cpu.so's soname and no symbols: the kernel records the dependency, and the dynamic loader binds
-    # its SLEEF calls to the library the process has loaded already (rpath: torch's lib directory)
-    empty = os.path.join(stub.name, "empty.c")
-    Path(empty).write_text("")
-    r = _run([cxx, "-shared", "-fPIC", "-x", "c", empty, "-Wl,-soname,libtorch_cpu.so",
-              "-o", os.path.join(stub.name, "libtorch_cpu.so")])
-    if r.returncode != 0:
-        return None
+    # its SLEEF calls to the library the process has loaded already (rpath: torch's lib directory). Only the
+    # linker reads it; kept beside the header
+    stub = where / "stub" / "libtorch_cpu.so"
+    if not stub.is_file():
+        stub.parent.mkdir(mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=stub.parent, prefix=".tmp-", suffix=".so")
+        os.close(fd)
+        empty = tmp + ".c"
+        Path(empty).write_text("")
+        r = _run([cxx, "-shared", "-fPIC", "-x", "c", empty, "-Wl,-soname,libtorch_cpu.so", "-o", tmp])
+        os.unlink(empty)
+        if r.returncode != 0:
+            os.unlink(tmp)
+            return None
+        os.replace(tmp, stub)
     torch_lib = str(Path(torch.__file__).parent / "lib")
-    return Toolchain(cap, vflags, str(where), stub.name, torch_lib, time.perf_counter() - t0)
+    return Toolchain(cap, vflags, str(where), str(stub.parent), torch_lib, time.perf_counter() - t0)
 
 
 def _precompiled_ok(header: Path) -> bool:
@@ -288,7 +294,7 @@ def compile_kernel(source: str, name: str) -> tuple[CpuKernel, bool]:
         with open(lib, "rb") as fh:
             return fh.read()
 
-    # the flags without the per-process stub directory (what the object depends on: compiler, flags, header)
+    # what the object depends on: compiler, flags, the header (its directory's name holds the header's digest)
     key_flags = list(flags()) if tc is None else [*tc.flags, tc.header_dir, tc.torch_lib]
     fields = [("what", "cpu-kernel"), ("identity", _identity(cxx)), ("flags", " ".join(key_flags)),
               ("name", name), ("source", source)]
