@@ -25,9 +25,14 @@ from .descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, Tensor
 
 TARGETS = ("cpu", "cuda")
 REDUCED = (torch.float16, torch.bfloat16)
-# elements; below it OpenMP's start-up costs more than it saves (FUSER_CPU_PARALLEL_THRESHOLD sets it for
-# experiments; it changes the source, so cached kernels follow it)
-CPU_PARALLEL_THRESHOLD = int(os.environ.get("FUSER_CPU_PARALLEL_THRESHOLD", "32768"))
+# CPU kernels split across OpenMP threads from this much work: elements x (ops + 16 per transcendental call,
+# cpu_t.EXPENSIVE_FUNCTIONS), at least CPU_PARALLEL_MIN elements. 65536 puts a*b+c at 32768 elements, eager's
+# own grain; the tanh-GELU at 2520. On the 2-core EPYC with the other core idle, 2 threads won already at 1024
+# elements (GELU 26.9 against 29.5 us a call, warm threads); with the other core busy a parallel region waits
+# for a descheduled thread, and work of that size gains less than it risks. FUSER_CPU_PARALLEL_WORK sets it
+# for experiments (it changes the source: cached kernels follow it).
+CPU_PARALLEL_WORK = int(os.environ.get("FUSER_CPU_PARALLEL_WORK", "65536"))
+CPU_PARALLEL_MIN = 2048
 CPU_ROW_CHUNK = 4096  # elements of one row per task of the vector path's row loop (a multiple of every trip)
 # vectors per trip of the CPU vector loops, interleaved op by op. A tanh-GELU on one core of a 2-core EPYC
 # (float32 and bfloat16, 2048x4096): 1 vector 32.4/37.5 ms, 2 vectors 29.9/32.8 ms, 4 vectors 28.0/30.5 ms.
@@ -478,7 +483,9 @@ class _CpuGen(_Gen):
         params += [f"const int64_t* st{j} = strides + {j} * rank;" for j in range(len(self.offset_names))]
         body = self.element_body(self.scalar_load, self.scalar_store)
         hoisted = self.hoisted()
-        rows = dict(parallel_threshold=CPU_PARALLEL_THRESHOLD,
+        work = len(self.body) + 16 * sum(len(cpu_t.EXPENSIVE_CALL.findall(ln)) for ln in self.body)
+        threshold = max(CPU_PARALLEL_MIN, CPU_PARALLEL_WORK // max(1, work))
+        rows = dict(parallel_threshold=threshold,
                     bases=", ".join(f"base{j} = 0" for j in range(len(self.offset_names))),
                     accumulate="\n".join(f"        base{j} += m * st{j}[d];" for j in range(len(self.offset_names))))
         offsets = [f"const int64_t {name} = base{j} + j * st{j}[rank - 1];" for j, name in enumerate(self.offset_names)]
@@ -493,7 +500,7 @@ class _CpuGen(_Gen):
                     body=self.block(body, "      "))
             else:
                 loop = cpu_t.VECTOR_LOOP_FLAT.substitute(
-                    parallel_threshold=CPU_PARALLEL_THRESHOLD, copies=CPU_VECTORS_PER_TRIP,
+                    parallel_threshold=threshold, copies=CPU_VECTORS_PER_TRIP,
                     wide=self.block(wide, "    "), vbody=self.block(vbody, "    "), body=self.block(body, "    "))
             return cpu_t.VECTOR_KERNEL.substitute(
                 name=self.name, include=cpu_t.VECTOR_INCLUDE, rng=cpu_t.RNG if self.random else "", vtype=vtype,
@@ -502,7 +509,7 @@ class _CpuGen(_Gen):
             loop = cpu_t.LOOP_ROWS.substitute(rows, offsets=self.block(offsets, "      "),
                                               body=self.block(body, "      "))
         else:
-            loop = cpu_t.LOOP_FLAT.substitute(parallel_threshold=CPU_PARALLEL_THRESHOLD,
+            loop = cpu_t.LOOP_FLAT.substitute(parallel_threshold=threshold,
                                               body=self.block(body, "    "))
         return cpu_t.KERNEL.substitute(
             name=self.name, prelude=cpu_t.PRELUDE + (cpu_t.RNG if self.random else ""), params=self.block(params, "  "),

@@ -254,7 +254,8 @@ class CpuKernel:
         # the library file can go once loaded; the directory is removed with the kernel
         weakref.finalize(self, tmpdir.cleanup)
 
-    def launch(self, numel: int, rank: int, sizes: int, strides: int, ptrs: int, scalars: int) -> None:
+    def launch(self, numel: int, rank: int, sizes, strides, ptrs, scalars) -> None:
+        """sizes ... scalars: addresses, or ctypes arrays (passed by reference)."""
         self._fn(numel, rank, sizes, strides, ptrs, scalars)
 
 

@@ -10,6 +10,7 @@ Two kinds of kernel: scalar loops over the C prelude (``KERNEL``), and vector lo
 ``at::vec::Vectorized`` (``VECTOR_KERNEL``), which include ``VECTOR_HEADER`` (precompiled once by
 ``fuser.cpu.compiler``) and keep a scalar loop for each row's tail.
 """
+import re
 from string import Template
 
 from ..c_helpers import HELPERS
@@ -145,6 +146,13 @@ VECTOR_FUNCTIONS = frozenset("""
     nearbyintf nearbyint sinf sin sinhf sinh sqrtf sqrt tanf tan tanhf tanh atan2f atan2 fmodf fmod powf pow
     fmaf fma fz_max fz_min fz_remainder fz_pow_scalar fz_vsel fz_vround fz_vuniform
 """.split())
+
+# calls that cost tens of simple ops (libm's or SLEEF's): they weigh in the threshold of splitting a kernel across
+# threads (fuser.codegen.CPU_PARALLEL_WORK)
+EXPENSIVE_CALL = re.compile(r"\b(?:" + "|".join("""
+    expf? expm1f? logf? log10f? log1pf? log2f? sinf? cosf? tanf? tanhf? sinhf? coshf? asinf? acosf? atanf? atan2f?
+    erff? erfcf? lgammaf? powf? fmodf? fz_remainder fz_pow_scalar fz_uniform_[fd] fz_vuniform
+""".split()) + r")\s*\(")
 
 VECTOR_HEADER = r"""// fuser CPU vector header: ATen's at::vec::Vectorized, whose transcendental functions are the SLEEF ones
 // eager's vector loops call, and the scalar prelude. The C math functions and fuser's helpers are overloaded
