@@ -87,8 +87,10 @@ def value_type(dtype: torch.dtype, target: str) -> str:
     return "int" if target == "cuda" and dtype in _NARROW_INTS else compute_type(dtype)
 
 
-def _held(dtype: torch.dtype, target: str, expr: str) -> str:
-    """``expr`` as a value of ``dtype`` held in :func:`value_type` (wrapped to the dtype first where they differ)."""
+def _converted(dtype: torch.dtype, target: str, expr: str) -> str:
+    """``expr`` (an operand, or an op's result) converted to ``dtype`` as eager converts it (an int32 -3 is 253 in
+    uint8), held in :func:`value_type`; a float16/bfloat16 value is held in float unrounded, as in the legacy fuser
+    (a float Scalar of a float16 op is unrounded in eager too; see the README's known limitations)."""
     t = value_type(dtype, target)
     return f"({t})({storage_type(dtype)})({expr})" if t != compute_type(dtype) else f"({t})({expr})"
 
@@ -241,14 +243,16 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
                     round_it = (round_values or rounding) and (dt != nt.compute or v.node().kind() != "prim::Param")
                 if round_it:
                     consts[arg] = f"fz_ld(fz_st<{storage_type(nt.compute)}>(({ctype}){name_}))"
+                elif t == ctype and dt == nt.compute or i in op.keep_args:
+                    consts[arg] = name_
                 else:
-                    consts[arg] = name_ if (t == ctype or i in op.keep_args) else f"(({ctype}){name_})"
+                    consts[arg] = _converted(nt.compute, target, name_)
                 consts["n" + arg] = f"(-{consts[arg]})"
         consts["T"] = ctype
         out = node.output()
         rtype = value_type(nt.result, target)
         vname[out.unique()], vtype[out.unique()], vdtype[out.unique()] = f"v{j}", rtype, nt.result
-        body.append(f"const {rtype} v{j} = {_held(nt.result, target, tmpl.substitute(consts))};")
+        body.append(f"const {rtype} v{j} = {_converted(nt.result, target, tmpl.substitute(consts))};")
         vector.add(node, op, variant, nt, consts, vname, vdtype, f"v{j}")
 
     # kernel outputs: a cat's result is written as its pieces, each converted to the cat's dtype the way eager
@@ -347,7 +351,8 @@ class _CpuVector:
             # a value of the group, already of the compute type (rounded to it where the scalar line rounds), or
             # a mask: as it is where the op keeps the operand's type (where's condition), else as 1 or 0
             name_, st = vname[v.unique()], storage_type(nt.compute)
-            forms = {name_: None, f"(({ctype}){name_})": None, f"fz_ld(fz_st<{st}>(({ctype}){name_}))": st}
+            forms = {name_: None, _converted(nt.compute, "cpu", name_): None,
+                     f"fz_ld(fz_st<{st}>(({ctype}){name_}))": st}
             if consts.get(arg) not in forms or (name_ in self.masks and forms[consts[arg]] is not None):
                 return self.stop()
             args[arg] = (name_, forms[consts[arg]], name_ in self.masks and i not in op.keep_args)

@@ -142,7 +142,8 @@ def _sixth(name: str, times: str) -> OpDef:
 
 
 _OPS: list[OpDef] = [
-    _unary("abs", "fabsf($a)", "fabs($a)", "($a < 0 ? fz_neg($a) : $a)"),
+    OpDef("abs", ("aten::abs(Tensor self) -> Tensor",), {None: Exprs("fabsf($a)", "fabs($a)", "($a < 0 ? fz_neg($a) : $a)")},
+          targets={"cuda": {None: Exprs("fabsf($a)", "fabs($a)", "fz_iabs($a)")}}),  # see fz_iabs
     _unary("acos", "acosf($a)", "acos($a)"),
     _unary("asin", "asinf($a)", "asin($a)"),
     _unary("atan", "atanf($a)", "atan($a)"),
@@ -272,9 +273,14 @@ _OPS: list[OpDef] = [
           {None: Exprs("fz_min($a, $b)", "fz_min($a, $b)", "fz_min($a, $b)")}),
     OpDef("pow", ("aten::pow.Tensor_Tensor(Tensor self, Tensor exponent) -> Tensor",
                   "aten::pow.Scalar(Scalar self, Tensor exponent) -> Tensor"),
-          {None: Exprs("powf($a, $b)", "pow($a, $b)")}),
+          {None: Exprs("powf($a, $b)", "pow($a, $b)")},
+          # CUDA eager takes a CPU scalar exponent (a traced Python number) as pow.Tensor_Scalar does: sqrt for
+          # 0.5, so pow(-inf, 0.5) is NaN there and inf on the CPU (the CUDA fuzzer)
+          targets={"cuda": {None: Exprs("($scalar_b ? fz_pow_scalar($a, $b) : powf($a, $b))",
+                                        "($scalar_b ? fz_pow_scalar($a, $b) : pow($a, $b))")}}),
+    # eager converts the exponent to a float16/bfloat16 self's dtype: pow(inf, 1e-40) is 1 in float16 (the fuzzer)
     OpDef("pow_scalar", ("aten::pow.Tensor_Scalar(Tensor self, Scalar exponent) -> Tensor",),
-          {None: Exprs("fz_pow_scalar($a, $b)", "fz_pow_scalar($a, $b)")}),
+          {None: Exprs("fz_pow_scalar($a, $b)", "fz_pow_scalar($a, $b)")}, round_operands=("cpu", "cuda")),
     OpDef("where", ("aten::where.self(Tensor condition, Tensor self, Tensor other) -> Tensor",
                     "aten::where.ScalarOther(Tensor condition, Tensor self, Scalar other) -> Tensor",
                     "aten::where.ScalarSelf(Tensor condition, Scalar self, Tensor other) -> Tensor",
@@ -320,18 +326,23 @@ _OPS: list[OpDef] = [
                        v="fz_vuniform($T(), fz_rs, $r, @IDX@, $bits)")}, random=True),
     OpDef("cat", ("aten::cat(Tensor[] tensors, int dim=0) -> Tensor",), {}, concat=True),
     OpDef("addcmul", ("aten::addcmul(Tensor self, Tensor tensor1, Tensor tensor2, *, Scalar value=1) -> Tensor",),
-          # CPU eager: fma(value * tensor1, tensor2, self); CUDA eager: self + value * (tensor1 * tensor2), which
-          # nvcc contracts to fma(value, tensor1 * tensor2, self) (the product first: inf * 0 is NaN there)
+          # CPU eager: fma(value * tensor1, tensor2, self); CUDA eager: fma(tensor1, tensor2, self) for value 1, else
+          # fma(value, tensor1 * tensor2, self) (the product first: inf * 0 is NaN there; with value 1 there is no
+          # rounded product: -1.5 * -3e38 - 3e38 is 1.5e38, not inf; the CUDA fuzzer)
           {None: Exprs("fmaf($d * $b, $c, $a)", "fma($d * $b, $c, $a)", "($T)(FZ_U($a) + FZ_U($d) * FZ_U($b) * FZ_U($c))")},
-          targets={"cuda": {None: Exprs("fmaf($d, $b * $c, $a)", "fma($d, $b * $c, $a)",
+          targets={"cuda": {None: Exprs("($d == 1 ? fmaf($b, $c, $a) : fmaf($d, $b * $c, $a))",
+                                        "($d == 1 ? fma($b, $c, $a) : fma($d, $b * $c, $a))",
                                         "($T)(FZ_U($a) + FZ_U($d) * (FZ_U($b) * FZ_U($c)))")}}),
 ]
 
 for _cmp, _sym in (("eq", "=="), ("ne", "!="), ("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+    _e = f"($a {_sym} $b)"
+    # CUDA: an ordered comparison of floats also asks fz_isnan of its operands (see there); == and != need not
+    _ordered = f"(!fz_isnan($a) && !fz_isnan($b) && {_e})"
     _OPS.append(OpDef(_cmp, (f"aten::{_cmp}.Tensor(Tensor self, Tensor other) -> Tensor",
                              f"aten::{_cmp}.Scalar(Tensor self, Scalar other) -> Tensor"),
-                      {None: Exprs(f"($a {_sym} $b)", f"($a {_sym} $b)", f"($a {_sym} $b)")},
-                      compute="common", round_operands=("cpu", "cuda"), discrete=True))
+                      {None: Exprs(_e, _e, _e)}, compute="common", round_operands=("cpu", "cuda"), discrete=True,
+                      targets={} if _cmp in ("eq", "ne") else {"cuda": {None: Exprs(_ordered, _ordered, _e)}}))
 
 OPS_BY_NAME: dict[str, OpDef] = {op.name: op for op in _OPS}
 OPS_BY_SCHEMA: dict[str, OpDef] = {s: op for op in _OPS for s in op.schemas}

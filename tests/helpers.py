@@ -302,3 +302,25 @@ def assert_op_result(case: Case, actual: torch.Tensor, expected: torch.Tensor) -
         assert bool(((actual >= 0) & (actual < 1)).all())
         return
     assert_same(actual, expected)
+
+
+# the CUDA fuzz campaigns' findings: tests/test_cuda_emulated.py runs them emulated, tests/test_gpu.py on a GPU
+NARROW_COMPARE_IR = """graph(%t0 : Tensor, %t1 : Tensor):
+  %v0 : Tensor = aten::le(%t1, %t0)
+  %v1 : Tensor = aten::gt(%t1, %t0)
+  return (%v0, %v1)"""
+INT_ABS_ERFC_IR = """graph(%t0 : Tensor):
+  %v0 : Tensor = aten::abs(%t0)
+  %v1 : Tensor = aten::erfc(%v0)
+  return (%v0, %v1)"""
+NAN_COMPARE_IR = """graph(%t0 : Tensor):
+  %v0 : Tensor = aten::sinh(%t0)
+  %v1 : Tensor = aten::hardswish(%v0)
+  %v2 : Tensor = aten::abs(%v1)
+  %c : float = prim::Constant[value=-0.25]()
+  %v3 : Tensor = aten::ge(%v2, %c)
+  %v4 : Tensor = aten::gt(%v2, %c)
+  %v5 : Tensor = aten::neg(%v2)
+  %v6 : Tensor = aten::le(%v5, %c)
+  %v7 : Tensor = aten::lt(%v5, %c)
+  return (%v3, %v4, %v6, %v7, %v1)"""

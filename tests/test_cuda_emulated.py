@@ -9,13 +9,15 @@ they compile as a few units in parallel rather than one executable each."""
 import ctypes
 import dataclasses
 import math
+from fractions import Fraction
 from string import Template
 
 import numpy as np
 import pytest
 import torch
-from helpers import (DROPOUT_IR, FLOAT_DTYPES, SIGMOID_GT_IR, assert_op_result, assert_same, assert_same_comparison,
-                     build, cases, eager, expect_fused, make_args, random_tensor, sigmoid_gt_reference)
+from helpers import (DROPOUT_IR, FLOAT_DTYPES, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR,
+                     SIGMOID_GT_IR, assert_op_result, assert_same, assert_same_comparison, build, cases, eager,
+                     expect_fused, make_args, random_tensor, sigmoid_gt_reference)
 
 from fuser import bench, executor, fallback, graph_fuser, ops
 from fuser.cuda import emulate, templates
@@ -659,3 +661,124 @@ def test_fast_sigmoid_keeps_results_below_2_to_the_minus_126():
     assert bool((out[1] > 0).eq(ref[1] > 0).all()) and bool((out[2] < 0).eq(ref[2] < 0).all())
     for o, r in zip(out, ref):
         assert_same(o, r)
+
+
+# --------------------------------------------------------------------------------------------------------
+# the fifth CUDA fuzz campaign's findings (seed 2651105296, H100) and the fourth's left open
+
+
+def test_an_int32_operand_converts_to_a_narrow_compute_dtype_before_comparing():
+    """le(int32 0-dim -3, uint8 [3]) compares in uint8, where -3 is 253: False. Narrow integers are held in int on
+    CUDA, and the int32 operand went into that int unconverted (-3 <= 3: True)."""
+    g = torch.parse_ir(NARROW_COMPARE_IR)
+    for narrow in (torch.uint8, torch.int8, torch.int16):
+        x = torch.randint(-128 if narrow != torch.uint8 else 0, 128, (300,), dtype=narrow)
+        for s in (-3, 300, -200, 70000):
+            args = [x, torch.tensor(s, dtype=torch.int32)]
+            out = emulate.run_graph(g, args)
+            assert out is not None
+            for o, r in zip(out, fallback.run_graph(g, args)):
+                assert torch.equal(o, r), (narrow, s)
+
+
+def test_pow_of_a_cpu_scalar_exponent_follows_cuda_eager():
+    """CUDA eager takes a CPU scalar exponent as pow.Tensor_Scalar: sqrt for 0.5, 1/sqrt for -0.5, so
+    pow(-inf, 0.5) is NaN and pow(-0.0, -0.5) is -inf there (CPU eager: inf, inf). The kernel follows CUDA's."""
+    x = torch.tensor([-math.inf, -0.0, 0.0, 2.0, math.inf, -4.0, math.nan] * 20)
+    for e in (0.5, -0.5, 2.0, 3.0):
+        g = torch.parse_ir("""graph(%t0 : Tensor):
+  %e : Float(requires_grad=0, device=cpu) = prim::Constant[value={1.}]()
+  %v0 : Tensor = aten::pow(%t0, %e)
+  return (%v0)""", parse_tensor_constants=True)
+        g.findNode("prim::Constant").t_("value", torch.tensor(e))  # (parse_ir reads {-0.5} as 0.5)
+        out = emulate.run_graph(g, [x])
+        assert out is not None
+        ref = torch.pow(x, e)  # pow.Tensor_Scalar: what CUDA eager runs for a CPU scalar exponent
+        torch.testing.assert_close(out[0], ref, equal_nan=True, rtol=1e-6, atol=0)
+        assert torch.equal(torch.signbit(out[0])[~ref.isnan()], torch.signbit(ref)[~ref.isnan()])
+
+
+def test_integer_abs_wraps_and_is_hidden_from_ptxas():
+    """erfc(abs(INT32_MIN)) is erfc(-2^31) = 2 in eager (abs wraps). ptxas took the abs.s32 that NVVM made of
+    `x < 0 ? -x : x` as never negative and gave 0; fz_iabs computes it through a sign mask behind an empty asm
+    (tests/test_gpu.py checks the GPU; here the wrapping, under UBSan)."""
+    g = torch.parse_ir(INT_ABS_ERFC_IR)
+    for dtype in (torch.int64, torch.int32, torch.int16, torch.int8):
+        info = torch.iinfo(dtype)
+        x = torch.tensor([info.min, info.min + 1, -3, 0, 5, info.max] * 30, dtype=dtype)
+        k = emulate.kernel_for(g, [x])
+        assert "fz_iabs(x0)" in k.source
+        out = emulate.run_graph(g, [x])
+        ref = fallback.run_graph(g, [x])
+        assert torch.equal(out[0], ref[0]), dtype
+        torch.testing.assert_close(out[1], ref[1], rtol=1e-6, atol=0)
+
+
+def test_ordered_comparisons_of_nan_are_false():
+    """ptxas took fabsf(x) >= -0.25f as true for a NaN x (abs(hardswish(sinh(-3e38))) >= -0.25 was True on an
+    H100): ordered comparisons of floats also test their operands' NaN bits (fz_isnan)."""
+    g = torch.parse_ir(NAN_COMPARE_IR)
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        x = torch.tensor([-3e38, math.nan, 1.0, -math.inf, 0.5] * 30).to(dtype)
+        k = emulate.kernel_for(g, [x])
+        assert "!fz_isnan(" in k.source
+        out = emulate.run_graph(g, [x])
+        ref = fallback.run_graph(g, [x])
+        for o, r in zip(out[:4], ref):
+            assert torch.equal(o, r), dtype
+        # hardswish's CUDA kernel multiplies by the float 1.0f / 6.0f (ops._sixth): not bitwise in float64
+        torch.testing.assert_close(out[4], ref[4], equal_nan=True)
+
+
+def test_addcmul_with_value_1_is_one_fused_multiply_add_on_cuda():
+    """CUDA eager's addcmul is fma(tensor1, tensor2, self) for value 1: -1.5 * -3e38 - 3e38 is 1.5e38 (the product
+    is never rounded to inf); for other values fma(value, tensor1 * tensor2, self)."""
+    g = torch.parse_ir("""graph(%t0 : Tensor, %t1 : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %two : int = prim::Constant[value=2]()
+  %v0 : Tensor = aten::addcmul(%t0, %t1, %t0, %one)
+  %v1 : Tensor = aten::addcmul(%t0, %t1, %t0, %two)
+  return (%v0, %v1)""")
+    for dtype in (torch.float32, torch.float64):
+        big = -3e38 if dtype == torch.float32 else -1e308
+        a = torch.tensor([big, 1.0, 3.0] * 30, dtype=dtype)
+        b = torch.tensor([-1.5, 2.0, -0.5] * 30, dtype=dtype)
+        out = emulate.run_graph(g, [a, b])
+        exact = torch.tensor([float(Fraction(y) * Fraction(x) + Fraction(x)) for x, y in zip(a.tolist(), b.tolist())],
+                             dtype=torch.float64).to(dtype)
+        assert math.isfinite(out[0][0].item())  # no rounded product
+        torch.testing.assert_close(out[0], exact, rtol=1e-7, atol=0)
+        assert math.isinf(out[1][0].item())  # 2 * (t1 * t2) overflows first, as in CUDA eager
+
+
+def test_float_scalars_of_a_float16_op_are_not_rounded_to_float16():
+    """A float16 op computes in float with its Python float operands unrounded, as eager does: -inf * 1e-40 is -inf
+    (1e-40 rounded to float16 is 0, and -inf * 0 NaN), softplus(x, beta=1e-40) is x. Only the op's result rounds."""
+    g = torch.parse_ir("""graph(%t0 : Tensor, %f0 : float):
+  %zero : float = prim::Constant[value=0.]()
+  %v0 : Tensor = aten::mul(%t0, %f0)
+  %v1 : Tensor = aten::softplus(%t0, %f0, %zero)
+  return (%v0, %v1)""")
+    x = torch.tensor([-math.inf, math.inf, 0.7993, -2.0, 1e4] * 30, dtype=torch.float16)
+    ref = fallback.run_graph(g, [x, 1e-40])
+    for out in (emulate.run_graph(g, [x, 1e-40]), executor.run(STORE.get(STORE.register(g)), [x, 1e-40])):
+        assert out is not None
+        for o, r in zip(out, ref):
+            torch.testing.assert_close(o, r, equal_nan=True, rtol=1e-3, atol=0)
+
+
+def test_pow_rounds_its_scalar_exponent_to_a_reduced_dtype():
+    """Eager's pow.Tensor_Scalar converts the exponent to a float16/bfloat16 self's dtype: pow(x * y, 1e-40) is 1
+    for x * y = inf in float16 (1e-40 is 0 there) and inf in bfloat16 (which holds 1e-40)."""
+    g = torch.parse_ir("""graph(%t0 : Tensor, %t1 : Tensor):
+  %v0 : Tensor = aten::mul(%t1, %t0)
+  %e : float = prim::Constant[value=1e-40]()
+  %v1 : Tensor = aten::pow(%v0, %e)
+  return (%v1)""")
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.tensor([-79.3125, 2.0, 1e30, 0.0] * 30).to(dtype)
+        y = torch.tensor([-2696.0, 3.0, 1e30, 5.0] * 30).to(dtype)
+        ref = fallback.run_graph(g, [x, y])
+        for out in (emulate.run_graph(g, [x, y]), executor.run(STORE.get(STORE.register(g)), [x, y])):
+            assert out is not None
+            torch.testing.assert_close(out[0], ref[0], equal_nan=True, rtol=1e-3, atol=0)

@@ -1,4 +1,4 @@
-"""The differential fuzzer (fuser/fuzz.py): its own machinery and two fixed-seed campaigns on the CPU
+"""The differential fuzzer (the package fuser/fuzz/): its own machinery and two fixed-seed campaigns on the CPU
 backend. A failing campaign prints shrunk reproducers and saves them
 (``FUSER_FUZZ_OUT``, default: pytest's temporary directory) as ready-made regression tests."""
 import math

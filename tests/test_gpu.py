@@ -4,7 +4,7 @@ import threading
 
 import pytest
 import torch
-from helpers import (FMA_OPS, SIGMOID_GT_IR as IR, assert_op_result, assert_same, assert_same_comparison, build, cases,
+from helpers import (FMA_OPS, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR, SIGMOID_GT_IR as IR, assert_op_result, assert_same, assert_same_comparison, build, cases,
                      check_fused_multiply_adds, check_scalar_rounding, eager, expect_fused, make_args, random_tensor,
                      sigmoid_gt_reference as reference)
 
@@ -565,3 +565,53 @@ def test_cuda_campaign_findings(name):
     got, ref = out[0], run_graph(g, args)[0]
     assert got.dtype == ref.dtype
     assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(torch.nan_to_num(got), torch.nan_to_num(ref))
+
+
+def _pow_half_ir() -> torch.Graph:
+    g = torch.parse_ir("""graph(%t0 : Tensor):
+  %e : Float(requires_grad=0, device=cpu) = prim::Constant[value={1.}]()
+  %v0 : Tensor = aten::pow(%t0, %e)
+  return (%v0)""", parse_tensor_constants=True)
+    g.findNode("prim::Constant").t_("value", torch.tensor(0.5))
+    return g
+
+
+# the fifth CUDA campaign's findings (seed 2651105296) and the fourth's left open: graph, inputs on CUDA
+CAMPAIGN5 = {
+    "uint8_le_int32_scalar_tensor": (lambda: torch.parse_ir(NARROW_COMPARE_IR), lambda: [
+        torch.randint(0, 256, (4099,), dtype=torch.uint8, device="cuda"), torch.tensor(-3, device="cuda",
+                                                                                           dtype=torch.int32)]),
+    "erfc_of_abs_of_int32_min": (lambda: torch.parse_ir(INT_ABS_ERFC_IR), lambda: [
+        torch.tensor([-2 ** 31, -5, 7, 2 ** 31 - 1] * 100, dtype=torch.int32, device="cuda")]),
+    "erfc_of_abs_of_int64_min": (lambda: torch.parse_ir(INT_ABS_ERFC_IR), lambda: [
+        torch.tensor([-2 ** 63, -5, 7] * 100, dtype=torch.int64, device="cuda")]),
+    "nan_compared_with_a_negative_scalar": (lambda: torch.parse_ir(NAN_COMPARE_IR), lambda: [
+        torch.tensor([-3e38, float("nan"), 1.0, -float("inf"), 0.5] * 100, device="cuda")]),
+    "addcmul_with_value_1_without_a_rounded_product": (lambda: torch.parse_ir("""graph(%t0 : Tensor, %t1 : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %two : int = prim::Constant[value=2]()
+  %v0 : Tensor = aten::addcmul(%t0, %t1, %t0, %one)
+  %v1 : Tensor = aten::addcmul(%t0, %t1, %t0, %two)
+  return (%v0, %v1)"""), lambda: [torch.tensor([-3e38, 1.0, 3.0] * 100, device="cuda"),
+                                 torch.tensor([-1.5, 2.0, -0.5] * 100, device="cuda")]),
+    "pow_of_minus_inf_by_a_cpu_half": (_pow_half_ir, lambda: [
+        torch.tensor([-float("inf"), -0.0, 4.0, float("nan")] * 100, device="cuda")]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CAMPAIGN5))
+def test_cuda_campaign5_findings(name):
+    """ptxas took an abs.s32 as never negative and fabsf(x) >= -0.25f as true for NaN; an int32 operand went into a
+    uint8 comparison unconverted; a CPU scalar exponent
+    0.5 is sqrt in CUDA eager; CUDA's addcmul with value 1 is one fma. Each against CUDA eager."""
+    make_graph, make = CAMPAIGN5[name]
+    g, args = make_graph(), make()
+    out = executor.run(STORE.get(STORE.register(g)), args)
+    assert out is not None  # fused, not the interpreter
+    for got, ref in zip(out, run_graph(g, args)):
+        assert got.dtype == ref.dtype
+        if got.dtype.is_floating_point:
+            torch.testing.assert_close(got, ref, equal_nan=True, rtol=1e-3 if got.dtype == torch.float16 else 1e-6,
+                                       atol=0)
+        else:
+            assert torch.equal(got, ref), (name, got, ref)

@@ -3,7 +3,8 @@
 
 A CUDA kernel's source is ``templates.PRELUDE`` (+ ``templates.RNG``) followed by its own text (``FzArgs``,
 the kernel). The emulator swaps that prelude, found verbatim, for :data:`PRELUDE`: the same template
-(``templates.PRELUDE_TEMPLATE``) with its two PTX pieces, the float16 conversions, written in host C++. So
+(``templates.PRELUDE_TEMPLATE``) with its PTX pieces, the float16 conversions and an empty-asm
+optimization barrier, written in host C++. So
 everything else of the prelude (helpers, ``fz_div``, ``fz_tanh_fast``, limits, vectors, the bfloat16 store
 of devices before sm_80) and all of the kernel's own text run as NVRTC sees them. What the CUDA language
 and NVRTC provide without a header comes from :data:`HEADER`, once per translation unit: qualifiers as
@@ -87,8 +88,14 @@ HALF_STORE = r"""template <> __device__ __forceinline__ fz_half fz_st<fz_half, f
 }
 """
 
+# the host compiler keeps IEEE and wrapping semantics without an optimization barrier
+OPAQUE = r"""__device__ __forceinline__ int fz_opaque(int x) { return x; }
+__device__ __forceinline__ long long fz_opaque(long long x) { return x; }
+"""
+
 # replaces templates.PRELUDE in each kernel's source
-PRELUDE = templates.PRELUDE_TEMPLATE.substitute(half_load=HALF_LOAD, half_store=HALF_STORE, helpers=HELPERS)
+PRELUDE = templates.PRELUDE_TEMPLATE.substitute(half_load=HALF_LOAD, half_store=HALF_STORE, helpers=HELPERS,
+                                                opaque=OPAQUE)
 
 # one kernel: its host source in a namespace of its own (preludes define the same names), and a
 # non-template entry the server calls with a pointer to the FzArgs bytes

@@ -7,7 +7,7 @@ output (``codegen.strided_operands``), a flag saying the 16-byte vector path may
 
 NVRTC compiles these without any header: integer types, half/bfloat16 conversions (PTX ``cvt``) and the
 helpers are defined here. The prelude is a template whose only device-specific pieces, the float16
-conversions written in PTX, are filled in below; ``fuser.cuda.host_prelude`` fills the same template with
+conversions written in PTX and an optimization barrier written as an empty asm, are filled in below; ``fuser.cuda.host_prelude`` fills the same template with
 host C++ so that the CI's CPU runs the rest of this text as it is (``fuser.cuda.emulate``).
 """
 from string import Template
@@ -103,6 +103,22 @@ template <> struct fz_limits<int64_t> { static __device__ __forceinline__ int64_
 #define FZ_NAN_D __longlong_as_double(0x7fffffffffffffffll)
 #define FZ_LOWEST(T) fz_limits<T>::lowest()
 #define FZ_HIGHEST(T) fz_limits<T>::highest()
+// NaN from the bits: ptxas took fabsf(x) >= -0.25f as true for a NaN x, and NaN-checked operands keep an
+// ordered comparison right whatever it assumes (abs(hardswish(sinh(-3e38))) >= -0.25; the CUDA fuzzer)
+__device__ __forceinline__ bool fz_isnan(float a) { return (__float_as_uint(a) & 0x7fffffffu) > 0x7f800000u; }
+__device__ __forceinline__ bool fz_isnan(double a) {
+  return ((unsigned long long)__double_as_longlong(a) & 0x7fffffffffffffffull) > 0x7ff0000000000000ull;
+}
+// integer abs that wraps as eager's (abs(INT32_MIN) is INT32_MIN) through a sign mask the optimizer cannot see:
+// an abs.s32 result is taken as never negative by ptxas, and erfc(abs(INT32_MIN)) came out 0, not 2 (the fuzzer)
+${opaque}__device__ __forceinline__ int fz_iabs(int a) {
+  const int m = fz_opaque(a >> 31);
+  return (int)(((unsigned)a ^ (unsigned)m) - (unsigned)m);
+}
+__device__ __forceinline__ long long fz_iabs(long long a) {
+  const long long m = fz_opaque(a >> 63);
+  return (long long)((FZ_U(a) ^ FZ_U(m)) - FZ_U(m));
+}
 
 // N elements of T moved together: 16-byte accesses (the compiler splits a 32-byte struct into two, both
 // issued before either is used); alignment capped at 16, the widest access
@@ -118,7 +134,11 @@ HALF_STORE = r"""template <> __device__ __forceinline__ fz_half fz_st<fz_half, f
   fz_half h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(f)); return h;
 }
 """
-PRELUDE = PRELUDE_TEMPLATE.substitute(half_load=HALF_LOAD, half_store=HALF_STORE, helpers=HELPERS)
+# a value the optimizer must take as unknown (an empty asm that "changes" it)
+OPAQUE = r"""__device__ __forceinline__ int fz_opaque(int x) { asm("" : "+r"(x)); return x; }
+__device__ __forceinline__ long long fz_opaque(long long x) { asm("" : "+l"(x)); return x; }
+"""
+PRELUDE = PRELUDE_TEMPLATE.substitute(half_load=HALF_LOAD, half_store=HALF_STORE, helpers=HELPERS, opaque=OPAQUE)
 
 # appended to the prelude when a kernel draws random numbers (rand_like)
 RNG = "\n#define FZ_MULHI(a, b) __umulhi(a, b)\n" + PHILOX

@@ -32,7 +32,7 @@ import torch
 
 import fuser
 
-from .bench import _sync, elapsed_ms
+from .timing import _sync, elapsed_ms
 
 SYSTEMS = ("eager", "ts_nnc", "fuser", "compile")
 _PROFILED_RUNS = torch._C._jit_get_num_profiled_runs()
@@ -158,7 +158,7 @@ def _n_groups(fn) -> Optional[int]:
     graph = getattr(fn, "graph", None)
     if graph is None:
         return None
-    from . import graph_fuser
+    from .. import graph_fuser
     return sum(1 for n in graph_fuser._all_nodes(graph.block()) if n.kind() == "fuser::fusion_group")
 
 
@@ -211,7 +211,7 @@ def format_table(rows: list[dict], systems) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Called by ``fuser.bench.main`` for ``--models``; uses its --device, --quick, --only, --systems, --json."""
+    """Called by :func:`fuser.bench.cli.main` for ``--models``; uses its --device, --quick, --only, --systems, --json."""
     device = torch.device(args.device)
     small = args.quick or device.type == "cpu"
     timing = QUICK if args.quick else FULL

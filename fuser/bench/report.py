@@ -1,0 +1,99 @@
+"""The benchmark's report: the table on stdout, fuser's first calls, the chart, and the versions recorded in the
+JSON."""
+from __future__ import annotations
+
+import contextlib
+import math
+import platform
+from typing import Optional, Sequence
+
+import torch
+
+import fuser
+
+from .cpu import cpu_cell_text
+
+
+def _cell_text(row: dict, system: str) -> str:
+    cell = row["cells"].get(system)
+    if cell is None:
+        return "-"
+    if "error" in cell:
+        return "ERR"
+    flag = "!" if cell.get("mismatch") else ""
+    if row.get("device_type") == "cpu":
+        return cpu_cell_text(row, cell, flag)
+    if row["size"] == "large":
+        return f"{cell['fraction_of_floor']:.2f} ({cell['us_per_call']:.0f}us){flag}"
+    return f"{cell['us_per_call']:.1f}us{flag}"
+
+
+def format_table(rows: list[dict], systems: Sequence[str]) -> str:
+    """One line per row, one column per system: large rows 'fraction of floor (µs per call)', small rows
+    host µs per call. '!' marks a result that differs from eager's beyond tolerance."""
+    header = ["workload", "dtype", "size", *systems]
+    lines = [[r["workload"], r["dtype"], r["size"], *(_cell_text(r, s) for s in systems)] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(header, *lines)]
+    fmt = lambda cols: "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()  # noqa: E731
+    out = [fmt(header), fmt(["-" * w for w in widths]), *(fmt(l) for l in lines)]
+    errors = [f"  {r['workload']}/{r['dtype']}/{r['size']}/{s}: {c['error'].splitlines()[0][:200]}"
+              for r in rows for s, c in r["cells"].items() if "error" in c]
+    if errors:
+        out += ["", "errors:", *errors]
+    mismatches = [f"  {r['workload']}/{r['dtype']}/{r['size']}/{s}: max abs err {c['max_abs_err']:.3g}"
+                  for r in rows for s, c in r["cells"].items() if c.get("mismatch")]
+    if mismatches:
+        out += ["", "results differing from eager:", *mismatches]
+    return "\n".join(out)
+
+
+def fuser_first_calls(rows: list[dict]) -> dict:
+    """Per 'workload/dtype': fuser's first-call wall time (ms) from the first row that ran it, the one where
+    its kernels were compiled (a later size with the same arg spec reuses them)."""
+    result = {}
+    for r in rows:
+        cell = r["cells"].get("fuser", {})
+        key = f"{r['workload']}/{r['dtype']}"
+        if key not in result and "first_call_ms" in cell:
+            result[key] = {"ms": cell["first_call_ms"], "size": r["size"],
+                           "kernels_compiled": cell["kernels_compiled_first_call"],
+                           "kernel_build_ms": cell.get("kernel_build_ms", [])}
+    return result
+
+
+def draw_chart(rows: list[dict], systems: Sequence[str], path: str, title: str) -> Optional[str]:
+    """Grouped bars of the large rows' fraction of floor; returns why it was skipped, or None."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # no display on benchmark machines
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed"
+    large = [r for r in rows if r["size"] == "large"]
+    if not large:
+        return "no large rows"
+    width = 0.8 / len(systems)
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.9 * len(large) + 2), 4.8))
+    for k, system in enumerate(systems):
+        heights = [r["cells"].get(system, {}).get("fraction_of_floor", math.nan) for r in large]
+        ax.bar([i + (k - (len(systems) - 1) / 2) * width for i in range(len(large))], heights, width,
+               label=system)
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(large)))
+    ax.set_xticklabels([f"{r['workload']}\n{r['dtype']}" for r in large], fontsize=8)
+    ax.set_ylabel("fraction of copy-bandwidth floor")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, ncol=len(systems))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def _versions() -> dict:
+    info = {"torch": torch.__version__, "fuser": fuser.__version__, "python": platform.python_version(),
+            "cuda": torch.version.cuda}
+    with contextlib.suppress(Exception):
+        import triton
+        info["triton"] = triton.__version__
+    return info

@@ -1,0 +1,155 @@
+"""One row of the benchmark: every system on one (workload, dtype, size), on the same inputs, each cell's
+first call checked against eager's output and then timed."""
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from typing import Sequence
+
+import torch
+
+import fuser
+
+from .cpu import cpu_shape
+from .systems import SYSTEM_CONTEXTS
+from .timing import (Config, _free, _no_gc, _sync, device_time_per_call_us, host_time_per_call_us,
+                     warm_up)
+from .workloads import Workload, _as_list, _python_function, _train_step
+
+
+SIZES = ("large", "small")
+
+# A working set this large streams from device memory whatever we do (H100/H200 L2 is 50 MB); smaller sets
+# are rotated so back-to-back calls do not just re-read what the previous call left in L2.
+ROTATE_BELOW_BYTES = 64 * 2 ** 20
+N_ROTATED_SETS = 8
+
+# max abs error allowed, relative to max |eager output|: fused systems compute half types in float and round
+# once, eager rounds after every op, so a few ulps of the storage type are expected.
+REL_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def _fuser_build_ms() -> dict:
+    """name -> build time (ms) of every kernel fuser has built in this process."""
+    from fuser.kernel_cache import STORE
+    out = {}
+    for key in range(len(STORE)):
+        for k in STORE.get(key).kernels().values():
+            if k is not None:
+                out[k.name] = k.build_ms
+    return out
+
+
+def max_abs_error(out, ref) -> float:
+    """Largest |out - ref| over all outputs, in float64; inf when shapes or dtypes disagree."""
+    outs, refs = _as_list(out), _as_list(ref)
+    if len(outs) != len(refs):
+        return math.inf
+    err = 0.0
+    for o, r in zip(outs, refs):
+        if o.shape != r.shape or o.dtype != r.dtype:
+            return math.inf
+        if o.numel():
+            err = max(err, (o.double() - r.double()).abs().max().item())
+    return err
+
+
+def _structure_error(out, ref) -> float:
+    """0 when outputs match eager's in number, shapes and dtypes, else inf (random values cannot match)."""
+    outs, refs = _as_list(out), _as_list(ref)
+    same = len(outs) == len(refs) and all(o.shape == r.shape and o.dtype == r.dtype for o, r in zip(outs, refs))
+    return 0.0 if same else math.inf
+
+
+def _nbytes(values) -> int:
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def run_cell(wl: Workload, system: str, size: str, sets: list, ref, device: torch.device,
+             cfg: Config) -> dict:
+    """Build ``system``'s function for ``wl``, check its first call and time it. Never raises: a failure
+    is recorded under ``error``."""
+    cell: dict = {}
+    try:
+        with SYSTEM_CONTEXTS[system](wl) as fn:
+            if wl.train:
+                fn = _train_step(fn)
+            kernels_before = fuser.n_compiled_kernels()
+            built_before = set(_fuser_build_ms())
+            _sync(device)
+            t0 = time.perf_counter()
+            out = fn(*sets[0])
+            _sync(device)
+            cell["first_call_ms"] = (time.perf_counter() - t0) * 1e3
+            cell["kernels_compiled_first_call"] = fuser.n_compiled_kernels() - kernels_before
+            if system == "fuser":  # the kernel builds themselves (types, codegen, NVRTC, load)
+                cell["kernel_build_ms"] = [ms for name, ms in _fuser_build_ms().items() if name not in built_before]
+            cell["max_abs_err"] = max_abs_error(out, ref) if not wl.random else _structure_error(out, ref)
+            del out
+            cell["warmup_calls"] = warm_up(fn, sets, device, cfg)
+            with _no_gc():
+                if size == "large":
+                    samples = cell["device_us_samples"] = device_time_per_call_us(fn, sets, device, cfg)
+                else:
+                    samples = cell["host_us_samples"] = host_time_per_call_us(fn, sets, device, cfg)
+            cell["us_per_call"] = statistics.median(samples)
+            if system == "fuser":
+                cell["fuser_kernels_compiled_total"] = fuser.n_compiled_kernels() - kernels_before
+    except Exception as e:  # one broken system must not end the run
+        cell["error"] = f"{type(e).__name__}: {e}".strip()[:1000]
+        with contextlib.suppress(Exception):
+            _sync(device)
+        _free(device)
+    return cell
+
+
+def run_row(wl: Workload, dtype: torch.dtype, size: str, systems: Sequence[str], device: torch.device,
+            cfg: Config, quick: bool, copy_rate: float) -> dict:
+    """All systems on one (workload, dtype, size)."""
+    shape = wl.shapes["quick" if quick and size == "large" else size]
+    if device.type == "cpu" and size == "large" and not quick:
+        shape = cpu_shape(wl.name, shape)
+    torch.manual_seed(0)
+    make = wl.make_inputs
+    if wl.train:  # floating inputs require grad; the output gradients ride along as the last argument
+        def make(s, dt, dev):
+            inputs = [v.requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                      for v in wl.make_inputs(s, dt, dev)]
+            with torch.no_grad():
+                outs = _as_list(_python_function(wl)(*inputs))
+            return [*inputs, tuple(torch.randn_like(o) for o in outs)]
+    first = make(shape, dtype, device)
+    set_bytes = _nbytes(first) if not wl.train else _nbytes(first[:-1]) + _nbytes(first[-1])
+    n_sets = 1 if set_bytes >= ROTATE_BELOW_BYTES else N_ROTATED_SETS
+    sets = [first] + [make(shape, dtype, device) for _ in range(n_sets - 1)]
+    eager_fn = _python_function(wl)
+    ref = (_train_step(eager_fn) if wl.train else eager_fn)(*first)
+    _sync(device)
+    if wl.train:
+        # forward: inputs read, outputs written; backward: output gradients and inputs read, gradients written
+        with torch.no_grad():
+            outs = _as_list(eager_fn(*first[:-1]))
+        traffic = 2 * _nbytes(first[:-1]) + _nbytes(outs) + _nbytes(first[-1]) + _nbytes(_as_list(ref))
+        del outs
+    else:
+        traffic = set_bytes + _nbytes(_as_list(ref))
+    floor_us = traffic / copy_rate * 1e6
+    row = {"workload": wl.name, "dtype": str(dtype).replace("torch.", ""), "size": size, "device_type": device.type,
+           "input_shapes": [list(v.shape) if isinstance(v, torch.Tensor) else repr(v)
+                            for v in (first[:-1] if wl.train else first)],
+           "n_input_sets": n_sets, "bytes_per_call": traffic, "floor_us": floor_us, "cells": {}}
+    ref_scale = max((r.abs().max().item() for r in _as_list(ref) if r.numel()), default=0.0)
+    for system in systems:
+        t0 = time.perf_counter()
+        cell = run_cell(wl, system, size, sets, ref, device, cfg)
+        cell["cell_wall_s"] = time.perf_counter() - t0
+        if "max_abs_err" in cell:
+            cell["mismatch"] = not cell["max_abs_err"] <= REL_TOL[dtype] * max(1.0, ref_scale)
+        if size == "large" and "us_per_call" in cell:
+            cell["fraction_of_floor"] = floor_us / cell["us_per_call"]
+        row["cells"][system] = cell
+    del sets, first, ref
+    _free(device)
+    return row

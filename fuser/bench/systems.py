@@ -1,0 +1,70 @@
+"""The systems (columns) the benchmark compares: each a context manager that builds its own function from a
+workload, with that system's settings in effect while the cell runs."""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Callable, Iterator
+
+import torch
+
+import fuser
+
+from .workloads import Workload, _python_function, _script_function
+
+# torch.jit.script and friends warn about TorchScript's deprecation since torch 2.11; the warning says
+# nothing about the numbers measured here.
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+SYSTEMS = ("eager", "ts_nnc", "ts_legacy", "compile", "fuser")
+
+
+@contextlib.contextmanager
+def _eager(wl: Workload) -> Iterator[Callable]:
+    yield _python_function(wl)
+
+
+@contextlib.contextmanager
+def _ts_nnc(wl: Workload) -> Iterator[Callable]:
+    yield _script_function(wl)
+
+
+@contextlib.contextmanager
+def _ts_legacy(wl: Workload) -> Iterator[Callable]:
+    # The executor is chosen when a function first runs, so the flags must hold while the cell runs; they are
+    # process-global, so they are restored afterwards for the other columns.
+    old_profiling = torch._C._jit_set_profiling_executor(False)
+    old_texpr = torch._C._jit_texpr_fuser_enabled()
+    old_gpu = torch._C._jit_can_fuse_on_gpu()
+    try:
+        torch._C._jit_set_texpr_fuser_enabled(False)
+        torch._C._jit_override_can_fuse_on_gpu(True)
+        yield _script_function(wl)
+    finally:
+        torch._C._jit_set_profiling_executor(old_profiling)
+        torch._C._jit_set_texpr_fuser_enabled(old_texpr)
+        torch._C._jit_override_can_fuse_on_gpu(old_gpu)
+
+
+@contextlib.contextmanager
+def _compile(wl: Workload) -> Iterator[Callable]:
+    torch._dynamo.reset()  # drop earlier cells' compiled code and guards
+    try:
+        yield torch.compile(_python_function(wl))
+    finally:
+        torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def _fuser(wl: Workload) -> Iterator[Callable]:
+    fuser.install()  # also keeps NNC off the pointwise ops, as a user of install() would have it
+    try:
+        yield fuser.fuse(_script_function(wl))
+    finally:
+        fuser.uninstall()
+
+
+SYSTEM_CONTEXTS = {"eager": _eager, "ts_nnc": _ts_nnc, "ts_legacy": _ts_legacy, "compile": _compile,
+                   "fuser": _fuser}

@@ -1,0 +1,117 @@
+"""The benchmark's workloads: TorchScript-compatible sources, their input shapes per size, and the
+functions each cell builds from them."""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One benchmark function: TorchScript-compatible source and how to make its inputs."""
+
+    name: str
+    source: str  # defines one function named ``name``; valid as both Python and TorchScript
+    shapes: dict  # size name ("large", "small", "quick") -> shape parameters for make_inputs
+    make_inputs: Callable[[tuple, torch.dtype, torch.device], list]
+    train: bool = False  # time forward + backward: gradients of every floating input for random output grads
+    random: bool = False  # draws random numbers: outputs are checked for shape and dtype, not values
+    dtypes: tuple = DTYPES
+
+
+def _randn(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+WORKLOADS = (
+    Workload(
+        "mul_add",
+        "def mul_add(a: Tensor, b: Tensor, c: Tensor) -> Tensor:\n"
+        "    return a * b + c\n",
+        {"large": (2 ** 26,), "small": (1024,), "quick": (2 ** 16,)},
+        lambda s, dt, dev: [_randn(s, dt, dev) for _ in range(3)],
+    ),
+    Workload(
+        "gelu_bias",
+        "def gelu_bias(x: Tensor, b: Tensor) -> Tensor:\n"
+        "    y = x + b\n"
+        "    return 0.5 * y * (1 + torch.tanh(0.7978845608 * (y + 0.044715 * y * y * y)))\n",
+        {"large": (16384, 4096), "small": (8, 128), "quick": (256, 256)},
+        lambda s, dt, dev: [_randn(s, dt, dev), _randn(s[1:], dt, dev)],
+    ),
+    Workload(
+        "lstm_cell",
+        "def lstm_cell(gates: Tensor, cx: Tensor) -> Tuple[Tensor, Tensor]:\n"
+        "    ingate, forgetgate, cellgate, outgate = gates.chunk(4, 1)\n"
+        "    ingate = torch.sigmoid(ingate)\n"
+        "    forgetgate = torch.sigmoid(forgetgate)\n"
+        "    cellgate = torch.tanh(cellgate)\n"
+        "    outgate = torch.sigmoid(outgate)\n"
+        "    cy = forgetgate * cx + ingate * cellgate\n"
+        "    hy = outgate * torch.tanh(cy)\n"
+        "    return hy, cy\n",
+        # (batch, hidden): gates are batch x 4*hidden, cx batch x hidden
+        {"large": (16384, 2048), "small": (8, 32), "quick": (256, 128)},
+        lambda s, dt, dev: [_randn((s[0], 4 * s[1]), dt, dev), _randn(s, dt, dev)],
+    ),
+    Workload(
+        "silu_scale",
+        "def silu_scale(x: Tensor, s: float) -> Tensor:\n"
+        "    return x * torch.sigmoid(x) * s\n",
+        {"large": (2 ** 26,), "small": (1024,), "quick": (2 ** 16,)},
+        lambda s, dt, dev: [_randn(s, dt, dev), 1.7],
+    ),
+)
+
+
+WORKLOADS += (
+    Workload(
+        "dropout_residual",
+        "def dropout_residual(x: Tensor, bias: Tensor, residual: Tensor) -> Tensor:\n"
+        "    return bias + (torch.rand_like(x) > 0.1).type_as(x) * x * (1.0 / 0.9) + residual\n",
+        {"large": (16384, 4096), "small": (8, 128), "quick": (256, 256)},
+        lambda s, dt, dev: [_randn(s, dt, dev), _randn(s[1:], dt, dev), _randn(s, dt, dev)],
+        random=True,
+    ),
+)
+_GELU_SRC = WORKLOADS[1].source.replace("def gelu_bias(", "def gelu_bias_train(")
+_LSTM_SRC = WORKLOADS[2].source.replace("def lstm_cell(", "def lstm_cell_train(")
+WORKLOADS += (
+    Workload("gelu_bias_train", _GELU_SRC, WORKLOADS[1].shapes, WORKLOADS[1].make_inputs, train=True,
+             dtypes=(torch.float32, torch.bfloat16)),
+    Workload("lstm_cell_train", _LSTM_SRC, WORKLOADS[2].shapes, WORKLOADS[2].make_inputs, train=True,
+             dtypes=(torch.float32, torch.bfloat16)),
+)
+
+
+def _as_list(out) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _train_step(fn: Callable) -> Callable:
+    """fn's forward and backward: the inputs' gradients for the output gradients passed last."""
+    def step(*args):
+        inputs, grad_outputs = args[:-1], args[-1]
+        wrt = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
+        return torch.autograd.grad(_as_list(fn(*inputs)), wrt, grad_outputs)
+    return step
+
+
+def _python_function(wl: Workload) -> Callable:
+    """A fresh Python function object from the workload's source (fresh code, so torch.compile's caches,
+    keyed on the code object, start empty)."""
+    namespace = {"torch": torch, "Tensor": torch.Tensor, "Tuple": typing.Tuple}
+    exec(compile(wl.source, f"<fuser.bench:{wl.name}>", "exec"), namespace)
+    return namespace[wl.name]
+
+
+def _script_function(wl: Workload) -> torch.jit.ScriptFunction:
+    """A fresh ScriptFunction: a new CompilationUnit each time, so no executor state (profiled shapes,
+    legacy ArgumentSpecs, torch.jit.script's per-function cache) carries over between cells."""
+    return getattr(torch.jit.CompilationUnit(wl.source), wl.name)
