@@ -479,7 +479,7 @@ class _CpuGen(_Gen):
 
     def __init__(self, *args, vector=None):
         super().__init__(*args)
-        self.vector = vector  # _CpuVector.finish's (vector type, lines, outputs), or None: scalar loops only
+        self.vector = vector  # a finished _CpuVector, or None: scalar loops only
 
     def source(self) -> str:
         params = self.pointer_decls("ptrs")
@@ -496,8 +496,8 @@ class _CpuGen(_Gen):
         offsets = [f"const int64_t {name} = base{j} + j * st{j}[rank - 1];" for j, name in enumerate(self.offset_names)]
         if self.vector is not None:
             vtype, wide, vbody = self.vector.vtype, self.vector_body(CPU_VECTORS_PER_TRIP), self.vector_body(1)
-            hoisted += [f"const fz_v xs{k} = {f'fz_vload_mask<fz_v>(t{k}, 0)' if d.dtype == torch.bool else f'fz_v(x{k})'};"
-                        for k, d in enumerate(self.inputs) if d.layout == SCALAR]
+            hoisted += [f"const fz_v xs{k} = fz_vload_mask<fz_v>(t{k}, 0);" if d.dtype == torch.bool else
+                        f"const fz_v xs{k} = fz_v(x{k});" for k, d in enumerate(self.inputs) if d.layout == SCALAR]
             if self.offset_names:
                 loop = cpu_t.VECTOR_LOOP_ROWS.substitute(
                     rows, chunk=CPU_ROW_CHUNK, copies=CPU_VECTORS_PER_TRIP, offsets=self.block(offsets, "      "),

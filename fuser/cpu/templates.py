@@ -154,8 +154,8 @@ EXPENSIVE_CALL = re.compile(r"\b(?:" + "|".join("""
     erff? erfcf? lgammaf? powf? fmodf? fz_remainder fz_pow_scalar fz_uniform_[fd] fz_vuniform
 """.split()) + r")\s*\(")
 
-VECTOR_HEADER = r"""// fuser CPU vector header: ATen's at::vec::Vectorized, whose transcendental functions are the SLEEF ones
-// eager's vector loops call, and the scalar prelude. The C math functions and fuser's helpers are overloaded
+VECTOR_HEADER = r"""// fuser CPU vector header: ATen's at::vec::Vectorized, whose transcendental functions are the
+// SLEEF ones eager's vector loops call, and the scalar prelude. The C math functions and fuser's helpers are overloaded
 // for vectors (fz_vf: floats, fz_vd: doubles), so an op's scalar expression compiles on vectors unchanged.
 #ifndef FUSER_CPU_VEC_H
 #define FUSER_CPU_VEC_H
