@@ -340,8 +340,9 @@ def _grad_arg(spec: KernelSpec, grads: tuple, k: int, piece: Optional[int]) -> t
     return g.narrow(d, piece * size, size)
 
 
-# torch.broadcast_shapes runs tens of us of Python checks, on every call of a group under grad: the shapes repeat
-_broadcast_shapes = functools.lru_cache(maxsize=MAX_CACHED)(torch.broadcast_shapes)
+# torch.broadcast_shapes runs tens of us of Python checks, on every call of a group under grad (and of an LSTM's
+# chunk, integration.py): the shapes repeat
+broadcast_shapes = functools.lru_cache(maxsize=MAX_CACHED)(torch.broadcast_shapes)
 
 
 def differentiable(spec: KernelSpec, args: list, rng_state: Optional[list] = None) -> Optional[list[torch.Tensor]]:
@@ -369,10 +370,10 @@ def differentiable(spec: KernelSpec, args: list, rng_state: Optional[list] = Non
         return None  # the kernels have no complex types; eager's autograd keeps the gradients
     shapes = [t.shape for t in tensors]
     try:
-        full = _broadcast_shapes(*shapes)
+        full = broadcast_shapes(*shapes)
     except RuntimeError:
         return None
-    if any(_broadcast_shapes(*(shapes[k] for k in deps)) != full for deps in spec.output_deps):
+    if any(broadcast_shapes(*(shapes[k] for k in deps)) != full for deps in spec.output_deps):
         return None  # gradient contributions of different shapes cannot be added in one pointwise kernel
     device = tensors[0].device
     if any(t.device != device for t in tensors):
