@@ -15,6 +15,7 @@ that is not a constant) is not wrapped: the interpreter runs it op by op and eag
 """
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -38,7 +39,9 @@ def run(spec: KernelSpec, args: list, rng_state: Optional[list] = None) -> list[
     ``rng_state``: a random group's backward replays its forward's numbers with the forward's state (kernels
     only: the interpreter's rand_like would draw others, so there a replay raises).
     """
-    out = executor.run(spec, args, rng_state)
+    # an input that requires grad under grad mode: the kernel alone would not do (the executor says None)
+    grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    out = None if grad else executor.run(spec, args, rng_state)
     if out is None:
         out = differentiable(spec, args, rng_state)
     if out is None and rng_state is not None:
@@ -337,6 +340,11 @@ def _grad_arg(spec: KernelSpec, grads: tuple, k: int, piece: Optional[int]) -> t
     return g.narrow(d, piece * size, size)
 
 
+# torch.broadcast_shapes runs tens of us of Python checks, on every call of a group under grad (and of an LSTM's
+# chunk, integration.py): the shapes repeat
+broadcast_shapes = functools.lru_cache(maxsize=MAX_CACHED)(torch.broadcast_shapes)
+
+
 def differentiable(spec: KernelSpec, args: list, rng_state: Optional[list] = None) -> Optional[list[torch.Tensor]]:
     """The group as one autograd Function, or None (the caller runs the interpreter) when grad mode is off,
     no input requires grad, a transform or forward AD is active, or the gradient cannot be formed.
@@ -362,10 +370,10 @@ def differentiable(spec: KernelSpec, args: list, rng_state: Optional[list] = Non
         return None  # the kernels have no complex types; eager's autograd keeps the gradients
     shapes = [t.shape for t in tensors]
     try:
-        full = torch.broadcast_shapes(*shapes)
+        full = broadcast_shapes(*shapes)
     except RuntimeError:
         return None
-    if any(torch.broadcast_shapes(*(shapes[k] for k in deps)) != full for deps in spec.output_deps):
+    if any(broadcast_shapes(*(shapes[k] for k in deps)) != full for deps in spec.output_deps):
         return None  # gradient contributions of different shapes cannot be added in one pointwise kernel
     device = tensors[0].device
     if any(t.device != device for t in tensors):

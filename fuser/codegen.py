@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import string
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -23,7 +25,18 @@ from .descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, Tensor
 
 TARGETS = ("cpu", "cuda")
 REDUCED = (torch.float16, torch.bfloat16)
-CPU_PARALLEL_THRESHOLD = 32768  # elements; below it OpenMP's start-up costs more than it saves
+# CPU kernels split across OpenMP threads from this much work: elements x (ops + 16 per transcendental call,
+# cpu_t.EXPENSIVE_FUNCTIONS), at least CPU_PARALLEL_MIN elements. 65536 puts a*b+c at 32768 elements, eager's
+# own grain; the tanh-GELU at 2520. On the 2-core EPYC with the other core idle, 2 threads won already at 1024
+# elements (GELU 26.9 against 29.5 us a call, warm threads); with the other core busy a parallel region waits
+# for a descheduled thread, and work of that size gains less than it risks. FUSER_CPU_PARALLEL_WORK sets it
+# for experiments (it changes the source: cached kernels follow it).
+CPU_PARALLEL_WORK = int(os.environ.get("FUSER_CPU_PARALLEL_WORK", "65536"))
+CPU_PARALLEL_MIN = 2048
+CPU_ROW_CHUNK = 4096  # elements of one row per task of the vector path's row loop (a multiple of every trip)
+# vectors per trip of the CPU vector loops, interleaved op by op. A tanh-GELU on one core of a 2-core EPYC
+# (float32 and bfloat16, 2048x4096): 1 vector 32.4/37.5 ms, 2 vectors 29.9/32.8 ms, 4 vectors 28.0/30.5 ms.
+CPU_VECTORS_PER_TRIP = int(os.environ.get("FUSER_CPU_VECTORS_PER_TRIP", "4"))
 
 
 class NotFusable(Exception):
@@ -159,6 +172,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
 
     body: list[str] = []
     n_random = 0
+    vector = _CpuVector(inputs, target, options)
     for j, (node, nt) in enumerate(zip(nodes, node_types)):
         op = ops.lookup(node.schema())
         if op is None:
@@ -192,6 +206,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
             rtype = compute_type(nt.result)
             vname[out.unique()], vtype[out.unique()], vdtype[out.unique()] = f"v{j}", rtype, nt.result
             body.append(f"const {rtype} v{j} = ({rtype})({tmpl.substitute(consts)});")
+            vector.add(node, op, variant, nt, consts, vname, vdtype, f"v{j}")
             continue
         for i, v in enumerate(node.inputs()):
             if i == op.variant_arg:
@@ -238,6 +253,7 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
         rtype = value_type(nt.result, target)
         vname[out.unique()], vtype[out.unique()], vdtype[out.unique()] = f"v{j}", rtype, nt.result
         body.append(f"const {rtype} v{j} = {_converted(nt.result, target, tmpl.substitute(consts))};")
+        vector.add(node, op, variant, nt, consts, vname, vdtype, f"v{j}")
 
     # kernel outputs: a cat's result is written as its pieces, each converted to the cat's dtype the way eager
     # converts it: stored in its own dtype first (a float16 piece of a float32 cat holds float16 values)
@@ -257,9 +273,130 @@ def generate(graph: torch._C.Graph, inputs: Sequence[TensorDesc], n_scalars: int
     out_layouts = tuple(out_layouts) or (DENSE,) * len(outputs)
     if len(out_layouts) != len(outputs):
         raise ValueError(f"{len(outputs)} kernel outputs but {len(out_layouts)} output layouts")
-    gen = _CpuGen if target == "cpu" else _CudaGen
-    return gen(name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, n_random > 0,
-               out_layouts).source()
+    if target == "cpu":
+        return _CpuGen(name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, n_random > 0,
+                       out_layouts, vector=vector.finish(graph, out_dtypes, vname, vdtype)).source()
+    return _CudaGen(name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, n_random > 0,
+                    out_layouts).source()
+
+
+# compute type -> the CPU vector path's value type (fuser/cpu/templates.py VECTOR_HEADER)
+VECTOR_TYPES = {"float": "fz_vf", "double": "fz_vd"}
+_CALL = re.compile(r"([A-Za-z_]\w*)\s*\(")
+
+
+def vector_ready(text: str) -> bool:
+    """Whether a scalar expression compiles on vectors unchanged: no conditional operator, and every call one
+    that the CPU vector header overloads for vectors (``cpu_t.VECTOR_FUNCTIONS``)."""
+    return "?" not in text and "@IDX@" not in text and all(
+        f in cpu_t.VECTOR_FUNCTIONS for f in _CALL.findall(text))
+
+
+def vector_template(op: ops.OpDef, variant: Optional[str], fam: str) -> Optional[string.Template]:
+    """The op's expression on the CPU vector path: the table's vector form, else its scalar one where that
+    compiles on vectors; None: the op has none (its group keeps the scalar loop)."""
+    text = op.vector_text(variant)
+    if text is None:
+        tmpl = op.template(variant, fam, "cpu")
+        text = tmpl.template if tmpl is not None and vector_ready(tmpl.template) else None
+    return None if text is None else string.Template(text)
+
+
+class _CpuVector:
+    """The CPU vector path's lines, built beside the scalar ones: every value a vector of the group's one compute
+    type (float for float16/bfloat16/float32, or double), constants and float arguments broadcast, bools masks of
+    that type (lanes of all-one bits, as comparisons give them). Off for good once a node or an operand has no
+    vector form (integers, mixed compute types): the kernel then keeps the scalar loop alone.
+
+    Lines come in copies (``_0``, ``_1``... after every value's name), one per vector of a loop trip, interleaved op
+    by op: the copies' independent chains keep the core busy through each other's latencies (SLEEF calls)."""
+
+    def __init__(self, inputs: Sequence[TensorDesc], target: str, options: KernelOptions):
+        ctypes_ = {compute_type(d.dtype) for d in inputs if d.dtype != torch.bool}
+        # only bool inputs: the first node's compute type decides (where(c, 1.5, x) computes in float)
+        self.ctype = ctypes_.pop() if len(ctypes_) == 1 else None
+        self.on = target == "cpu" and options.vectorize and (self.ctype in VECTOR_TYPES or not ctypes_)
+        self.vtype = VECTOR_TYPES.get(self.ctype)
+        self.masks = {f"x{k}" for k, d in enumerate(inputs) if d.dtype == torch.bool}  # values that are masks
+        # per node: (result name, template, its arguments with every group value as a _ref tuple)
+        self.nodes: list[tuple[str, string.Template, dict]] = []
+        self.outputs: list[tuple] = []
+
+    def stop(self) -> None:
+        self.on = False
+
+    def add(self, node, op: ops.OpDef, variant, nt: NodeTypes, consts: dict, vname: dict, vdtype: dict,
+            out: str) -> None:
+        if not self.on:
+            return
+        if self.ctype is None:
+            self.ctype, self.vtype = compute_type(nt.compute), VECTOR_TYPES.get(compute_type(nt.compute))
+        ctype, vt = self.ctype, self.vtype
+        tmpl = vector_template(op, variant, family(nt.compute))
+        if vt is None:
+            return self.stop()
+        mask = nt.result == torch.bool and op.compute == "common"  # a comparison
+        if tmpl is None or compute_type(nt.compute) != ctype or (compute_type(nt.result) != ctype and not mask):
+            return self.stop()
+        args: dict = dict(consts, T=vt)
+        for i, v in enumerate(node.inputs()):
+            if op.random or i == op.variant_arg or i >= len(ops.ARG_NAMES):
+                continue
+            arg = ops.ARG_NAMES[i]
+            if v.node().kind() == "prim::Constant" or vdtype[v.unique()] is None:  # broadcast
+                for key in (arg, "n" + arg):
+                    if key in consts:
+                        args[key] = f"{vt}({consts[key]})"
+                continue
+            # a value of the group, already of the compute type (rounded to it where the scalar line rounds), or
+            # a mask: as it is where the op keeps the operand's type (where's condition), else as 1 or 0
+            name_, st = vname[v.unique()], storage_type(nt.compute)
+            forms = {name_: None, _converted(nt.compute, "cpu", name_): None,
+                     f"fz_ld(fz_st<{st}>(({ctype}){name_}))": st}
+            if consts.get(arg) not in forms or (name_ in self.masks and forms[consts[arg]] is not None):
+                return self.stop()
+            args[arg] = (name_, forms[consts[arg]], name_ in self.masks and i not in op.keep_args)
+        if mask:
+            self.masks.add(out)
+        self.nodes.append((out, tmpl, args))
+
+    def finish(self, graph, out_dtypes, vname: dict, vdtype: dict) -> Optional["_CpuVector"]:
+        """This, with the kernel outputs set; None: no vector path."""
+        if not self.on or self.vtype is None:
+            return None
+        # kernel outputs in the scalar loop's order; a cat piece of another dtype is stored in its own dtype first
+        pieces = [p for o in graph.outputs()
+                  for p in ([o] if o.node().kind() != "aten::cat" else o.node().inputsAt(0).node().inputs())]
+        for p, dt in zip(pieces, out_dtypes):
+            name_, is_mask = vname[p.unique()], vname[p.unique()] in self.masks
+            if dt == torch.bool and is_mask:  # stored as bools
+                self.outputs.append((name_, None, False))
+            elif compute_type(dt) == self.ctype:
+                self.outputs.append((name_, None if is_mask or vdtype[p.unique()] == dt
+                                     else storage_type(vdtype[p.unique()]), is_mask))
+            else:
+                return None
+        return self
+
+    @staticmethod
+    def value(ref: tuple, copy: int) -> str:
+        name_, rounded, mask_value = ref
+        v = f"{name_}_{copy}"
+        return f"fz_vmask_value({v})" if mask_value else v if rounded is None else f"fz_vround<{rounded}>({v})"
+
+    def lines(self, copies: int) -> list[str]:
+        """The ops on ``copies`` vectors, interleaved op by op."""
+        out = []
+        for name_, tmpl, args in self.nodes:
+            for c in range(copies):
+                subs = {k: self.value(a, c) if isinstance(a, tuple) else a for k, a in args.items()}
+                subs.update({"n" + k: f"(-{subs[k]})" for k, a in args.items() if isinstance(a, tuple)})
+                index = f"(unsigned long long)(i + {c} * W)" if c else "(unsigned long long)(i)"
+                out.append(f"const {self.vtype} {name_}_{c} = {tmpl.substitute(subs).replace('@IDX@', index)};")
+        return out
+
+    def output(self, m: int, copy: int) -> str:
+        return self.value(self.outputs[m], copy)
 
 
 def _index_of(nodes: list, node) -> int:
@@ -340,26 +477,78 @@ class _Gen:
 class _CpuGen(_Gen):
     target = "cpu"
 
+    def __init__(self, *args, vector=None):
+        super().__init__(*args)
+        self.vector = vector  # a finished _CpuVector, or None: scalar loops only
+
     def source(self) -> str:
         params = self.pointer_decls("ptrs")
         params += [f"const double s{j} = scalars[{j}];" for j in range(self.n_scalars)]
         params += self.rng_state("scalars")
         params += [f"const int64_t* st{j} = strides + {j} * rank;" for j in range(len(self.offset_names))]
         body = self.element_body(self.scalar_load, self.scalar_store)
+        hoisted = self.hoisted()
+        work = len(self.body) + 16 * sum(len(cpu_t.EXPENSIVE_CALL.findall(ln)) for ln in self.body)
+        threshold = max(CPU_PARALLEL_MIN, CPU_PARALLEL_WORK // max(1, work))
+        rows = dict(parallel_threshold=threshold,
+                    bases=", ".join(f"base{j} = 0" for j in range(len(self.offset_names))),
+                    accumulate="\n".join(f"        base{j} += m * st{j}[d];" for j in range(len(self.offset_names))))
+        offsets = [f"const int64_t {name} = base{j} + j * st{j}[rank - 1];" for j, name in enumerate(self.offset_names)]
+        if self.vector is not None:
+            vtype, wide, vbody = self.vector.vtype, self.vector_body(CPU_VECTORS_PER_TRIP), self.vector_body(1)
+            hoisted += [f"const fz_v xs{k} = fz_vload_mask<fz_v>(t{k}, 0);" if d.dtype == torch.bool else
+                        f"const fz_v xs{k} = fz_v(x{k});" for k, d in enumerate(self.inputs) if d.layout == SCALAR]
+            if self.offset_names:
+                loop = cpu_t.VECTOR_LOOP_ROWS.substitute(
+                    rows, chunk=CPU_ROW_CHUNK, copies=CPU_VECTORS_PER_TRIP, offsets=self.block(offsets, "      "),
+                    wide=self.block(wide, "      "), vbody=self.block(vbody, "      "),
+                    body=self.block(body, "      "))
+            else:
+                loop = cpu_t.VECTOR_LOOP_FLAT.substitute(
+                    parallel_threshold=threshold, copies=CPU_VECTORS_PER_TRIP,
+                    wide=self.block(wide, "    "), vbody=self.block(vbody, "    "), body=self.block(body, "    "))
+            return cpu_t.VECTOR_KERNEL.substitute(
+                name=self.name, include=cpu_t.VECTOR_INCLUDE, rng=cpu_t.RNG if self.random else "", vtype=vtype,
+                params=self.block(params, "  "), hoisted=self.block(hoisted, "  "), loop=loop)
         if self.offset_names:
-            loop = cpu_t.LOOP_ROWS.substitute(
-                parallel_threshold=CPU_PARALLEL_THRESHOLD,
-                bases=", ".join(f"base{j} = 0" for j in range(len(self.offset_names))),
-                accumulate="\n".join(f"        base{j} += m * st{j}[d];" for j in range(len(self.offset_names))),
-                offsets="\n".join(f"      const int64_t {name} = base{j} + j * st{j}[rank - 1];"
-                                  for j, name in enumerate(self.offset_names)),
-                body=self.block(body, "      "))
+            loop = cpu_t.LOOP_ROWS.substitute(rows, offsets=self.block(offsets, "      "),
+                                              body=self.block(body, "      "))
         else:
-            loop = cpu_t.LOOP_FLAT.substitute(parallel_threshold=CPU_PARALLEL_THRESHOLD,
+            loop = cpu_t.LOOP_FLAT.substitute(parallel_threshold=threshold,
                                               body=self.block(body, "    "))
         return cpu_t.KERNEL.substitute(
             name=self.name, prelude=cpu_t.PRELUDE + (cpu_t.RNG if self.random else ""), params=self.block(params, "  "),
-            hoisted=self.block(self.hoisted(), "  "), loop=loop)
+            hoisted=self.block(hoisted, "  "), loop=loop)
+
+    def vector_body(self, copies: int) -> list[str]:
+        """``copies`` vectors of elements side by side: loads (converted to the compute type), the ops, stores."""
+        stride = {name: f"st{j}[rank - 1]" for j, name in enumerate(self.offset_names)}
+        lines = []
+        for k, d in enumerate(self.inputs):
+            for c in range(copies):
+                step = f" + {c} * W" if c else ""
+                st = stride.get(f"off{k}")
+                at = {DENSE: f"t{k} + i{step}", ROWS: f"t{k} + off{k}{step}", REPEAT: f"t{k} + off{k}",
+                      STRIDED: f"t{k} + off{k}{step and f'{step} * {st}'}", SCALAR: f"t{k}"}[d.layout]
+                if d.layout == SCALAR:
+                    load = f"xs{k}"
+                elif d.dtype == torch.bool:  # a mask
+                    load = f"fz_vload_mask<fz_v>({at}, { {DENSE: 1, ROWS: 1, REPEAT: 0}.get(d.layout, st)})"
+                else:
+                    load = {DENSE: f"fz_vload({at})", ROWS: f"fz_vload({at})", REPEAT: f"fz_v(fz_ld(t{k}[off{k}]))",
+                            STRIDED: f"fz_vgather({at}, {st})"}[d.layout]
+                lines.append(f"const fz_v x{k}_{c} = {load};")
+        lines += self.vector.lines(copies)
+        for m, lay in enumerate(self.out_layouts):
+            for c in range(copies):
+                step, o, st = f" + {c} * W" if c else "", self.vector.output(m, c), stride.get(f"ooff{m}")
+                at = {DENSE: f"o{m} + i{step}", ROWS: f"o{m} + ooff{m}{step}",
+                      STRIDED: f"o{m} + ooff{m}{step and f'{step} * {st}'}"}[lay]
+                if self.out_dtypes[m] == torch.bool:  # a mask
+                    lines.append(f"fz_vstore_mask({at}, {1 if lay != STRIDED else st}, {o});")
+                else:
+                    lines.append(f"fz_vstore({at}, {o});" if lay != STRIDED else f"fz_vscatter({at}, {st}, {o});")
+        return lines
 
 
 class _CudaGen(_Gen):

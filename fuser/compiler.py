@@ -131,7 +131,8 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
     # deterministic across processes (the disk cache keys on the source, which holds the name)
     name = "fused_" + hashlib.sha256(f"{spec.text}\n{arg_spec!r}\n{target}".encode()).hexdigest()[:16]
     options = codegen.KernelOptions(index32=arg_spec.index32,
-                                    fast_reduced=os.environ.get("FUSER_FAST_REDUCED", "1") != "0")
+                                    fast_reduced=os.environ.get("FUSER_FAST_REDUCED", "1") != "0",
+                                    vectorize=target == "cuda" or _cpu_vectorize())
     try:
         source = codegen.generate(spec.graph, arg_spec.inputs, len(spec.input_is_tensor) - spec.n_tensor_inputs,
                                   types, target, name, options, arg_spec.outputs)
@@ -157,9 +158,15 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
                           (time.perf_counter() - t0) * 1e3, _scalar_limits(spec, nodes, types), spec.random)
 
 
+def _cpu_vectorize() -> bool:
+    """Whether CPU kernels get vector loops (the at::vec toolchain is usable on this machine)."""
+    from .cpu import compiler as cpu_compiler
+    return cpu_compiler.toolchain() is not None
+
+
 def _load_cpu(source: str, name: str, *_) -> tuple:
     from .cpu import compiler as cpu_compiler
-    return cpu_compiler.compile_kernel(source, name), True
+    return cpu_compiler.compile_kernel(source, name)
 
 
 def _load_cuda(*args) -> tuple:

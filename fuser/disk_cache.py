@@ -87,11 +87,16 @@ def read(path: Path) -> Optional[bytes]:
 
 def write(path: Path, payload: bytes) -> None:
     """Atomically store ``payload`` at ``path`` (best effort: a full disk only costs a recompile later)."""
+    write_file(path, MAGIC + hashlib.sha256(payload).hexdigest().encode() + payload)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Atomically put ``data`` (as it is: no magic, no digest) at ``path``; best effort, as :func:`write`."""
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
         try:
             with os.fdopen(fd, "wb") as fh:
-                fh.write(MAGIC + hashlib.sha256(payload).hexdigest().encode() + payload)
+                fh.write(data)
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)

@@ -231,7 +231,12 @@ class Geometry:
         self.grid_vec = self.grid_scalar = None  # CUDA launch grids, filled by the launcher on first use
         if self.device.type == "cpu":
             flat = [x for st in p.strides for x in st]
-            self.cpu_args = ((ctypes.c_int64 * len(p.sizes))(*p.sizes), (ctypes.c_int64 * max(1, len(flat)))(*flat))
+            sizes, strides = (ctypes.c_int64 * len(p.sizes))(*p.sizes), (ctypes.c_int64 * max(1, len(flat)))(*flat)
+            n_out = sum(c[2] if c is not None else 1 for c in p.concat) if p.concat else len(kernel.out_dtypes)
+            # everything but the pointers and float arguments: the arrays, their addresses, the per-call array types
+            self.cpu_args = (sizes, strides, ctypes.addressof(sizes), ctypes.addressof(strides), len(p.sizes),
+                             ctypes.c_void_p * (len(p.tensors) + n_out), ctypes.c_double * max(1, len(p.scalars) + (
+                                 rng.N_STATE if kernel.random else 0)))
 
 
 _NOT_FUSABLE = object()
@@ -326,9 +331,6 @@ def concat_outputs(geo: Geometry, device) -> tuple[list, list]:
 
 
 def _launch_cpu(geo: Geometry, tensors, scalars, outputs: list[torch.Tensor]) -> None:
-    sizes, strides = geo.cpu_args
-    ptrs = (ctypes.c_void_p * (len(tensors) + len(outputs)))(
-        *[t.data_ptr() for t in tensors], *[o.data_ptr() for o in outputs])
-    scal = (ctypes.c_double * max(1, len(scalars)))(*scalars)
-    geo.kernel.backend.launch(geo.numel, len(geo.sizes), ctypes.addressof(sizes), ctypes.addressof(strides),
-                              ctypes.addressof(ptrs), ctypes.addressof(scal))
+    _, _, sizes, strides, rank, ptr_array, scalar_array = geo.cpu_args
+    ptrs = ptr_array(*[t.data_ptr() for t in tensors], *[o.data_ptr() for o in outputs])
+    geo.kernel.backend.launch(geo.numel, rank, sizes, strides, ptrs, scalar_array(*scalars))

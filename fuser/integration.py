@@ -7,6 +7,7 @@ executed function ignores later edits of its graph), modules get their methods' 
 """
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 import weakref
@@ -69,17 +70,24 @@ _lib.impl("fusion_group", _fusion_group, "FuncTorchBatched")
 _lib.define("broadcasting_chunk(Tensor[] inputs, int chunks, int dim, int n) -> Tensor[]")
 
 
+@functools.lru_cache(maxsize=1024)
+def _chunk_sizes(shape: tuple, chunks: int, dim: int) -> tuple[int, ...]:
+    """The sizes along ``dim`` of eager's ``chunk`` of a tensor of ``shape`` (its errors too): asked on a meta
+    tensor once per shape, since that costs tens of us, on every call of an LSTM cell."""
+    nd = len(shape)
+    return tuple(p.shape[dim + nd if dim < 0 else dim] for p in torch.empty(shape, device="meta").chunk(chunks, dim))
+
+
 def _broadcasting_chunk(inputs: list[torch.Tensor], chunks: int, dim: int, n: int) -> list[torch.Tensor]:
     """For chunk motion (graph_fuser.move_chunks): chunk ``k`` of every input as the chunked pointwise result
     would see it, input-major (input j's chunk k at j * n + k). An input broadcast along the chunked dim is
     passed whole; chunk sizes and errors come from chunking the broadcast shape, as eager's chunk would."""
-    shape = torch.broadcast_shapes(*(t.shape for t in inputs))
-    pieces = torch.empty(shape, device="meta").chunk(chunks, dim)
-    if len(pieces) != n:
-        raise RuntimeError(f"Expected {n} elements in a list but found {len(pieces)}")
+    shape = autodiff.broadcast_shapes(*(t.shape for t in inputs))
+    sizes = _chunk_sizes(tuple(shape), chunks, dim)
+    if len(sizes) != n:
+        raise RuntimeError(f"Expected {n} elements in a list but found {len(sizes)}")
     nd = len(shape)
     d = dim + nd if dim < 0 else dim
-    sizes = [p.shape[d] for p in pieces]
     out = []
     for t in inputs:
         td = d - (nd - t.dim())

@@ -7,6 +7,10 @@ Each entry maps TorchScript schemas to C expression templates, one per compute f
 * ``i``: integer and bool math; ``None`` where an integer compute type is not supported (the group then
   falls back, e.g. integer ``fmod`` by zero raises in eager).
 
+The CPU backend also runs ``f`` and ``d`` math on vectors (ATen's ``at::vec::Vectorized``, see
+``fuser/cpu/templates.py``): an op's scalar expression serves there unchanged when it calls only functions the
+vector header overloads; ``v`` gives a vector form where it does not (a conditional becomes ``fz_vsel``).
+
 Templates are :class:`string.Template` texts. ``$a $b $c $d`` are the node's inputs in schema order, already
 converted to the node's compute type (``$na``... the same negated as eager negates a Scalar: an int 0
 stays +0); ``$T`` is that C type. Helpers named ``fz_*`` are defined once per
@@ -31,6 +35,7 @@ class Exprs:
     f: str
     d: str
     i: Optional[str] = None
+    v: Optional[str] = None  # the CPU vector form of f and d (values are vectors; constants exact in float)
 
     def for_family(self, family: str) -> Optional[str]:
         return {"f": self.f, "d": self.d, "i": self.i}[family]
@@ -95,6 +100,11 @@ class OpDef:
             return None
         text = exprs.for_family(family)
         return None if text is None else string.Template(text)
+
+    def vector_text(self, variant: Optional[str]) -> Optional[str]:
+        """The explicit CPU vector form (``Exprs.v``), or None (codegen may use the scalar one)."""
+        exprs = self.targets.get("cpu", {}).get(variant) or self.exprs.get(variant)
+        return None if exprs is None else exprs.v
 
     def fast_template(self, variant: Optional[str]) -> Optional[string.Template]:
         text = self.fast.get(variant)
@@ -178,6 +188,10 @@ _OPS: list[OpDef] = [
                 "(0.5 * $a * (1.0 + tanh(0.79788456080286535588 * ($a + 0.044715 * $a * $a * $a))))"),
         },
         variant_arg=1,
+        # eager's CPU kernels (scalar and vector) are compiled with contraction: x + 0.044715 * x^3 is one fma there
+        targets={"cpu": {"tanh": Exprs(
+            "(0.5f * $a * (1.f + tanhf(0.79788456080286535f * fmaf(0.044715f, $a * $a * $a, $a))))",
+            "(0.5 * $a * (1.0 + tanh(0.79788456080286535588 * fma(0.044715, $a * $a * $a, $a))))")}},
         # 0.5 * (1 + tanh(u)) == sigmoid(2u): no cancellation in the negative tail, and about half the work. Below
         # u = -9 eager's own form, as its CUDA kernel writes it: its tanhf(u) reaches -1 near u = -9.01 and the
         # result is then a zero (which a later inf * 0 turns into NaN, the fuzzer found), where sigmoid(2u) would
@@ -202,18 +216,21 @@ _OPS: list[OpDef] = [
                                         "($a != $a ? $a : fmin(fmax($a, 0.0), 6.0))",
                                         "fz_min(fz_max($a, ($T)0), ($T)6)")}}),
     OpDef("leaky_relu", ("aten::leaky_relu(Tensor self, Scalar negative_slope=0.01) -> Tensor",),
-          {None: Exprs("($a > 0.f ? $a : $a * $b)", "($a > 0.0 ? $a : $a * $b)")}),
+          {None: Exprs("($a > 0.f ? $a : $a * $b)", "($a > 0.0 ? $a : $a * $b)",
+                       v="fz_vsel($a > 0.f, $a, $a * $b)")}),
     # (alpha * scale) is eager's negcoef, formed in the compute type; the CPU takes the exponential side below 0,
     # CUDA at or below 0: the sign of a zero result differs when alpha * scale < 0
     OpDef("elu", ("aten::elu(Tensor self, Scalar alpha=1, Scalar scale=1, Scalar input_scale=1) -> Tensor",),
           {None: Exprs("($a < 0.f ? expm1f($a * $d) * ($b * $c) : $a * $c)",
-                       "($a < 0.0 ? expm1($a * $d) * ($b * $c) : $a * $c)")},
+                       "($a < 0.0 ? expm1($a * $d) * ($b * $c) : $a * $c)",
+                       v="fz_vsel($a < 0.f, expm1f($a * $d) * ($b * $c), $a * $c)")},
           targets={"cuda": {None: Exprs("($a > 0.f ? $a * $c : expm1f($a * $d) * ($b * $c))",
                                         "($a > 0.0 ? $a * $c : expm1($a * $d) * ($b * $c))")}}),
     # x itself above the threshold: a jump there (log(2) at x = 0 for threshold 0)
     OpDef("softplus", ("aten::softplus(Tensor self, Scalar beta=1, Scalar threshold=20) -> Tensor",),
           {None: Exprs("($a * $b > $c ? $a : log1pf(expf($a * $b)) / $b)",
-                       "($a * $b > $c ? $a : log1p(exp($a * $b)) / $b)")}, discrete=True),
+                       "($a * $b > $c ? $a : log1p(exp($a * $b)) / $b)",
+                       v="fz_vsel($a * $b > $c, $a, log1pf(expf($a * $b)) / $b)")}, discrete=True),
     OpDef("mish", ("aten::mish(Tensor self) -> Tensor",),
           {None: Exprs("($a * tanhf(log1pf(expf($a))))", "($a * tanh(log1p(exp($a))))")}),
     OpDef("add", ("aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
@@ -268,7 +285,8 @@ _OPS: list[OpDef] = [
                     "aten::where.ScalarOther(Tensor condition, Tensor self, Scalar other) -> Tensor",
                     "aten::where.ScalarSelf(Tensor condition, Scalar self, Tensor other) -> Tensor",
                     "aten::where.Scalar(Tensor condition, Scalar self, Scalar other) -> Tensor"),
-          {None: Exprs("($a ? $b : $c)", "($a ? $b : $c)", "($a ? $b : $c)")}, keep_args=(0,)),
+          {None: Exprs("($a ? $b : $c)", "($a ? $b : $c)", "($a ? $b : $c)", v="fz_vsel($a, $b, $c)")},
+          keep_args=(0,)),
     OpDef("type_as", ("aten::type_as(Tensor self, Tensor other) -> Tensor",),
           {None: Exprs("$a", "$a", "$a")}, aliases_input=True, shape_args=(0,)),
     # Scalar and Tensor bounds are two entries: on CUDA a NaN Scalar bound is ignored where it is the only one
@@ -292,17 +310,20 @@ _OPS: list[OpDef] = [
     OpDef("clamp_max_tensor", ("aten::clamp_max.Tensor(Tensor self, Tensor max) -> Tensor",),
           {None: Exprs("fz_min($a, $b)", "fz_min($a, $b)", "fz_min($a, $b)")}),
     OpDef("threshold", ("aten::threshold(Tensor self, Scalar threshold, Scalar value) -> Tensor",),
-          {None: Exprs("($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)")},
+          {None: Exprs("($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)",
+                       v="fz_vsel($a <= $b, $c, $a)")},
           round_operands=("cuda",), discrete=True),
     OpDef("lerp", ("aten::lerp.Scalar(Tensor self, Tensor end, Scalar weight) -> Tensor",
                    "aten::lerp.Tensor(Tensor self, Tensor end, Tensor weight) -> Tensor"),
           # eager's two-sided formula (exact at weight 0 and 1), with eager's fused multiply-adds
           # (-(end - self), not self - end: x - x is +0, and the sign of a zero result must be eager's; fuzzer)
           {None: Exprs("(fabsf($c) < 0.5f ? fmaf($c, $b - $a, $a) : fmaf(-($b - $a), 1.f - $c, $b))",
-                       "(fabs($c) < 0.5 ? fma($c, $b - $a, $a) : fma(-($b - $a), 1.0 - $c, $b))")}),
+                       "(fabs($c) < 0.5 ? fma($c, $b - $a, $a) : fma(-($b - $a), 1.0 - $c, $b))",
+                       v="fz_vsel(fabsf($c) < 0.5f, fmaf($c, $b - $a, $a), fmaf(-($b - $a), 1.f - $c, $b))")}),
     OpDef("rand_like", ("aten::rand_like(Tensor self, *, ScalarType? dtype=None, Layout? layout=None, "
                         "Device? device=None, bool? pin_memory=None, MemoryFormat? memory_format=None) -> Tensor",),
-          {None: Exprs("fz_uniform_f(fz_rs, $r, @IDX@, $bits)", "fz_uniform_d(fz_rs, $r, @IDX@)")}, random=True),
+          {None: Exprs("fz_uniform_f(fz_rs, $r, @IDX@, $bits)", "fz_uniform_d(fz_rs, $r, @IDX@)",
+                       v="fz_vuniform($T(), fz_rs, $r, @IDX@, $bits)")}, random=True),
     OpDef("cat", ("aten::cat(Tensor[] tensors, int dim=0) -> Tensor",), {}, concat=True),
     OpDef("addcmul", ("aten::addcmul(Tensor self, Tensor tensor1, Tensor tensor2, *, Scalar value=1) -> Tensor",),
           # CPU eager: fma(value * tensor1, tensor2, self); CUDA eager: fma(tensor1, tensor2, self) for value 1, else

@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 
 import pytest
@@ -9,6 +11,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 # a pass failure raises (and every graph the pass makes is linted) instead of warning and running unfused
 os.environ.setdefault("FUSER_STRICT_PASS", "1")
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # torch.jit.script's since 2.11
+# a fresh kernel cache per session (unless one is given): tests count compiles, and the CPU backend's kernels are
+# cached on disk like CUDA's; subprocesses of the tests inherit it
+if "FUSER_CACHE_DIR" not in os.environ:
+    os.environ["FUSER_CACHE_DIR"] = _SESSION_CACHE = tempfile.mkdtemp(prefix="fuser-test-cache-")
+else:
+    _SESSION_CACHE = None
 
 import fuser  # noqa: E402
 from fuser import settings  # noqa: E402
@@ -29,6 +37,11 @@ def pytest_report_header(config):
 def _seed(request):
     import zlib
     torch.manual_seed(SEED ^ zlib.crc32(request.node.nodeid.encode()))
+
+
+def pytest_unconfigure(config):
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter):

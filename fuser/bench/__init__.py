@@ -40,14 +40,16 @@ Method:
 
 ``--models`` times real networks end to end instead (:mod:`fuser.bench.models`).
 
-On CPU (``--device cpu``) time.perf_counter replaces CUDA events; ``--quick`` shrinks sizes and iteration
-counts for smoke tests. Output: a table on stdout, all raw numbers as JSON (``--json``), and a grouped bar
+On CPU (``--device cpu``) time.perf_counter replaces CUDA events, and :mod:`.cpu` sets the large rows' sizes
+(4M elements), the dtypes (float32, bfloat16), the systems (eager, torch.compile, fuser; ts_nnc where torch has
+LLVM) and cells of time per call and speed-up over eager; ``--quick`` shrinks sizes and iteration counts for
+smoke tests. Output: a table on stdout, all raw numbers as JSON (``--json``), and a grouped bar
 chart of the large rows' fractions of the floor (``--png``, needs matplotlib; skipped without it).
 
 The package, one module per job: :mod:`.workloads` (the functions and their inputs) -> :mod:`.systems` (the
 columns) and :mod:`.timing` (warm-up, device and host time, the copy rate) -> :mod:`.rows` (one row: every
 system's cell, checked and timed) -> :mod:`.report` (table, first calls, chart) -> :mod:`.cli` (``python -m
-fuser.bench``); :mod:`.models` is the model zoo of ``--models``, timed end to end with :mod:`.timing`'s clocks.
+fuser.bench``); :mod:`.cpu` holds the CPU's sizes, dtypes, systems and timing; :mod:`.models` is the model zoo of ``--models``, timed end to end with :mod:`.timing`'s clocks.
 This module re-exports their public names.
 """
 from .cli import main, parse_args

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import sys
 import time
 from typing import Optional, Sequence
@@ -16,6 +15,7 @@ import torch
 
 import fuser
 
+from .cpu import CPU, CPU_DTYPES, cpu_name, cpu_systems
 from .report import _versions, draw_chart, format_table, fuser_first_calls
 from .rows import SIZES, run_row
 from .systems import SYSTEMS
@@ -44,6 +44,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         systems = models.SYSTEMS
         if args.systems == list(SYSTEMS):  # the default: every system of this mode
             args.systems = list(systems)
+    if args.device == "cpu" and not args.models and args.systems == list(SYSTEMS):
+        args.systems = list(cpu_systems())
     unknown = sorted(set(args.systems) - set(systems))
     if unknown or not args.systems:
         p.error(f"unknown systems {unknown}; choose from {','.join(systems)}")
@@ -58,13 +60,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from . import models
         return models.main(args)
     device = torch.device(args.device)
-    cfg = QUICK if args.quick else FULL
+    cfg = QUICK if args.quick else CPU if device.type == "cpu" else FULL
     workloads = [wl for wl in WORKLOADS if args.only in wl.name]
     if not workloads:
         print(f"no workload matches --only {args.only!r}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     copy_rate, copy_samples = measure_copy_rate(device, cfg)
     print(f"device: {device_name}  torch {torch.__version__}  copy rate {copy_rate / 1e9:.1f} GB/s "
           f"(read + write)", file=sys.stderr)
@@ -72,7 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = []
     for wl in workloads:
         for size in SIZES:
-            for dtype in wl.dtypes:
+            for dtype in [d for d in wl.dtypes if device.type != "cpu" or d in CPU_DTYPES]:
                 t0 = time.perf_counter()
                 rows.append(run_row(wl, dtype, size, args.systems, device, cfg, args.quick, copy_rate))
                 print(f"  {wl.name:<10} {str(dtype)[6:]:<9} {size:<5} {time.perf_counter() - t0:6.1f}s",
@@ -81,7 +83,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     first_calls = fuser_first_calls(rows)
     print(f"\n{device_name}, torch {torch.__version__}, copy rate {copy_rate / 1e9:.1f} GB/s; "
-          f"large rows: fraction of copy floor (us per call, device time); small rows: host us per call\n")
+          + ("time per call and speed-up over eager (large rows: median of batches; small rows: host time), "
+             f"{torch.get_num_threads()} threads\n" if device.type == "cpu" else
+             "large rows: fraction of copy floor (us per call, device time); small rows: host us per call\n"))
     print(format_table(rows, args.systems))
     if first_calls:
         print("\nfuser_first_call_ms (first call of the fused function, compile included):")

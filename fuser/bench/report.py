@@ -11,6 +11,8 @@ import torch
 
 import fuser
 
+from .cpu import cpu_cell_text
+
 
 def _cell_text(row: dict, system: str) -> str:
     cell = row["cells"].get(system)
@@ -19,6 +21,8 @@ def _cell_text(row: dict, system: str) -> str:
     if "error" in cell:
         return "ERR"
     flag = "!" if cell.get("mismatch") else ""
+    if row.get("device_type") == "cpu":
+        return cpu_cell_text(row, cell, flag)
     if row["size"] == "large":
         return f"{cell['fraction_of_floor']:.2f} ({cell['us_per_call']:.0f}us){flag}"
     return f"{cell['us_per_call']:.1f}us{flag}"

@@ -12,6 +12,7 @@ import torch
 
 import fuser
 
+from .cpu import cpu_shape
 from .systems import SYSTEM_CONTEXTS
 from .timing import (Config, _free, _no_gc, _sync, device_time_per_call_us, host_time_per_call_us,
                      warm_up)
@@ -108,6 +109,8 @@ def run_row(wl: Workload, dtype: torch.dtype, size: str, systems: Sequence[str],
             cfg: Config, quick: bool, copy_rate: float) -> dict:
     """All systems on one (workload, dtype, size)."""
     shape = wl.shapes["quick" if quick and size == "large" else size]
+    if device.type == "cpu" and size == "large" and not quick:
+        shape = cpu_shape(wl.name, shape)
     torch.manual_seed(0)
     make = wl.make_inputs
     if wl.train:  # floating inputs require grad; the output gradients ride along as the last argument
@@ -133,7 +136,7 @@ def run_row(wl: Workload, dtype: torch.dtype, size: str, systems: Sequence[str],
     else:
         traffic = set_bytes + _nbytes(_as_list(ref))
     floor_us = traffic / copy_rate * 1e6
-    row = {"workload": wl.name, "dtype": str(dtype).replace("torch.", ""), "size": size,
+    row = {"workload": wl.name, "dtype": str(dtype).replace("torch.", ""), "size": size, "device_type": device.type,
            "input_shapes": [list(v.shape) if isinstance(v, torch.Tensor) else repr(v)
                             for v in (first[:-1] if wl.train else first)],
            "n_input_sets": n_sets, "bytes_per_call": traffic, "floor_us": floor_us, "cells": {}}

@@ -5,7 +5,12 @@ ABI of every CPU kernel (one ctypes signature for all):
 void* const* ptrs, const double* scalars)``
 ``sizes``: the compressed map dims; ``strides``: ``rank`` strides (in elements) per strided input, in input
 order; ``ptrs``: inputs then outputs; ``scalars``: the float arguments.
+
+Two kinds of kernel: scalar loops over the C prelude (``KERNEL``), and vector loops over ATen's
+``at::vec::Vectorized`` (``VECTOR_KERNEL``), which include ``VECTOR_HEADER`` (precompiled once by
+``fuser.cpu.compiler``) and keep a scalar loop for each row's tail.
 """
+import re
 from string import Template
 
 from ..c_helpers import HELPERS
@@ -105,11 +110,8 @@ LOOP_FLAT = Template(r"""#pragma omp parallel for schedule(static) if (numel >= 
 ${body}
   }""")
 
-# strided inputs: one divmod walk over the outer dims per row of the innermost dim, not per element
-LOOP_ROWS = Template(r"""  const int64_t inner = sizes[rank - 1], rows = numel / inner;
-#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
-  for (int64_t row = 0; row < rows; ++row) {
-    int64_t ${bases};
+# the offsets of a row's first element: one divmod walk over the outer dims
+ROW_BASES = r"""    int64_t ${bases};
     {
       int64_t r = row;
       for (int64_t d = rank - 2; d >= 0; --d) {
@@ -118,7 +120,314 @@ LOOP_ROWS = Template(r"""  const int64_t inner = sizes[rank - 1], rows = numel /
 ${accumulate}
       }
     }
-    for (int64_t j = 0; j < inner; ++j) {
+"""
+
+# strided inputs: one divmod walk over the outer dims per row of the innermost dim, not per element
+LOOP_ROWS = Template(r"""  const int64_t inner = sizes[rank - 1], rows = numel / inner;
+#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
+  for (int64_t row = 0; row < rows; ++row) {
+""" + ROW_BASES + r"""    for (int64_t j = 0; j < inner; ++j) {
+      const int64_t i = row * inner + j;
+${offsets}
+${body}
+    }
+  }""")
+
+# ------------------------------------------------------------------------------------------ the vector path
+
+VECTOR_HEADER_NAME = "fuser_cpu_vec.h"
+VECTOR_INCLUDE = f'#include "{VECTOR_HEADER_NAME}"'
+
+# What VECTOR_HEADER overloads for fz_vf and fz_vd: a scalar expression of the op table that calls only these
+# (besides arithmetic, its operands and constants) compiles on vectors unchanged (fuser.codegen checks it).
+VECTOR_FUNCTIONS = frozenset("""
+    fabsf fabs acosf acos asinf asin atanf atan ceilf ceil cosf cos coshf cosh expf exp expm1f expm1 erff erf
+    erfcf erfc floorf floor truncf trunc lgammaf lgamma logf log log10f log10 log1pf log1p log2f log2
+    nearbyintf nearbyint sinf sin sinhf sinh sqrtf sqrt tanf tan tanhf tanh atan2f atan2 fmodf fmod powf pow
+    fmaf fma fz_max fz_min fz_remainder fz_pow_scalar fz_vsel fz_vround fz_vuniform
+""".split())
+
+# calls that cost tens of simple ops (libm's or SLEEF's): they weigh in the threshold of splitting a kernel across
+# threads (fuser.codegen.CPU_PARALLEL_WORK)
+EXPENSIVE_CALL = re.compile(r"\b(?:" + "|".join("""
+    expf? expm1f? logf? log10f? log1pf? log2f? sinf? cosf? tanf? tanhf? sinhf? coshf? asinf? acosf? atanf? atan2f?
+    erff? erfcf? lgammaf? powf? fmodf? fz_remainder fz_pow_scalar fz_uniform_[fd] fz_vuniform
+""".split()) + r")\s*\(")
+
+VECTOR_HEADER = r"""// fuser CPU vector header: ATen's at::vec::Vectorized, whose transcendental functions are the
+// SLEEF ones eager's vector loops call, and the scalar prelude. The C math functions and fuser's helpers are overloaded
+// for vectors (fz_vf: floats, fz_vd: doubles), so an op's scalar expression compiles on vectors unchanged.
+#ifndef FUSER_CPU_VEC_H
+#define FUSER_CPU_VEC_H
+#include <ATen/cpu/vec/vec.h>
+""" + PRELUDE + r"""
+typedef at::vec::Vectorized<float> fz_vf;
+typedef at::vec::Vectorized<double> fz_vd;
+#define FZ_VFN static inline
+
+// comparisons with a scalar on either side (at::vec takes scalars in + - * / only): lanes of all-one bits
+#define FZ_VCMP(V, S, op) \
+  FZ_VFN V operator op(const V& a, S b) { return a op V(b); } \
+  FZ_VFN V operator op(S a, const V& b) { return V(a) op b; }
+#define FZ_VCMPS(V, S) FZ_VCMP(V, S, <) FZ_VCMP(V, S, <=) FZ_VCMP(V, S, >) FZ_VCMP(V, S, >=) \
+  FZ_VCMP(V, S, ==) FZ_VCMP(V, S, !=)
+FZ_VCMPS(fz_vf, float)
+FZ_VCMPS(fz_vd, double)
+// arithmetic with a scalar as non-template overloads: a float constant converts to a double vector's lanes
+#define FZ_VARITH(V, S, op) FZ_VCMP(V, S, op)
+#define FZ_VARITHS(V, S) FZ_VARITH(V, S, +) FZ_VARITH(V, S, -) FZ_VARITH(V, S, *) FZ_VARITH(V, S, /)
+FZ_VARITHS(fz_vf, float)
+FZ_VARITHS(fz_vd, double)
+
+// both spellings of each C function for both vector types, so one vector expression serves both families
+#define FZ_V1(fn, fnf, method) \
+  FZ_VFN fz_vf fn(const fz_vf& a) { return a.method(); } FZ_VFN fz_vd fn(const fz_vd& a) { return a.method(); } \
+  FZ_VFN fz_vf fnf(const fz_vf& a) { return a.method(); } FZ_VFN fz_vd fnf(const fz_vd& a) { return a.method(); }
+#define FZ_V2(fn, fnf, method) \
+  FZ_VFN fz_vf fn(const fz_vf& a, const fz_vf& b) { return a.method(b); } \
+  FZ_VFN fz_vd fn(const fz_vd& a, const fz_vd& b) { return a.method(b); } \
+  FZ_VFN fz_vf fnf(const fz_vf& a, const fz_vf& b) { return a.method(b); } \
+  FZ_VFN fz_vd fnf(const fz_vd& a, const fz_vd& b) { return a.method(b); }
+FZ_V1(fabs, fabsf, abs) FZ_V1(acos, acosf, acos) FZ_V1(asin, asinf, asin) FZ_V1(atan, atanf, atan)
+FZ_V1(ceil, ceilf, ceil) FZ_V1(cos, cosf, cos) FZ_V1(cosh, coshf, cosh) FZ_V1(exp, expf, exp)
+FZ_V1(expm1, expm1f, expm1) FZ_V1(erfc, erfcf, erfc) FZ_V1(floor, floorf, floor) FZ_V1(trunc, truncf, trunc)
+FZ_V1(lgamma, lgammaf, lgamma) FZ_V1(log, logf, log) FZ_V1(log10, log10f, log10) FZ_V1(log1p, log1pf, log1p)
+FZ_V1(log2, log2f, log2) FZ_V1(nearbyint, nearbyintf, round) FZ_V1(sin, sinf, sin) FZ_V1(sinh, sinhf, sinh)
+FZ_V1(sqrt, sqrtf, sqrt) FZ_V1(tan, tanf, tan) FZ_V1(tanh, tanhf, tanh)
+FZ_V2(atan2, atan2f, atan2) FZ_V2(fmod, fmodf, fmod) FZ_V2(pow, powf, pow)
+// erf: at::vec's float erf is an approximation (1.5e-7 absolute error: 1e-3 relative near 0); SLEEF's is 1 ulp
+#if defined(CPU_CAPABILITY_AVX512)
+#define FZ_SLEEF_ERFF Sleef_erff16_u10
+#else
+#define FZ_SLEEF_ERFF Sleef_erff8_u10
+#endif
+FZ_VFN fz_vf erff(const fz_vf& a) { return fz_vf(FZ_SLEEF_ERFF(a)); }
+FZ_VFN fz_vf erf(const fz_vf& a) { return erff(a); }
+FZ_VFN fz_vd erf(const fz_vd& a) { return a.erf(); }
+FZ_VFN fz_vd erff(const fz_vd& a) { return a.erf(); }
+// lane 0; whether every lane of a vector is x, known when the kernel compiles (a broadcast constant after inlining)
+template <class R, size_t... K> FZ_VFN bool fz_known_lanes(const R& r, double x, std::index_sequence<K...>) {
+  return __builtin_constant_p(((r[K] == x) && ...)) && ((r[K] == x) && ...);
+}
+#if defined(CPU_CAPABILITY_AVX512)
+FZ_VFN float fz_vfirst(const fz_vf& v) { return _mm512_cvtss_f32(v); }
+FZ_VFN double fz_vfirst(const fz_vd& v) { return _mm512_cvtsd_f64(v); }
+FZ_VFN bool fz_vknown(const fz_vf& v, double x) { return fz_known_lanes(__m512(v), x, std::make_index_sequence<16>()); }
+FZ_VFN bool fz_vknown(const fz_vd& v, double x) { return fz_known_lanes(__m512d(v), x, std::make_index_sequence<8>()); }
+#else
+FZ_VFN float fz_vfirst(const fz_vf& v) { return _mm256_cvtss_f32(v); }
+FZ_VFN double fz_vfirst(const fz_vd& v) { return _mm256_cvtsd_f64(v); }
+FZ_VFN bool fz_vknown(const fz_vf& v, double x) { return fz_known_lanes(__m256(v), x, std::make_index_sequence<8>()); }
+FZ_VFN bool fz_vknown(const fz_vd& v, double x) { return fz_known_lanes(__m256d(v), x, std::make_index_sequence<4>()); }
+#endif
+// fma(1, b, c) is b + c and fma(-1, b, c) is c - b exactly (add and sub with alpha 1): an add's latency, not an
+// fma's, where the chain of a kernel's ops is what takes the time
+template <class V> FZ_VFN V fz_vfma(const V& a, const V& b, const V& c) {
+  return fz_vknown(a, 1) ? c + b : fz_vknown(a, -1) ? c - b : at::vec::fmadd(a, b, c);
+}
+FZ_VFN fz_vf fmaf(const fz_vf& a, const fz_vf& b, const fz_vf& c) { return fz_vfma(a, b, c); }
+FZ_VFN fz_vf fma(const fz_vf& a, const fz_vf& b, const fz_vf& c) { return fz_vfma(a, b, c); }
+FZ_VFN fz_vd fma(const fz_vd& a, const fz_vd& b, const fz_vd& c) { return fz_vfma(a, b, c); }
+FZ_VFN fz_vd fmaf(const fz_vd& a, const fz_vd& b, const fz_vd& c) { return fz_vfma(a, b, c); }
+
+// c ? t : f, lane by lane (c: a comparison's mask)
+template <class V> FZ_VFN V fz_vsel(const V& c, const V& t, const V& f) { return V::blendv(f, t, c); }
+// the scalar helpers' semantics exactly: NaN-propagating, the first operand on a tie (-0.0 vs +0.0)
+template <class V> FZ_VFN V fz_vmax(const V& a, const V& b) { return fz_vsel((a != a) | (a >= b), a, b); }
+template <class V> FZ_VFN V fz_vmin(const V& a, const V& b) { return fz_vsel((a != a) | (a <= b), a, b); }
+FZ_VFN fz_vf fz_max(const fz_vf& a, const fz_vf& b) { return fz_vmax(a, b); }
+FZ_VFN fz_vd fz_max(const fz_vd& a, const fz_vd& b) { return fz_vmax(a, b); }
+FZ_VFN fz_vf fz_min(const fz_vf& a, const fz_vf& b) { return fz_vmin(a, b); }
+FZ_VFN fz_vd fz_min(const fz_vd& a, const fz_vd& b) { return fz_vmin(a, b); }
+template <class V> FZ_VFN V fz_vremainder(const V& a, const V& b) {
+  const V m = a.fmod(b), zero(0);
+  return fz_vsel((m != zero) & ((b < zero) ^ (m < zero)), m + b, m);
+}
+FZ_VFN fz_vf fz_remainder(const fz_vf& a, const fz_vf& b) { return fz_vremainder(a, b); }
+FZ_VFN fz_vd fz_remainder(const fz_vd& a, const fz_vd& b) { return fz_vremainder(a, b); }
+// eager's CPU kernel takes these exponents apart: 2 and 3 as products, -1 and -2 as reciprocals, +-0.5 as roots
+// (b is a Scalar's broadcast: one test of its first lane, folded away for a constant)
+template <class V> FZ_VFN V fz_vpow_scalar(const V& a, const V& b) {
+  const auto e = fz_vfirst(b);
+  return e == 2 ? a * a : e == 3 ? a * a * a : e == 0.5 ? a.sqrt() : e == -0.5 ? V(1) / a.sqrt()
+       : e == -1 ? V(1) / a : e == -2 ? V(1) / (a * a) : a.pow(b);
+}
+FZ_VFN fz_vf fz_pow_scalar(const fz_vf& a, const fz_vf& b) { return fz_vpow_scalar(a, b); }
+FZ_VFN fz_vd fz_pow_scalar(const fz_vd& a, const fz_vd& b) { return fz_vpow_scalar(a, b); }
+
+// one vector of elements from memory and back, converting float16/bfloat16 (fz_half/fz_bf16 have c10's layout)
+FZ_VFN fz_vf fz_vload(const float* p) { return fz_vf::loadu(p); }
+FZ_VFN fz_vd fz_vload(const double* p) { return fz_vd::loadu(p); }
+FZ_VFN fz_vf fz_vload(const fz_bf16* p) {
+  fz_vf v; at::vec::load_fp32_from_bf16(reinterpret_cast<const c10::BFloat16*>(p), v); return v;
+}
+FZ_VFN fz_vf fz_vload(const fz_half* p) {
+  fz_vf v; at::vec::load_fp32_from_fp16(reinterpret_cast<const c10::Half*>(p), v); return v;
+}
+FZ_VFN void fz_vstore(float* p, const fz_vf& v) { v.store(p); }
+FZ_VFN void fz_vstore(double* p, const fz_vd& v) { v.store(p); }
+#if defined(CPU_CAPABILITY_AVX512)
+FZ_VFN void fz_vstore(fz_bf16* p, const fz_vf& v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), at::vec::cvtfp32_bf16(__m512(v)));
+}
+FZ_VFN void fz_vstore(fz_half* p, const fz_vf& v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), at::vec::cvtfp32_fp16(__m512(v)));
+}
+#else
+FZ_VFN void fz_vstore(fz_bf16* p, const fz_vf& v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), at::vec::cvtfp32_bf16(__m256(v)));
+}
+FZ_VFN void fz_vstore(fz_half* p, const fz_vf& v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), at::vec::cvtfp32_fp16(__m256(v)));
+}
+#endif
+// a vector rounded to storage type S and back (what a scalar fz_ld(fz_st<S>(x)) does to each element)
+template <class S, class V> FZ_VFN V fz_vround(const V& v) {
+  S tmp[V::size()];
+  fz_vstore(tmp, v);
+  return fz_vload(tmp);
+}
+template <> inline fz_vf fz_vround<float, fz_vf>(const fz_vf& v) { return v; }
+template <> inline fz_vd fz_vround<double, fz_vd>(const fz_vd& v) { return v; }
+// elements `stride` apart (a strided operand's innermost dim)
+template <class S> FZ_VFN auto fz_vgather(const S* p, int64_t stride) -> decltype(fz_vload(p)) {
+  S tmp[decltype(fz_vload(p))::size()];
+  for (int k = 0; k < decltype(fz_vload(p))::size(); ++k) tmp[k] = p[k * stride];
+  return fz_vload(tmp);
+}
+template <class S, class V> FZ_VFN void fz_vscatter(S* p, int64_t stride, const V& v) {
+  S tmp[V::size()];
+  fz_vstore(tmp, v);
+  for (int k = 0; k < V::size(); ++k) p[k * stride] = tmp[k];
+}
+
+// bools on the vector path are masks: lanes of all-one bits (what comparisons give) or zero
+template <class V> FZ_VFN V fz_vmask_value(const V& m) { return m & V(1); }  // a bool as 1 or 0
+template <class V> FZ_VFN V fz_vload_mask(const bool* p, int64_t stride) {
+  typename V::value_type tmp[V::size()];
+  for (int k = 0; k < V::size(); ++k) tmp[k] = p[k * stride] ? 1 : 0;
+  return V::loadu(tmp) != V(0);
+}
+template <class V> FZ_VFN void fz_vstore_mask(bool* p, int64_t stride, const V& m) {
+  typename V::value_type tmp[V::size()];
+  fz_vmask_value(m).store(tmp);
+  for (int k = 0; k < V::size(); ++k) p[k * stride] = tmp[k] != 0;
+}
+
+// rand_like on vectors: the scalar fz_philox_at's numbers (fuser/rng.py) for a vector of elements at once
+#if defined(CPU_CAPABILITY_AVX512)
+typedef __m512i fz_vu32;
+FZ_VFN fz_vu32 fz_vset1(unsigned int k) { return _mm512_set1_epi32((int)k); }
+FZ_VFN fz_vu32 fz_vxor(fz_vu32 a, fz_vu32 b) { return _mm512_xor_si512(a, b); }
+FZ_VFN fz_vu32 fz_vmullo(fz_vu32 x, unsigned int k) { return _mm512_mullo_epi32(x, fz_vset1(k)); }
+FZ_VFN fz_vu32 fz_vmulhi(fz_vu32 x, unsigned int k) {  // even lanes' products, then odd lanes'
+  const fz_vu32 even = _mm512_srli_epi64(_mm512_mul_epu32(x, fz_vset1(k)), 32);
+  return _mm512_mask_blend_epi32(0xAAAA, even, _mm512_mul_epu32(_mm512_srli_epi64(x, 32), fz_vset1(k)));
+}
+#else
+typedef __m256i fz_vu32;
+FZ_VFN fz_vu32 fz_vset1(unsigned int k) { return _mm256_set1_epi32((int)k); }
+FZ_VFN fz_vu32 fz_vxor(fz_vu32 a, fz_vu32 b) { return _mm256_xor_si256(a, b); }
+FZ_VFN fz_vu32 fz_vmullo(fz_vu32 x, unsigned int k) { return _mm256_mullo_epi32(x, fz_vset1(k)); }
+FZ_VFN fz_vu32 fz_vmulhi(fz_vu32 x, unsigned int k) {
+  const fz_vu32 even = _mm256_srli_epi64(_mm256_mul_epu32(x, fz_vset1(k)), 32);
+  return _mm256_blend_epi32(even, _mm256_mul_epu32(_mm256_srli_epi64(x, 32), fz_vset1(k)), 0xAA);
+}
+#endif
+#define FZ_VU32_LANES ((int)(sizeof(fz_vu32) / 4))
+// elements i, i + 1, ... of random op r: their Philox blocks' first two words
+FZ_VFN void fz_vphilox_at(fz_vu32 c[2], const unsigned int* st, unsigned int r, unsigned long long i) {
+  unsigned int w0[FZ_VU32_LANES], w1[FZ_VU32_LANES];
+  for (int k = 0; k < FZ_VU32_LANES; ++k) {
+    w0[k] = (unsigned int)(i + k); w1[k] = (unsigned int)((i + k) >> 32) | (r << 24);
+  }
+  fz_vu32 c0, c1, c2 = fz_vset1(st[2]), c3 = fz_vset1(st[3]);
+  memcpy(&c0, w0, sizeof(c0)); memcpy(&c1, w1, sizeof(c1));
+  unsigned int k0 = st[0], k1 = st[1];
+  for (int round = 0; round < 10; ++round) {
+    const fz_vu32 hi0 = fz_vmulhi(c0, 0xD2511F53u), lo0 = fz_vmullo(c0, 0xD2511F53u);
+    const fz_vu32 hi1 = fz_vmulhi(c2, 0xCD9E8D57u), lo1 = fz_vmullo(c2, 0xCD9E8D57u);
+    c0 = fz_vxor(fz_vxor(hi1, c1), fz_vset1(k0)); c2 = fz_vxor(fz_vxor(hi0, c3), fz_vset1(k1));
+    c1 = lo1; c3 = lo0;
+    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+  }
+  c[0] = c0; c[1] = c1;
+}
+// uniform on [0, 1) as fz_uniform_f / fz_uniform_d (the vector type chooses)
+FZ_VFN fz_vf fz_vuniform(const fz_vf&, const unsigned int* st, unsigned int r, unsigned long long i, int bits) {
+  fz_vu32 c[2];
+  fz_vphilox_at(c, st, r, i);
+  unsigned int w[FZ_VU32_LANES];
+  float u[fz_vf::size()];
+  memcpy(w, &c[0], sizeof(w));
+  for (int k = 0; k < fz_vf::size(); ++k) u[k] = (float)(w[k] >> (32 - bits)) * (1.0f / (float)(1u << bits));
+  return fz_vf::loadu(u);
+}
+FZ_VFN fz_vd fz_vuniform(const fz_vd&, const unsigned int* st, unsigned int r, unsigned long long i, int) {
+  fz_vu32 c[2];
+  fz_vphilox_at(c, st, r, i);  // twice the lanes a double vector needs
+  unsigned int w0[FZ_VU32_LANES], w1[FZ_VU32_LANES];
+  double u[fz_vd::size()];
+  memcpy(w0, &c[0], sizeof(w0)); memcpy(w1, &c[1], sizeof(w1));
+  for (int k = 0; k < fz_vd::size(); ++k)
+    u[k] = (double)(((unsigned long long)w0[k] << 21) ^ (w1[k] >> 11)) * (1.0 / 9007199254740992.0);
+  return fz_vd::loadu(u);
+}
+#endif
+"""
+
+VECTOR_KERNEL = Template(r"""// fuser CPU kernel ${name} (vector loops over at::vec, a scalar loop for the tails)
+${include}
+${rng}
+extern "C" void ${name}(int64_t numel, int64_t rank, const int64_t* sizes, const int64_t* strides,
+                        void* const* ptrs, const double* scalars) {
+  (void)rank; (void)sizes; (void)strides; (void)scalars;
+  typedef ${vtype} fz_v;
+  const int64_t W = fz_v::size();
+  (void)W;
+${params}
+${hoisted}
+${loop}
+}
+""")
+
+# every input dense or a broadcast scalar: trips of ${copies} vectors split across threads, then single vectors
+# and the scalar tail
+VECTOR_LOOP_FLAT = Template(r"""  const int64_t trip = ${copies} * W, trips = numel / trip;
+#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
+  for (int64_t t = 0; t < trips; ++t) {
+    const int64_t i = t * trip;
+${wide}
+  }
+  int64_t i0 = trips * trip;
+  for (; i0 + W <= numel; i0 += W) {
+    const int64_t i = i0;
+${vbody}
+  }
+  for (int64_t i = i0; i < numel; ++i) {
+${body}
+  }""")
+
+# strided operands: tasks of up to ${chunk} elements of one row (rows can be few and long), each trips of
+# ${copies} vectors, then single vectors and a scalar tail; one divmod walk over the outer dims per task
+VECTOR_LOOP_ROWS = Template(r"""  const int64_t inner = sizes[rank - 1], rows = numel / inner;
+  const int64_t chunks = (inner + ${chunk} - 1) / ${chunk};
+#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
+  for (int64_t task = 0; task < rows * chunks; ++task) {
+    const int64_t row = task / chunks, j0 = (task - row * chunks) * ${chunk};
+    const int64_t j1 = inner - j0 < ${chunk} ? inner : j0 + ${chunk};
+""" + ROW_BASES + r"""    int64_t j = j0;
+    for (; j + ${copies} * W <= j1; j += ${copies} * W) {
+      const int64_t i = row * inner + j;
+${offsets}
+${wide}
+    }
+    for (; j + W <= j1; j += W) {
+      const int64_t i = row * inner + j;
+${offsets}
+${vbody}
+    }
+    for (; j < j1; ++j) {
       const int64_t i = row * inner + j;
 ${offsets}
 ${body}
