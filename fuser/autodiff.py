@@ -2,11 +2,8 @@
 
 When grad mode is on and an input requires grad, :func:`run` wraps the group in an autograd Function. Its
 forward runs the forward kernel (grad mode is off inside it) and saves the inputs the backward reads. Its
-backward is a graph built from the derivative table (``fuser/derivatives.py``): the forward ops recomputed
-from the saved inputs (cheaper than saving intermediates: the backward kernel reads the inputs once, eager's
-backward reads each saved intermediate) followed by the gradient formulas, each input's gradient cast to
-its dtype. That graph is registered in the kernel store like any group, so it gets a fused kernel (or the
-interpreter, when it cannot be fused), and, when the backward itself runs under grad mode
+backward is a group that ``fuser/backward.py`` builds from the derivative table. That group is registered in the kernel store like any group, so it gets a fused kernel (or the
+fallback, when it cannot be fused), and, when the backward itself runs under grad mode
 (``create_graph=True``), it is differentiated the same way: double backward either runs fused or through
 the interpreter. Gradients of broadcast inputs are summed to the input's shape after the kernel.
 
@@ -17,19 +14,16 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from . import derivatives as D
-from . import codegen, compiler, executor, fallback, ops, rng
+from . import compiler, executor, fallback, rng
+from .backward import Backward, _carries, _Unsupported, build_backward
 from .descs import DENSE, ArgSpec, TensorDesc
-from .kernel_cache import STORE, KernelSpec, concat_pieces
+from .kernel_cache import KernelSpec
 
-_TENSOR = torch._C.TensorType.get()
-_STRUCTURAL = ("prim::Constant", "prim::ListConstruct", "aten::cat")
 _functorch_stack = torch._C._functorch.peek_interpreter_stack
 
 
@@ -51,162 +45,10 @@ def run(spec: KernelSpec, args: list, rng_state: Optional[list] = None) -> list[
     return out if out is not None else fallback.run(spec, args)
 
 
-@dataclass(frozen=True)
-class Backward:
-    """The backward of one (group, which inputs need gradients, which output gradients are defined).
-
-    Its graph's inputs are the forward inputs listed in ``fwd_inputs`` then the output gradients listed in
-    ``grad_outputs`` (``(k, None)``: output k's gradient; ``(k, j)``: the slice of it for piece j of the cat
-    that made output k); its outputs are the gradients of the forward inputs in ``grad_inputs``. Inputs in
-    ``zero_inputs`` need a gradient that is zero everywhere (``floor``).
-    """
-
-    spec: Optional[KernelSpec]
-    fwd_inputs: tuple[int, ...]
-    grad_outputs: tuple[tuple, ...]
-    grad_inputs: tuple[int, ...]
-    zero_inputs: tuple[int, ...]
-
-
-class _Unsupported(Exception):
-    pass
-
-
-def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bool],
-                   floating: frozenset) -> Backward:
-    """The backward graph of ``spec.graph``; raises :class:`_Unsupported` when the table cannot form it.
-
-    needs: per graph input, whether its gradient is wanted. defined: per graph output, whether a gradient
-    arrives for it. floating: ``unique()`` ids of the graph values whose dtype is floating for these inputs
-    (gradients flow through those only, as in eager, where integer and bool results never require grad).
-    """
-    if spec.concat_consumed:
-        raise _Unsupported("a cat's result used inside the group")
-    fwd = spec.graph
-    g = torch._C.Graph()
-    env: dict[int, torch._C.Value] = {}
-    for v in fwd.inputs():
-        nv = g.addInput()
-        nv.setType(v.type())
-        env[v.unique()] = nv
-    grad_in = []  # ((k, piece or None), forward value the gradient is for, graph input)
-    for k, o in enumerate(fwd.outputs()):
-        if not defined[k]:
-            continue
-        pieces = concat_pieces(fwd, o)
-        for j, p in enumerate(pieces) if pieces is not None else [(None, o)]:
-            gv = g.addInput()
-            gv.setType(_TENSOR)
-            grad_in.append(((k, j), p, gv))
-    nodes = list(fwd.nodes())
-    for n in nodes:
-        c = g.createClone(n, lambda v: env[v.unique()])
-        g.insertNode(c)
-        for o, co in zip(n.outputs(), c.outputs()):
-            env[o.unique()] = co
-
-    carries = _carries(fwd, needs, floating)
-    if carries is None:
-        raise _Unsupported("an op outside the table")
-    fwd_inputs_ids = {v.unique() for v in fwd.inputs()}
-
-    grads: dict[int, D.V] = {}
-    zeros: set[int] = set()  # values some op gives a zero gradient (eager then gives zeros, not None)
-
-    def accumulate(u: int, r: D.V) -> None:
-        grads[u] = r if u not in grads else grads[u] + r
-
-    for k, o, gv in grad_in:
-        if o.unique() in carries:
-            accumulate(o.unique(), D.V(g, gv))
-    for n in reversed(nodes):
-        if n.kind() == "prim::Constant" or n.output().unique() not in grads:
-            continue
-        op = ops.lookup(n.schema())
-        f = D.formula(op.name)
-        if f is None:
-            raise _Unsupported(op.name)
-        gy = grads[n.output().unique()]
-        res = f(gy, [D.V(g, env[i.unique()]) for i in n.inputs()], D.V(g, env[n.output().unique()]))
-        for inp, r in zip(n.inputs(), res):
-            if inp.unique() not in carries:
-                continue
-            if r is D.UNSUPPORTED:
-                raise _Unsupported(f"{op.name}: gradient of input {inp.debugName()}")
-            is_input = inp.unique() in fwd_inputs_ids
-            if r is D.ZERO and (is_input or spec.key in _backward_keys):
-                zeros.add(inp.unique())
-            elif r is D.ZERO:  # eager passes a tensor of zeros on: 0 * inf upstream is NaN there too
-                accumulate(inp.unique(), D.op("aten::mul", D.op("aten::pow", gy, 0.0), 0.0))
-            elif r is not None and not is_input:  # the engine casts a gradient to its value's dtype
-                accumulate(inp.unique(), D.op("aten::type_as", r, D.V(g, env[inp.unique()])))
-            elif r is not None:  # None: the op does not differentiate this input (type_as's other)
-                accumulate(inp.unique(), r)
-
-    grad_inputs, zero_inputs = [], []
-    for i, v in enumerate(fwd.inputs()):
-        if not needs[i]:
-            continue
-        r = grads.get(v.unique())
-        if r is None:
-            if v.unique() in zeros:
-                zero_inputs.append(i)
-            continue
-        # a copy in the gradient's own dtype: eager sums a broadcast input's gradient before the cast
-        out = D.op("aten::type_as", r, r)
-        g.registerOutput(out.value)
-        grad_inputs.append(i)
-    if not grad_inputs:
-        return Backward(None, (), (), (), tuple(zero_inputs))
-    torch._C._jit_pass_dce(g)
-    if _n_random(g) not in (0, _n_random(fwd)):
-        # the backward redraws the forward's numbers with its state: op r's numbers depend on its ordinal r,
-        # which must survive dead-code elimination (a random op nothing differentiable reads would not)
-        raise _Unsupported("a random op the gradient does not read")
-    # keep only the inputs the gradients read (those are what the forward saves)
-    n_fwd = len(list(fwd.inputs()))
-    inputs = list(g.inputs())
-    keep = [j for j, v in enumerate(inputs) if v.uses()]
-    for j in reversed(range(len(inputs))):
-        if j not in keep:
-            g.eraseInput(j)
-    g.lint()
-    bspec = STORE.get(STORE.register(g))
-    _backward_keys.add(bspec.key)
-    fwd_inputs = tuple(j for j in keep if j < n_fwd)
-    grad_outputs = tuple(grad_in[j - n_fwd][0] for j in keep if j >= n_fwd)
-    return Backward(bspec, fwd_inputs, grad_outputs, tuple(grad_inputs), tuple(zero_inputs))
-
-
-def _n_random(graph: torch._C.Graph) -> int:
-    return sum(1 for n in graph.nodes() if n.kind() == "aten::rand_like")
-
-
 # (spec key, needs, defined, dtype signature) -> Backward, or None where the table cannot form it
 _backwards: dict[tuple, Optional[Backward]] = {}
 _floating: dict[tuple, frozenset] = {}
 _lock = threading.Lock()
-_backward_keys: set[int] = set()  # specs that are backward graphs (their own zeros stay implicit)
-
-
-def _carries(fwd: torch._C.Graph, needs: Sequence[bool], floating: frozenset) -> Optional[set]:
-    """ids of the values through which a wanted gradient flows (None: an op outside the table)."""
-    carries = {v.unique() for v, need in zip(fwd.inputs(), needs) if need}
-    for n in fwd.nodes():
-        if n.kind() in ("prim::Constant", "prim::ListConstruct"):
-            continue
-        if n.kind() == "aten::cat":  # its gradient goes straight to its pieces, as slices of the output's
-            if any(p.unique() in carries for p in n.inputsAt(0).node().inputs()):
-                carries.add(n.output().unique())
-            continue
-        if not any(i.unique() in carries for i in n.inputs()):
-            continue
-        op = ops.lookup(n.schema())
-        if op is None:
-            return None
-        if op.name not in D.NOT_DIFFERENTIABLE:
-            carries.update(o.unique() for o in n.outputs() if o.unique() in floating)
-    return carries
 
 
 MAX_CACHED = 4096  # per cache below: past it, the cache starts over (bounded, not a leak)
@@ -219,7 +61,7 @@ def _bounded(cache: dict) -> dict:
 
 
 def _floating_values(spec: KernelSpec, sig: tuple) -> frozenset:
-    """ids of the graph values whose dtype is floating, for tensor inputs of dtypes ``sig`` (the dtypes come
+    """ids of the group values whose dtype is floating, for tensor inputs of dtypes ``sig`` (the dtypes come
     from the same eager probe the compiler uses; it raises what eager raises for these dtypes)."""
     key = (spec.key, sig)
     got = _floating.get(key)
@@ -227,11 +69,9 @@ def _floating_values(spec: KernelSpec, sig: tuple) -> frozenset:
         return got
     arg_spec = ArgSpec("cpu", None, tuple(TensorDesc(dt, DENSE, zero_dim) for dt, zero_dim in sig))
     types = compiler.infer_types(spec, arg_spec)
-    got = frozenset(n.output().unique() for n, t in zip(codegen.typed_nodes(spec.graph), types)
-                    if t.result.is_floating_point)
+    got = frozenset(n.out.id for n, t in zip(spec.group.nodes, types) if t.result.is_floating_point)
     dtypes = iter(sig)
-    got |= frozenset(v.unique() for v, is_t in zip(spec.graph.inputs(), spec.input_is_tensor)
-                     if is_t and next(dtypes)[0].is_floating_point)
+    got |= frozenset(v.id for v in spec.group.inputs if v.is_tensor and next(dtypes)[0].is_floating_point)
     _bounded(_floating)[key] = got
     return got
 
@@ -254,8 +94,8 @@ def _carried_outputs(spec: KernelSpec, needs: tuple, sig: tuple) -> tuple[bool, 
     key = (spec.key, needs, sig)
     got = _carried.get(key)
     if got is None:
-        carries = _carries(spec.graph, needs, _floating_values(spec, sig)) or set()
-        got = _bounded(_carried)[key] = tuple(o.unique() in carries for o in spec.graph.outputs())
+        carries = _carries(spec.group, needs, _floating_values(spec, sig)) or set()
+        got = _bounded(_carried)[key] = tuple(o.id in carries for o in spec.group.outputs)
     return got
 
 
@@ -309,7 +149,7 @@ class _FusedGroup(torch.autograd.Function):
         if not any(defined):
             return (None, *result)
         bw = backward_for(spec, call.needs, defined, call.sig)
-        # graph input index -> tensor index
+        # group input index -> tensor index
         t_index, k = {}, 0
         for j, is_t in enumerate(spec.input_is_tensor):
             if is_t:

@@ -1,6 +1,6 @@
 """Compilation at run time: specialize a kernel spec to an arg spec and build it for the device.
 
-Types come from eager PyTorch itself: the group's graph runs once through the interpreter on zero-element
+Types come from eager PyTorch itself: the group runs once op by op through eager's ATen ops on zero-element
 (or 0-dim) tensors of the arg spec's dtypes, on the arg spec's device, with every intermediate value as an
 output. That gives each value exactly eager's result dtype, type promotion included (int + float, 0-dim
 tensors, Python scalars), and an input combination eager rejects raises here, so the executor falls back and
@@ -20,10 +20,10 @@ from typing import Callable, Optional
 
 import torch
 
-from . import codegen, ops, rng
+from . import codegen, ir, ops, rng
 from .descs import DTYPES, STRIDED_LAYOUTS, ArgSpec, TensorDesc
-from .fallback import run_graph
-from .kernel_cache import KernelSpec, concat_pieces
+from .fallback import evaluate
+from .kernel_cache import KernelSpec
 
 _counter_lock = threading.Lock()
 _n_compiled = 0
@@ -74,33 +74,30 @@ class DeviceChange(RuntimeError):
 
 
 def infer_types(spec: KernelSpec, arg_spec: ArgSpec, device: Optional[torch.device] = None) -> list[codegen.NodeTypes]:
-    """Result and compute dtype of every non-constant node of ``spec.graph`` for inputs like ``arg_spec``,
-    probed on ``device`` (default: the arg spec's).
+    """Result and compute dtype of every node of ``spec.group`` for inputs like ``arg_spec``, probed on
+    ``device`` (default: the arg spec's).
 
     Raises whatever eager raises for such inputs there, and :class:`DeviceChange` where a value would leave
     that device.
     """
     device = arg_spec.device if device is None else torch.device(device)
-    g = spec.graph.copy()
-    nodes = codegen.typed_nodes(g)
-    n_out = len(list(g.outputs()))
-    for n in nodes:
-        g.registerOutput(n.output())
+    group = spec.group
     descs = iter(arg_spec.inputs)
     rank = _sample_rank(spec)
     samples = [_sample(next(descs), rank, device) if is_t else 1.0 for is_t in spec.input_is_tensor]
-    values = run_graph(g, samples)[n_out:]
+    values = evaluate(group, samples, every_value=True)[len(group.outputs):]
     where = next(t.device for t in samples if isinstance(t, torch.Tensor))  # with the index torch gave it
-    for n, val in zip(nodes, values):
+    for n, val in zip(group.nodes, values):
         if val.device != where:
-            raise DeviceChange(f"{n.kind()} gives a {val.device} tensor from inputs on {where}")
-    by_value = {v.unique(): s for v, s in zip(g.inputs(), samples)}
-    by_value.update({n.output().unique(): val for n, val in zip(nodes, values)})
+            raise DeviceChange(f"{n.op} gives a {val.device} tensor from inputs on {where}")
+    by_value = {v.id: s for v, s in zip(group.inputs, samples)}
+    by_value.update({n.out.id: val for n, val in zip(group.nodes, values)})
     types = []
-    for n, val in zip(nodes, values):
-        op = ops.lookup(n.schema())
+    for n, val in zip(group.nodes, values):
+        op = ops.of(n.op)
         if op is not None and op.compute == "common":
-            a, b = (by_value[v.unique()] if v.unique() in by_value else v.toIValue() for v in n.inputs())
+            a, b = (by_value[v.id] if isinstance(v, ir.Value) else v.tensor() if isinstance(v, ir.TensorConst)
+                    else v for v in n.args)
             common = torch.result_type(a, b)
         else:
             common = val.dtype
@@ -119,7 +116,8 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
     the type probe runs; default: the arg spec's device) for its CPU tensors.
     """
     t0 = time.perf_counter()
-    if any(d.dtype not in DTYPES for d in arg_spec.inputs) or spec.concat_consumed:
+    if any(d.dtype not in DTYPES for d in arg_spec.inputs) or spec.concat_consumed or any(
+            spec.group.is_input(v) for v in spec.group.outputs):  # a kernel's outputs are fresh tensors
         return None
     try:
         types = infer_types(spec, arg_spec, probe_device)
@@ -134,15 +132,14 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
                                     fast_reduced=os.environ.get("FUSER_FAST_REDUCED", "1") != "0",
                                     vectorize=target == "cuda" or _cpu_vectorize())
     try:
-        source = codegen.generate(spec.graph, arg_spec.inputs, len(spec.input_is_tensor) - spec.n_tensor_inputs,
-                                  types, target, name, options, arg_spec.outputs)
+        source = codegen.generate(spec.group, arg_spec.inputs, types, target, name, options, arg_spec.outputs)
     except codegen.NotFusable:
         return None
-    nodes = codegen.typed_nodes(spec.graph)
-    out_dtypes = tuple(types[nodes.index(v.node())].result for v in spec.graph.outputs())
+    group = spec.group
+    position = {n.out.id: k for k, n in enumerate(group.nodes)}
+    out_dtypes = tuple(types[position[v.id]].result for v in group.outputs)
     # a cat's result is written piece by piece: one kernel output per piece
-    kernel_dtypes = tuple(dt for v, dt in zip(spec.graph.outputs(), out_dtypes)
-                          for _ in (concat_pieces(spec.graph, v) or [v]))
+    kernel_dtypes = tuple(dt for pieces, dt in zip(spec.pieces, out_dtypes) for _ in (pieces or (None,)))
     strided = tuple(k for k, d in enumerate(arg_spec.inputs) if d.layout in STRIDED_LAYOUTS)
     n_strided = codegen.strided_operands(arg_spec.inputs, arg_spec.outputs)
     vector = codegen.has_vector_path(arg_spec.inputs, target, arg_spec.outputs)
@@ -155,7 +152,7 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: compiled {name} for {arg_spec}\n{source}", file=sys.stderr)
     return CompiledKernel(name, arg_spec, out_dtypes, source, strided, vec, backend,
-                          (time.perf_counter() - t0) * 1e3, _scalar_limits(spec, nodes, types), spec.random)
+                          (time.perf_counter() - t0) * 1e3, _scalar_limits(spec, types), spec.random)
 
 
 def _cpu_vectorize() -> bool:
@@ -174,13 +171,13 @@ def _load_cuda(*args) -> tuple:
     return cuda_launch.load_kernel(*args)
 
 
-def _scalar_limits(spec: KernelSpec, nodes, types) -> tuple:
-    scalars = [v for v, is_t in zip(spec.graph.inputs(), spec.input_is_tensor) if not is_t]
+def _scalar_limits(spec: KernelSpec, types) -> tuple:
+    scalars = [v for v in spec.group.inputs if not v.is_tensor]
     limits = []
     for j, v in enumerate(scalars):
         lo, hi, nonfinite = -float("inf"), float("inf"), True
-        for n, t in zip(nodes, types):
-            if any(i.unique() == v.unique() for i in n.inputs()):
+        for n, t in zip(spec.group.nodes, types):
+            if any(i.id == v.id for i in n.values):
                 info = torch.finfo(t.compute) if t.compute.is_floating_point else (
                     None if t.compute == torch.bool else torch.iinfo(t.compute))
                 if info is None:

@@ -16,33 +16,38 @@ from typing import Callable, Optional
 
 import torch
 
-from .ops import lookup
+from . import ir
+from .ops import OPS_BY_OVERLOAD
 
 ZERO = "zero"
 UNSUPPORTED = "unsupported"
-_TENSOR = torch._C.TensorType.get()
 
 
 class V:
-    """A value of the backward graph under construction; operators append aten nodes."""
+    """A value of the backward group under construction (a :class:`fuser.ir.Value` or a constant); operators
+    append nodes through the group's builder."""
 
-    __slots__ = ("graph", "value")
+    __slots__ = ("builder", "value")
 
-    def __init__(self, graph: torch._C.Graph, value: torch._C.Value):
-        self.graph, self.value = graph, value
+    def __init__(self, builder: ir.Builder, value):
+        self.builder, self.value = builder, value
 
     @property
     def is_tensor(self) -> bool:
-        return isinstance(self.value.type(), torch._C.TensorType)
+        v = self.value
+        return isinstance(v, ir.TensorConst) or (isinstance(v, ir.Value) and v.is_tensor)
 
     def constant(self):
-        """The Python value of a constant input, or None when it is not a constant (or is None)."""
-        n = self.value.node()
-        return n.output().toIValue() if n.kind() == "prim::Constant" else None
+        """The Python value of a constant input (a tensor for a tensor constant), or None when it is not a
+        constant (or is None)."""
+        v = self.value
+        if isinstance(v, ir.Value):
+            return None
+        return v.tensor() if isinstance(v, ir.TensorConst) else v
 
     @property
     def is_none(self) -> bool:
-        return isinstance(self.value.type(), torch._C.NoneType)
+        return self.value is None
 
     def __add__(self, o): return op("aten::add", self, o, 1)
     __radd__ = __add__
@@ -60,19 +65,16 @@ class V:
 
 
 def op(kind: str, *args) -> V:
-    """Append ``kind(args)`` (Python numbers become constants) to the graph of the first :class:`V`."""
-    graph = next(a.graph for a in args if isinstance(a, V))
-    vals = [a.value if isinstance(a, V) else graph.insertConstant(a) for a in args]
-    node = graph.create(kind, vals, 1)
-    graph.insertNode(node)
-    node.output().setType(_TENSOR)
+    """Append ``kind(args)`` (Python numbers become constants) to the builder of the first :class:`V`, with the
+    first of the op table's overloads of ``kind`` that takes these arguments: a formula stays within the
+    fusable ops."""
+    builder = next(a.builder for a in args if isinstance(a, V))
+    vals = [a.value if isinstance(a, V) else a for a in args]
+    candidates = [name for name in OPS_BY_OVERLOAD if name.split(".")[0] == kind]
     try:
-        schema = node.schema()
-    except RuntimeError:
-        schema = None
-    if schema is None or lookup(schema) is None:  # a formula must stay within the fusable ops
-        raise TypeError(f"no fusable schema of {kind} takes {[str(v.type()) for v in vals]}: {schema}")
-    return V(graph, node.output())
+        return V(builder, builder.call(kind, *vals, candidates=candidates))
+    except TypeError as e:
+        raise TypeError(f"no fusable overload of {kind} takes {vals!r}") from e
 
 
 def where(c, a, b) -> V:

@@ -22,7 +22,8 @@ from typing import Callable, Optional, Sequence
 
 SCHEMA = b"fuser-cache-v1"
 MAGIC = b"FUSERKC1\n"
-_CODEGEN_FILES = ("codegen.py", "ops.py", "descs.py", "cuda/templates.py", "cuda/launch.py", "cuda/driver.py",
+_CODEGEN_FILES = ("codegen/__init__.py", "codegen/common.py", "codegen/body.py", "codegen/cpu_vector.py",
+                  "codegen/emit.py", "ops.py", "descs.py", "cuda/templates.py", "cuda/launch.py", "cuda/driver.py",
                   "cpu/templates.py", "cpu/compiler.py")
 
 hits = 0  # entries served from disk by this process (tests and the benchmark read it)

@@ -57,7 +57,7 @@ def run_fusion(key: int, inputs: Sequence) -> list[torch.Tensor]:
 
 def debug_launch_graph(graph: torch.Graph, inputs: Sequence) -> list[torch.Tensor]:
     """Treat the whole ``graph`` (e.g. from ``torch.parse_ir``) as one fusion group and run it."""
-    return run_fusion(STORE.register(graph), inputs)
+    return run_fusion(integration.register_graph(graph), inputs)
 
 
 def debug_get_fused_kernel_code(graph: torch.Graph, inputs: Sequence) -> str:
@@ -65,7 +65,7 @@ def debug_get_fused_kernel_code(graph: torch.Graph, inputs: Sequence) -> str:
 
     Raises RuntimeError saying why when these inputs would run through the fallback instead.
     """
-    spec = STORE.get(STORE.register(graph))
+    spec = STORE.get(integration.register_graph(graph))
     plan = executor.plan(spec, list(inputs))
     if isinstance(plan, str):
         raise RuntimeError(f"these inputs are not fused: {plan}")

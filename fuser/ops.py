@@ -348,6 +348,15 @@ OPS_BY_NAME: dict[str, OpDef] = {op.name: op for op in _OPS}
 OPS_BY_SCHEMA: dict[str, OpDef] = {s: op for op in _OPS for s in op.schemas}
 
 
+# by overload name ("aten::add.Tensor", "aten::abs"): what the group IR's nodes name (``fuser/ir.py``)
+OPS_BY_OVERLOAD: dict[str, OpDef] = {s.split("(", 1)[0]: op for op in _OPS for s in op.schemas}
+
+
 def lookup(schema: str) -> Optional[OpDef]:
     """The table entry for a node's schema string, or None when the op is not fusable."""
     return OPS_BY_SCHEMA.get(schema)
+
+
+def of(op: str) -> Optional[OpDef]:
+    """The table entry for an ATen overload name (a group IR node's ``op``), or None when it is not fusable."""
+    return OPS_BY_OVERLOAD.get(op)

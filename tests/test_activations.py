@@ -13,6 +13,7 @@ import fuser
 from fuser import codegen, compiler, executor, ops
 from fuser.descs import DENSE, ArgSpec, TensorDesc
 from fuser.kernel_cache import STORE
+from fuser.ts_ir import lower
 
 NAN, INF = float("nan"), float("inf")
 
@@ -83,7 +84,7 @@ def check_at_boundaries(call, ref, boundaries, dtype, device="cpu", grads=False)
     for the piecewise-linear ops, others within the dtype's tolerance; with ``grads``, also the gradient for a
     random output gradient (at non-NaN points)."""
     x = boundary_points(boundaries, dtype).to(device)
-    key = STORE.register(_graph(call))
+    key = STORE.register(lower(_graph(call)))
     out = executor.run(STORE.get(key), [x])
     assert out is not None, f"{call} on {dtype} fell back"
     y, expected = out[0], ref(x)
@@ -113,7 +114,7 @@ def test_at_boundaries(call, ref, boundaries, dtype):
 def test_relu6_of_integers_like_eager(dtype):
     """eager's relu6 is hardtanh(x, 0, 6), a clamp that takes integers (uint8 wraps before it clamps)"""
     x = torch.arange(-300, 300, dtype=torch.int64).to(dtype)
-    out = executor.run(STORE.get(STORE.register(_graph("aten::relu6(%x)"))), [x])
+    out = executor.run(STORE.get(STORE.register(lower(_graph("aten::relu6(%x)")))), [x])
     assert out is not None and torch.equal(out[0], torch.nn.functional.relu6(x))
 
 
@@ -122,13 +123,13 @@ def test_relu6_of_integers_like_eager(dtype):
 def test_target_expressions_reach_that_target_only(call, dtype, monkeypatch):
     """An op whose eager CUDA kernel computes differently gets its own expression in CUDA kernels, and CPU kernels
     keep the common one. (Their values against eager's CUDA kernels: tests/test_gpu.py, on a GPU.)"""
-    spec = STORE.get(STORE.register(_graph(call)))
+    spec = STORE.get(STORE.register(lower(_graph(call))))
     descs = (TensorDesc(dtype, DENSE),)
     types = compiler.infer_types(spec, ArgSpec("cpu", None, descs, True))
-    sources = {t: codegen.generate(spec.graph, descs, 0, types, t, "k") for t in codegen.TARGETS}
+    sources = {t: codegen.generate(spec.group, descs, types, t, "k") for t in codegen.TARGETS}
     op = ops.OPS_BY_NAME[_name(call)]
-    monkeypatch.setitem(ops.OPS_BY_SCHEMA, op.schemas[0], dataclasses.replace(op, targets={}))
-    without = {t: codegen.generate(spec.graph, descs, 0, types, t, "k") for t in codegen.TARGETS}
+    monkeypatch.setitem(ops.OPS_BY_OVERLOAD, op.schemas[0].split("(")[0], dataclasses.replace(op, targets={}))
+    without = {t: codegen.generate(spec.group, descs, types, t, "k") for t in codegen.TARGETS}
     assert sources["cpu"] == without["cpu"]
     assert sources["cuda"] != without["cuda"]
 
@@ -136,6 +137,6 @@ def test_target_expressions_reach_that_target_only(call, dtype, monkeypatch):
 @pytest.mark.parametrize("call", [c for c, _, _ in CALLS if "hardsigmoid" not in c], ids=lambda c: c[6:])
 def test_double_backward_at_random_points(call):
     """(hardsigmoid: eager has no double backward; test_autodiff_edges.py checks the fused one against the exact one)"""
-    key = STORE.register(_graph(call))
+    key = STORE.register(lower(_graph(call)))
     x = (torch.randn(40, dtype=torch.float64) * 4).requires_grad_()
     assert torch.autograd.gradgradcheck(lambda t: fuser.run_fusion(key, [t])[0], (x,))

@@ -8,6 +8,7 @@ from helpers import assert_same, build, cases, eager, tolerances
 import fuser
 from fuser import autodiff, derivatives, executor, ops
 from fuser.kernel_cache import STORE
+from fuser.ts_ir import lower
 
 # (where.Scalar has no floating tensor argument: nothing to differentiate)
 CASES = [c for c in cases() if c.op not in derivatives.NOT_DIFFERENTIABLE
@@ -47,7 +48,7 @@ def _supported(case) -> bool:
     b = build(case)
     needs = tuple(n != "condition" for n in b.tensor_args) + (False,) * len(b.float_args)
     sig = tuple((torch.bool if n == "condition" else torch.float64, False) for n in b.tensor_args)
-    spec = STORE.get(STORE.register(b.graph))
+    spec = STORE.get(STORE.register(lower(b.graph)))
     return autodiff.backward_for(spec, needs, (True,), sig) is not None
 
 
@@ -60,7 +61,7 @@ def test_every_op_has_a_derivative_or_none():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_gradcheck_every_op(case):
     b = build(case)
-    key = STORE.register(b.graph)
+    key = STORE.register(lower(b.graph))
     floats = [{"exponent": 2.0, "weight": 0.3}.get(n, 0.75) for n in b.float_args]
     tensors = _inputs(case, b)
 
@@ -86,7 +87,7 @@ def test_gradcheck_every_op(case):
 def test_gradients_equal_eagers_in_float32(case):
     """Against eager autograd (independent of our formulas), float32."""
     b = build(case)
-    key = STORE.register(b.graph)
+    key = STORE.register(lower(b.graph))
     tensors = _inputs(case, b, shape=(64, 33), dtype=torch.float32)
     fl = {n: 0.75 for n in b.float_args}
     out = fuser.run_fusion(key, [*tensors, *fl.values()])[0]
@@ -101,7 +102,7 @@ def test_gradients_equal_eagers_in_float32(case):
 
 
 def _group(ir: str) -> int:
-    return STORE.register(torch.parse_ir(ir))
+    return STORE.register(lower(torch.parse_ir(ir)))
 
 
 BROADCAST_IR = """graph(%x : Tensor, %y : Tensor, %z : Tensor, %s : float):

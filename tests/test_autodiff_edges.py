@@ -15,6 +15,7 @@ import torch
 import fuser
 from fuser import autodiff
 from fuser.kernel_cache import STORE
+from fuser.ts_ir import lower
 
 F32, F64 = torch.float32, torch.float64
 TOL = {F32: dict(rtol=2e-5, atol=1e-30), F64: dict(rtol=1e-10, atol=1e-300)}
@@ -127,7 +128,7 @@ def _group(cases) -> tuple[int, torch._C.Graph]:
         body += c.ir(inputs, floats)
     outs = ", ".join(f"%k{c.k}_r" for c in cases)
     g = torch.parse_ir(f"graph({', '.join(inputs + floats)}):\n" + "\n".join(body) + f"\n  return ({outs})\n")
-    return STORE.register(g), g
+    return STORE.register(lower(g)), g
 
 
 def _inputs(case: Case, dtype, n: int, huge=True) -> dict:
@@ -305,7 +306,7 @@ def test_unsupported_formulas_fall_back_to_eager_autograd(call, ref):
     ir += "\n".join(line.replace("%k0_", "%") for line in c.ir([], [])) + "\n  return (%r)\n"
     d = _inputs(c, F64, 15 ** len(names) * 4 + 4)
     xs = [d[n].clone().requires_grad_() for n in names]
-    out = fuser.run_fusion(STORE.register(torch.parse_ir(ir)), xs + floats)[0]
+    out = fuser.run_fusion(STORE.register(lower(torch.parse_ir(ir))), xs + floats)[0]
     assert not _fused_backward([out])
     g = torch.randn_like(out)
     refs = [t.detach().clone().requires_grad_() for t in xs]
@@ -320,7 +321,7 @@ def test_unsupported_formulas_fall_back_to_eager_autograd(call, ref):
 
 
 def _run(ir: str, args: list):
-    outs = fuser.run_fusion(STORE.register(torch.parse_ir(ir)), args)
+    outs = fuser.run_fusion(STORE.register(lower(torch.parse_ir(ir))), args)
     return outs
 
 

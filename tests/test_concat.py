@@ -9,6 +9,7 @@ import fuser
 from fuser import codegen, compiler, executor
 from fuser.descs import DENSE, ROWS, STRIDED, ArgSpec, TensorDesc
 from fuser.kernel_cache import STORE
+from fuser.ts_ir import lower
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +49,7 @@ def _layouts():
 @pytest.mark.parametrize("n", [2, 3])
 def test_every_dim_and_layout_exact(dim, layout, n):
     x, y = _layouts()[layout]
-    key = STORE.register(torch.parse_ir(_ir(dim, n)))
+    key = STORE.register(lower(torch.parse_ir(_ir(dim, n))))
     out = executor.run(STORE.get(key), [x, y])
     assert out is not None, "fell back"
     c, p0 = _eager(x, y, dim, n)
@@ -59,7 +60,7 @@ def test_every_dim_and_layout_exact(dim, layout, n):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64, torch.int32])
 def test_dtypes(dtype):
     x, y = (torch.randn(33, 17) * 4).to(dtype), (torch.randn(33, 17) * 4).to(dtype)
-    key = STORE.register(torch.parse_ir(_ir(1, 3)))
+    key = STORE.register(lower(torch.parse_ir(_ir(1, 3))))
     out = executor.run(STORE.get(key), [x, y])
     assert out is not None
     c, _ = _eager(x, y, 1, 3)
@@ -69,14 +70,14 @@ def test_dtypes(dtype):
 
 def test_pieces_of_different_dtypes_promote_like_eager():
     """cat(half piece, float piece) is float; the half piece is rounded to half first, as eager stores it."""
-    key = STORE.register(torch.parse_ir("""graph(%x : Tensor, %y : Tensor):
+    key = STORE.register(lower(torch.parse_ir("""graph(%x : Tensor, %y : Tensor):
       %d : int = prim::Constant[value=0]()
       %a : Tensor = aten::sigmoid(%x)
       %b : Tensor = aten::sigmoid(%y)
       %l : Tensor[] = prim::ListConstruct(%a, %b)
       %c : Tensor = aten::cat(%l, %d)
       return (%c)
-    """))
+    """)))
     x, y = torch.randn(40, 3).half(), torch.randn(40, 3)
     out = executor.run(STORE.get(key), [x, y])
     assert out is not None
@@ -88,13 +89,13 @@ def test_pieces_of_different_dtypes_promote_like_eager():
 
 
 def test_an_input_as_a_piece():
-    key = STORE.register(torch.parse_ir("""graph(%x : Tensor, %y : Tensor):
+    key = STORE.register(lower(torch.parse_ir("""graph(%x : Tensor, %y : Tensor):
       %d : int = prim::Constant[value=1]()
       %a : Tensor = aten::tanh(%y)
       %l : Tensor[] = prim::ListConstruct(%x, %a, %x)
       %c : Tensor = aten::cat(%l, %d)
       return (%c)
-    """))
+    """)))
     x, y = torch.randn(9, 4), torch.randn(9, 4)
     out = executor.run(STORE.get(key), [x, y])
     assert out is not None
@@ -104,14 +105,14 @@ def test_an_input_as_a_piece():
 def test_pieces_of_different_shapes_fall_back_to_eagers_cat():
     """x (2, 4) and y (1, 4): the pieces x and tanh(y) have different shapes; cat gives (3, 4), never a
     broadcast (4, 4)."""
-    key = STORE.register(torch.parse_ir("""graph(%x : Tensor, %y : Tensor):
+    key = STORE.register(lower(torch.parse_ir("""graph(%x : Tensor, %y : Tensor):
       %d : int = prim::Constant[value=0]()
       %a : Tensor = aten::sigmoid(%x)
       %b : Tensor = aten::tanh(%y)
       %l : Tensor[] = prim::ListConstruct(%a, %b)
       %c : Tensor = aten::cat(%l, %d)
       return (%c)
-    """))
+    """)))
     x, y = torch.randn(2, 4), torch.randn(1, 4)
     assert executor.run(STORE.get(key), [x, y]) is None
     out = fuser.run_fusion(key, [x, y])[0]
@@ -121,7 +122,7 @@ def test_pieces_of_different_shapes_fall_back_to_eagers_cat():
 
 def test_bad_dim_raises_eagers_error():
     """(through the interpreter, as a scripted function without fusion raises it)"""
-    key = STORE.register(torch.parse_ir(_ir(3)))
+    key = STORE.register(lower(torch.parse_ir(_ir(3))))
     x, y = torch.randn(4, 5), torch.randn(4, 5)
     with pytest.raises((IndexError, RuntimeError), match="Dimension out of range"):
         fuser.run_fusion(key, [x, y])
@@ -130,10 +131,10 @@ def test_bad_dim_raises_eagers_error():
 
 
 def test_zero_element_and_zero_dim():
-    key = STORE.register(torch.parse_ir(_ir(1)))
+    key = STORE.register(lower(torch.parse_ir(_ir(1))))
     x, y = torch.randn(3, 0), torch.randn(3, 0)
     assert fuser.run_fusion(key, [x, y])[0].shape == (3, 0)
-    key0 = STORE.register(torch.parse_ir(_ir(0)))
+    key0 = STORE.register(lower(torch.parse_ir(_ir(0))))
     with pytest.raises(RuntimeError):  # cat of 0-dim tensors
         fuser.run_fusion(key0, [torch.tensor(1.0), torch.tensor(2.0)])
 
@@ -165,14 +166,14 @@ def test_a_bare_cat_is_not_a_group():
 
 
 def test_gradients_through_a_cat_group():
-    key = STORE.register(torch.parse_ir("""graph(%x : Tensor, %y : Tensor):
+    key = STORE.register(lower(torch.parse_ir("""graph(%x : Tensor, %y : Tensor):
       %d : int = prim::Constant[value=1]()
       %a : Tensor = aten::sigmoid(%x)
       %b : Tensor = aten::mul(%x, %y)
       %l : Tensor[] = prim::ListConstruct(%a, %b)
       %c : Tensor = aten::cat(%l, %d)
       return (%c, %a)
-    """))
+    """)))
     x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
     y = torch.randn(3, dtype=torch.float64, requires_grad=True)
     c, a = fuser.run_fusion(key, [x, y])
@@ -190,13 +191,13 @@ def test_gradients_through_a_cat_group():
 @pytest.mark.parametrize("arch", (80, 90))
 def test_cuda_source_compiles(arch):
     from fuser.cuda import driver
-    spec = STORE.get(STORE.register(torch.parse_ir(_ir(1, 3))))
+    spec = STORE.get(STORE.register(lower(torch.parse_ir(_ir(1, 3)))))
     for out_layout in (DENSE, ROWS, STRIDED):
         for in_layout in (DENSE, STRIDED):
             arg_spec = ArgSpec("cuda", 0, (TensorDesc(torch.float16, in_layout),) * 2, True,
                                (out_layout,) * 3 + (DENSE,))
             types = compiler.infer_types(spec, arg_spec, "cpu")  # dtypes only: probed on the CPU
-            src = codegen.generate(spec.graph, arg_spec.inputs, 0, types, "cuda", "k",
+            src = codegen.generate(spec.group, arg_spec.inputs, types, "cuda", "k",
                                    out_layouts=arg_spec.outputs)
             driver.compile_source(src, "k", driver.NvrtcOptions(arch))
 

@@ -16,6 +16,7 @@ from fuser.cpu import compiler as cpu_compiler
 from fuser.cpu import templates as cpu_t
 from fuser.descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, ArgSpec, TensorDesc
 from fuser.kernel_cache import KernelStore
+from fuser.ts_ir import lower
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_vectors = pytest.mark.skipif(cpu_compiler.toolchain() is None,
@@ -28,9 +29,9 @@ INNER = 77
 
 def _source(ir: str, descs, n_scalars=0, vectorize=True) -> str:
     store = KernelStore()
-    spec = store.get(store.register(torch.parse_ir(ir)))
+    spec = store.get(store.register(lower(torch.parse_ir(ir))))
     types = compiler.infer_types(spec, ArgSpec("cpu", None, tuple(descs), True))
-    return codegen.generate(spec.graph, descs, n_scalars, types, "cpu", "k",
+    return codegen.generate(spec.group, descs, types, "cpu", "k",
                             codegen.KernelOptions(vectorize=vectorize))
 
 
@@ -116,14 +117,14 @@ def test_every_op_on_vectors_and_tails_vs_eager(case, dtype):
         pytest.skip("float64: a few ops of each kind")
     b = build(case)
     store = KernelStore()
-    spec = store.get(store.register(b.graph))
+    spec = store.get(store.register(lower(b.graph)))
     gen = torch.Generator().manual_seed(int(torch.randint(2 ** 31, ())))
     args, tensors, floats = _layout_args(b, dtype, gen)
     try:
         expected = eager(b, tensors, floats)
     except Exception as e:
         with pytest.raises(type(e)):
-            fuser.fallback.run_graph(spec.graph, args)
+            fuser.fallback.run(spec, args)
         return
     out = executor.run(spec, args)
     assert out is not None, f"{case.id} fell back"
@@ -152,7 +153,7 @@ def test_bitwise_eager_where_eager_computes_alike(case, dtype):
     vectors per chunk, and chunks only above 32768 elements)."""
     b = build(case)
     store = KernelStore()
-    spec = store.get(store.register(b.graph))
+    spec = store.get(store.register(lower(b.graph)))
     gen = torch.Generator().manual_seed(int(torch.randint(2 ** 31, ())))
     tensors = {n: random_tensor((4096,), torch.bool if n == "condition" else dtype, gen=gen) for n in b.tensor_args}
     floats = {n: 0.75 for n in b.float_args}
@@ -179,7 +180,7 @@ def test_random_numbers_are_the_scalar_paths(dtype, monkeypatch):
     for vectorize in ("1", "0"):
         monkeypatch.setattr(compiler, "_cpu_vectorize", lambda: vectorize == "1")
         store = KernelStore()
-        spec = store.get(store.register(torch.parse_ir(DROPOUT_IR)))
+        spec = store.get(store.register(lower(torch.parse_ir(DROPOUT_IR))))
         torch.manual_seed(7)
         outs.append(executor.run(spec, [x, 0.3, 1 / 0.7]))
         kernel = next(k for k in spec.kernels().values() if k is not None)

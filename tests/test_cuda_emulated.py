@@ -15,13 +15,14 @@ from string import Template
 import numpy as np
 import pytest
 import torch
-from helpers import (DROPOUT_IR, FLOAT_DTYPES, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR,
+from helpers import (interpret, DROPOUT_IR, FLOAT_DTYPES, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR,
                      SIGMOID_GT_IR, assert_op_result, assert_same, assert_same_comparison, build, cases, eager,
                      expect_fused, make_args, random_tensor, sigmoid_gt_reference)
 
 from fuser import bench, executor, fallback, graph_fuser, ops
 from fuser.cuda import emulate, templates
 from fuser.kernel_cache import STORE
+from fuser.ts_ir import lower
 
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
 SHAPE = (67, 97)  # odd: the vector loop leaves a tail; 6499 elements: 3 blocks of 256 threads wrap
@@ -159,7 +160,7 @@ def test_layout(layout, dtype, index32):
 def test_more_dims_than_the_cuda_kernels_take_fall_back():
     x = _t(torch.float32, *(2,) * 9).permute(*reversed(range(9)))
     y = _t(torch.float32, *(2,) * 9)
-    spec = STORE.get(STORE.register(torch.parse_ir(SIGMOID_GT_IR)))
+    spec = STORE.get(STORE.register(lower(torch.parse_ir(SIGMOID_GT_IR))))
     reason = executor.plan(spec, [x, y, 0.5], target="cuda")
     assert isinstance(reason, str) and "9 dims" in reason
     assert emulate.run_graph(torch.parse_ir(SIGMOID_GT_IR), [x, y, 0.5]) is None
@@ -360,7 +361,7 @@ def test_bench_workload(name, dtype, index32):
     out = emulate.run_graph(graph, inputs, index32)
     assert out is not None, "fell back"
     wide = [a.double() if isinstance(a, torch.Tensor) else a for a in inputs]
-    for actual, expected in zip(out, fallback.run_graph(graph, wide)):
+    for actual, expected in zip(out, interpret(graph, wide)):
         assert_same(actual, expected.to(dtype))
 
 
@@ -642,7 +643,7 @@ def test_integer_arithmetic_wraps_as_eager(dtype):
     g = torch.parse_ir(WRAP_IR)
     out = emulate.run_graph(g, [x])
     assert out is not None
-    for o, r in zip(out, fallback.run_graph(g, [x])):
+    for o, r in zip(out, interpret(g, [x])):
         assert o.dtype == r.dtype and torch.equal(o, r), (o, r)
 
 
@@ -657,7 +658,7 @@ def test_fast_sigmoid_keeps_results_below_2_to_the_minus_126():
     x = torch.tensor([-88.0, -87.5, -88.5, -89.0, -90.0, 0.5, -200.0] * 30, dtype=torch.bfloat16)
     out = emulate.run_graph(g, [x])
     assert out is not None
-    ref = fallback.run_graph(g, [x])
+    ref = interpret(g, [x])
     assert bool((out[1] > 0).eq(ref[1] > 0).all()) and bool((out[2] < 0).eq(ref[2] < 0).all())
     for o, r in zip(out, ref):
         assert_same(o, r)
@@ -677,7 +678,7 @@ def test_an_int32_operand_converts_to_a_narrow_compute_dtype_before_comparing():
             args = [x, torch.tensor(s, dtype=torch.int32)]
             out = emulate.run_graph(g, args)
             assert out is not None
-            for o, r in zip(out, fallback.run_graph(g, args)):
+            for o, r in zip(out, interpret(g, args)):
                 assert torch.equal(o, r), (narrow, s)
 
 
@@ -709,7 +710,7 @@ def test_integer_abs_wraps_and_is_hidden_from_ptxas():
         k = emulate.kernel_for(g, [x])
         assert "fz_iabs(x0)" in k.source
         out = emulate.run_graph(g, [x])
-        ref = fallback.run_graph(g, [x])
+        ref = interpret(g, [x])
         assert torch.equal(out[0], ref[0]), dtype
         torch.testing.assert_close(out[1], ref[1], rtol=1e-6, atol=0)
 
@@ -723,7 +724,7 @@ def test_ordered_comparisons_of_nan_are_false():
         k = emulate.kernel_for(g, [x])
         assert "!fz_isnan(" in k.source
         out = emulate.run_graph(g, [x])
-        ref = fallback.run_graph(g, [x])
+        ref = interpret(g, [x])
         for o, r in zip(out[:4], ref):
             assert torch.equal(o, r), dtype
         # hardswish's CUDA kernel multiplies by the float 1.0f / 6.0f (ops._sixth): not bitwise in float64
@@ -760,8 +761,8 @@ def test_float_scalars_of_a_float16_op_are_not_rounded_to_float16():
   %v1 : Tensor = aten::softplus(%t0, %f0, %zero)
   return (%v0, %v1)""")
     x = torch.tensor([-math.inf, math.inf, 0.7993, -2.0, 1e4] * 30, dtype=torch.float16)
-    ref = fallback.run_graph(g, [x, 1e-40])
-    for out in (emulate.run_graph(g, [x, 1e-40]), executor.run(STORE.get(STORE.register(g)), [x, 1e-40])):
+    ref = interpret(g, [x, 1e-40])
+    for out in (emulate.run_graph(g, [x, 1e-40]), executor.run(STORE.get(STORE.register(lower(g))), [x, 1e-40])):
         assert out is not None
         for o, r in zip(out, ref):
             torch.testing.assert_close(o, r, equal_nan=True, rtol=1e-3, atol=0)
@@ -778,7 +779,7 @@ def test_pow_rounds_its_scalar_exponent_to_a_reduced_dtype():
     for dtype in (torch.float16, torch.bfloat16):
         x = torch.tensor([-79.3125, 2.0, 1e30, 0.0] * 30).to(dtype)
         y = torch.tensor([-2696.0, 3.0, 1e30, 5.0] * 30).to(dtype)
-        ref = fallback.run_graph(g, [x, y])
-        for out in (emulate.run_graph(g, [x, y]), executor.run(STORE.get(STORE.register(g)), [x, y])):
+        ref = interpret(g, [x, y])
+        for out in (emulate.run_graph(g, [x, y]), executor.run(STORE.get(STORE.register(lower(g))), [x, y])):
             assert out is not None
             torch.testing.assert_close(out[0], ref[0], equal_nan=True, rtol=1e-3, atol=0)

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from fuser import disk_cache
+from fuser.ts_ir import lower
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,11 +88,12 @@ def test_a_second_process_takes_nvrtc_output_from_disk(cache_dir):
         "from fuser.cuda import driver\n"
         "from fuser.descs import ArgSpec, TensorDesc\n"
         "from fuser.kernel_cache import STORE\n"
+        "from fuser.ts_ir import lower\n"
         "g = torch.parse_ir('graph(%x : Tensor):\\n  %a : Tensor = aten::sigmoid(%x)\\n"
         "  %b : Tensor = aten::neg(%a)\\n  return (%b)\\n')\n"
-        "spec = STORE.get(STORE.register(g))\n"
+        "spec = STORE.get(STORE.register(lower(g)))\n"
         "a = ArgSpec('cuda', 0, (TensorDesc(torch.float16, 'dense'),), True)\n"
-        "src = codegen.generate(spec.graph, a.inputs, 0, compiler.infer_types(spec, a, 'cpu'), 'cuda', 'k')\n"
+        "src = codegen.generate(spec.group, a.inputs, compiler.infer_types(spec, a, 'cpu'), 'cuda', 'k')\n"
         "opts = driver.NvrtcOptions(90)\n"
         "runs = []\n"
         "img = disk_cache.get_or_build([('source', src), ('flags', b' '.join(opts.flags()))],\n"

@@ -7,10 +7,11 @@ from helpers import (SIGMOID_GT_IR as IR, assert_same, assert_same_comparison, c
 import fuser
 from fuser import executor
 from fuser.kernel_cache import STORE
+from fuser.ts_ir import lower
 
 
 def _key():
-    return STORE.register(torch.parse_ir(IR))
+    return STORE.register(lower(torch.parse_ir(IR)))
 
 
 def _check(x, y, s=0.25, fused=True):
@@ -76,7 +77,7 @@ def test_output_shapes_that_differ_fall_back():
       %b : Tensor = aten::mul(%a, %y)
       return (%a, %b)
     """
-    key = STORE.register(torch.parse_ir(ir))
+    key = STORE.register(lower(torch.parse_ir(ir)))
     x, y = torch.randn(5), torch.randn(3, 5)
     assert executor.run(STORE.get(key), [x, y]) is None  # `a` has x's shape, not the map's
     a, b = fuser.run_fusion(key, [x, y])
@@ -123,7 +124,7 @@ def test_sparse_falls_back():
       %b : Tensor = aten::mul(%a, %y)
       return (%b)
     """
-    key = STORE.register(torch.parse_ir(ir))
+    key = STORE.register(lower(torch.parse_ir(ir)))
     x = torch.randn(4, 4).to_sparse()
     y = torch.randn(4, 4).to_sparse()
     assert executor.run(STORE.get(key), [x, y]) is None
@@ -148,7 +149,7 @@ def test_requires_grad_gives_eagers_gradients():
 def test_cpu_fusion_off_uses_the_fallback():
     fuser.override_can_fuse_on_cpu(False)
     assert not fuser.can_fuse_on_cpu()
-    key = STORE.register(torch.parse_ir(IR.replace("aten::sigmoid", "aten::tanh")))
+    key = STORE.register(lower(torch.parse_ir(IR.replace("aten::sigmoid", "aten::tanh"))))
     before = fuser.n_compiled_kernels()
     x, y = torch.randn(8), torch.randn(8)
     c, d = fuser.run_fusion(key, [x, y, 0.1])
@@ -185,7 +186,7 @@ def test_integer_overflow_wraps_like_eager():
       %b : Tensor = aten::add(%a, %x, %one)
       return (%b)
     """
-    key = STORE.register(torch.parse_ir(ir))
+    key = STORE.register(lower(torch.parse_ir(ir)))
     x = torch.randint(-128, 127, (100,), dtype=torch.int8)
     y = torch.randint(-128, 127, (100,), dtype=torch.int8)
     out = executor.run(STORE.get(key), [x, y])
@@ -230,7 +231,7 @@ def test_discontinuous_ops_see_intermediates_rounded_as_eager(op, ref, dtype):
       return (%r)""")
     a = torch.full((40,), 2.0, dtype=dtype)
     b = torch.full((40,), 0.99951171875, dtype=dtype)
-    key = STORE.register(g)
+    key = STORE.register(lower(g))
     out = executor.run(STORE.get(key), [a, b])
     assert out is not None
     assert torch.equal(out[0], ref(a + b))
@@ -242,7 +243,7 @@ def test_type_as_other_does_not_decide_the_shape():
       %a : Tensor = aten::type_as(%x, %y)
       %b : Tensor = aten::sin(%a)
       return (%b)""")
-    key = STORE.register(g)
+    key = STORE.register(lower(g))
     for x, y in ((torch.tensor(0.5), torch.randn(1, 1, dtype=torch.float64)),
                  (torch.randn(3), torch.randn(4, 3, dtype=torch.float16))):
         out = fuser.run_fusion(key, [x, y])[0]
@@ -260,7 +261,7 @@ def test_float_arguments_between_tensor_inputs():
       return (%c)
     """)
     x, y = torch.randn(6, 5), torch.randn(5)
-    key = STORE.register(g)
+    key = STORE.register(lower(g))
     out = executor.run(STORE.get(key), [x, 0.75, y, -3.5])
     assert out is not None
     assert_same(out[0], (x + 0.75) * y - (-3.5))
@@ -278,7 +279,7 @@ def test_lerp_signed_zeros_as_eager(weight):
     """)
     vals = torch.tensor([0.0, -0.0, 1.0, -1.0])
     x, y = vals.repeat_interleave(4), vals.repeat(4)
-    out = executor.run(STORE.get(STORE.register(g)), [x, y])
+    out = executor.run(STORE.get(STORE.register(lower(g))), [x, y])
     assert out is not None
     a = torch.lerp(x, y, weight)
     assert torch.equal(out[1], a) and torch.equal(out[1].signbit(), a.signbit())
@@ -298,7 +299,7 @@ def test_sub_alpha_zero_signs_as_eager(op, alpha):
     vals = torch.tensor([0.0, -0.0, 1.0, -2.0])
     x, y = vals.repeat_interleave(4), vals.repeat(4)
     a = 0.0 if alpha == "%s" else (int(alpha) if "." not in alpha else float(alpha))
-    out = executor.run(STORE.get(STORE.register(g)), [x, y, -0.0 if alpha == "%s" else 0.0])
+    out = executor.run(STORE.get(STORE.register(lower(g))), [x, y, -0.0 if alpha == "%s" else 0.0])
     assert out is not None
     ref = getattr(torch, op)(x, y, alpha=-0.0 if alpha == "%s" else a)
     assert torch.equal(out[0], ref) and torch.equal(out[0].signbit(), ref.signbit()), (out[0], ref)
@@ -311,7 +312,7 @@ def _sigmoid_then(op: str):
   %s : Tensor = aten::sigmoid(%x)
   %t : Tensor = aten::{op}(%s, %c)
   return (%t)""", parse_tensor_constants=True)
-    return STORE.get(STORE.register(g))
+    return STORE.get(STORE.register(lower(g)))
 
 
 def test_type_probe_runs_on_the_arg_specs_device(monkeypatch):
@@ -322,8 +323,8 @@ def test_type_probe_runs_on_the_arg_specs_device(monkeypatch):
     from fuser.descs import ArgSpec, TensorDesc
     spec = _sigmoid_then("mul")
     seen = []
-    real = compiler.run_graph
-    monkeypatch.setattr(compiler, "run_graph", lambda graph, args: seen.extend(args) or real(graph, args))
+    real = compiler.evaluate
+    monkeypatch.setattr(compiler, "evaluate", lambda group, args, **kw: seen.extend(args) or real(group, args, **kw))
     types = compiler.infer_types(spec, ArgSpec("meta", None, (TensorDesc(torch.float16, "dense"),)))
     assert [t.result for t in types] == [torch.float16, torch.float16]
     assert [a.device.type for a in seen] == ["meta"]

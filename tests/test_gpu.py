@@ -4,7 +4,7 @@ import threading
 
 import pytest
 import torch
-from helpers import (FMA_OPS, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR, SIGMOID_GT_IR as IR, assert_op_result, assert_same, assert_same_comparison, build, cases,
+from helpers import (interpret, FMA_OPS, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR, SIGMOID_GT_IR as IR, assert_op_result, assert_same, assert_same_comparison, build, cases,
                      check_fused_multiply_adds, check_scalar_rounding, eager, expect_fused, make_args, random_tensor,
                      sigmoid_gt_reference as reference)
 
@@ -12,8 +12,9 @@ from test_activations import CALLS as ACTIVATION_CALLS
 
 import fuser
 from fuser import executor
-from fuser.fallback import run_graph
+
 from fuser.kernel_cache import STORE
+from fuser.ts_ir import lower
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +31,7 @@ def _require_gpu_fusion():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_op_cuda_vs_eager(case, dtype):
     b = build(case)
-    key = STORE.register(b.graph)
+    key = STORE.register(lower(b.graph))
     gen = torch.Generator().manual_seed(int(torch.randint(2 ** 31, ())))  # from the per-test seed (conftest)
     args, tensors, floats = make_args(b, dtype, shape=(67, 131), device="cuda", gen=gen)
     try:
@@ -49,7 +50,7 @@ def test_op_cuda_vs_eager(case, dtype):
 
 
 def _check(x, y, s=0.25, dtype=None):
-    key = STORE.register(torch.parse_ir(IR))
+    key = STORE.register(lower(torch.parse_ir(IR)))
     out = executor.run(STORE.get(key), [x, y, s])
     assert out is not None
     c, d = reference(x, y, s)
@@ -74,7 +75,7 @@ def test_layouts(dtype):
     _check(flat[1:], flat[:-1])  # misaligned views: scalar path
     _check(r(), r(7, 9))  # 0-dim
     x = r(0, 5)
-    key = STORE.register(torch.parse_ir(IR))
+    key = STORE.register(lower(torch.parse_ir(IR)))
     out = fuser.run_fusion(key, [x, r(0, 5), 1.0])
     assert [o.shape for o in out] == [torch.Size([0, 5])] * 2
 
@@ -83,7 +84,7 @@ def test_mixed_dtypes_and_cpu_scalar():
     _check(random_tensor((513, 7), torch.float16, "cuda"), random_tensor((513, 7), torch.float32, "cuda"))
     _check(random_tensor((129,), torch.int32, "cuda"), random_tensor((129,), torch.bfloat16, "cuda"))
     # a 0-dim CPU tensor with CUDA tensors is legal in eager; the fuser falls back and matches it
-    key = STORE.register(torch.parse_ir(IR))
+    key = STORE.register(lower(torch.parse_ir(IR)))
     x, y = torch.randn(50, device="cuda"), torch.tensor(2.0)
     for a, b in zip(fuser.run_fusion(key, [x, y, 0.5]), reference(x, y, 0.5)):
         assert_same(a, b)
@@ -102,7 +103,7 @@ def test_tensor_over_2_31_elements():
       %b : Tensor = aten::add(%a, %one, %one)
       return (%b)
     """)
-    key = STORE.register(g)
+    key = STORE.register(lower(g))
     x = torch.empty(n, dtype=torch.float16, device="cuda")
     x[: 2 ** 20].uniform_(-4, 4)
     x[-2 ** 20:].uniform_(-4, 4)
@@ -126,7 +127,7 @@ def test_second_device():
 
 def test_threads_share_one_compile():
     g = torch.parse_ir(IR.replace("aten::sigmoid", "aten::tanh").replace("value=1]", "value=5]"))
-    key = STORE.register(g)
+    key = STORE.register(lower(g))
     x, y = torch.randn(4096, device="cuda"), torch.randn(4096, device="cuda")
     before = fuser.n_compiled_kernels()
     barrier = threading.Barrier(12)
@@ -154,7 +155,7 @@ def test_threads_share_one_compile():
 def test_side_stream():
     x, y = torch.randn(1 << 20, device="cuda"), torch.randn(1 << 20, device="cuda")
     s = torch.cuda.Stream()
-    key = STORE.register(torch.parse_ir(IR))
+    key = STORE.register(lower(torch.parse_ir(IR)))
     fuser.run_fusion(key, [x, y, 0.1])
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -239,7 +240,7 @@ def test_fast_math_for_half_results_is_as_accurate_as_eager(op, dtype):
     lo, hi = (-12.0, 11.0) if op == "exp" else (-60.0, 60.0)
     x = torch.cat([torch.linspace(lo, hi, 1 << 20), torch.linspace(-1, 1, 1 << 16),
                    torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])]).to(dtype).cuda()
-    key = STORE.register(g)
+    key = STORE.register(lower(g))
     (out,) = executor.run(STORE.get(key), [x])
     fns = {"exp": torch.exp, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "silu": torch.nn.functional.silu,
            "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
@@ -351,7 +352,7 @@ def test_rand_like_on_cuda(dtype):
     """Distribution, torch.manual_seed repeatability, fresh numbers per call (the CUDA generator's offset
     advances), and equal values from the vector path (contiguous input) and the scalar path (transposed)."""
     from test_random import DROPOUT_IR, check_distribution
-    key = STORE.register(torch.parse_ir(DROPOUT_IR))
+    key = STORE.register(lower(torch.parse_ir(DROPOUT_IR)))
     x = torch.randn(1024, 1536, device="cuda", dtype=dtype)
     gen = torch.cuda.default_generators[torch.cuda.current_device()]
     torch.manual_seed(11)
@@ -376,7 +377,7 @@ def test_rand_like_on_cuda(dtype):
 def test_concat_on_cuda(dim, dtype):
     """Each piece written into its slice: dim 0 slices are dense (vector path when aligned), others strided."""
     from test_concat import _eager, _ir
-    key = STORE.register(torch.parse_ir(_ir(dim, 3)))
+    key = STORE.register(lower(torch.parse_ir(_ir(dim, 3))))
     for x, y in ((torch.randn(64, 48, 40, device="cuda", dtype=dtype),
                   torch.randn(64, 48, 40, device="cuda", dtype=dtype)),
                  (torch.randn(40, 48, 64, device="cuda", dtype=dtype).transpose(0, 2),
@@ -416,10 +417,10 @@ def test_signed_zero_ties_follow_cuda_eager(dtype):
     vals = torch.tensor([-0.0, 0.0, float("nan"), -1.0, 2.0])
     x = vals.repeat_interleave(5).to("cuda", dtype)
     y = vals.repeat(5).to("cuda", dtype)
-    key = STORE.register(g)
+    key = STORE.register(lower(g))
     out = executor.run(STORE.get(key), [x, y])
     assert out is not None
-    ref = run_graph(g, [x, y])
+    ref = interpret(g, [x, y])
     for o, r in zip(out, ref):
         assert torch.equal(o.isnan(), r.isnan())
         assert torch.equal(torch.nan_to_num(o), torch.nan_to_num(r))
@@ -465,7 +466,7 @@ def test_cpu_scalar_constant_with_cuda_inputs_as_eager(name):
                            .replace("%r : Tensor", "%b : Tensor = aten::gt(%s, %one)\n  %r : Tensor"),
                            parse_tensor_constants=True)
     try:
-        expected = run_graph(g, [x, y])[0]
+        expected = interpret(g, [x, y])[0]
     except RuntimeError as e:
         assert name in CPU_CONSTANT_REFUSED, f"eager raised for {name}: {e}"
         with pytest.raises(RuntimeError):
@@ -488,7 +489,7 @@ def test_type_as_a_cpu_constant_moves_to_the_cpu_as_eager():
   return (%u)
 """, parse_tensor_constants=True)
     x = torch.randn(100, device="cuda")
-    expected = run_graph(g, [x])[0]
+    expected = interpret(g, [x])[0]
     got = fuser.debug_launch_graph(g, [x])[0]
     assert got.device == expected.device == torch.device("cpu")
     torch.testing.assert_close(got, expected)
@@ -507,7 +508,7 @@ def test_addcmul_forms_the_product_first_on_cuda(dtype):
 """)
     t = torch.full((1000,), big, device="cuda", dtype=dtype)
     got = fuser.debug_launch_graph(g, [t])[0]
-    expected = run_graph(g, [t])[0]
+    expected = interpret(g, [t])[0]
     assert bool(expected.isnan().all()) and bool(got.isnan().all())
 
 
@@ -526,7 +527,7 @@ def test_narrow_integer_min_max_chain_on_the_vector_path(dtype):
     info = torch.iinfo(dtype)
     x = torch.randint(info.min, info.max + 1, (48035,), dtype=dtype, device="cuda")
     out = fuser.debug_launch_graph(g, [x])
-    ref = run_graph(g, [x])
+    ref = interpret(g, [x])
     assert all(torch.equal(o, r) for o, r in zip(out, ref))
 
 
@@ -560,9 +561,9 @@ def test_cuda_campaign_findings(name):
   %s : Tensor = aten::mul(%r, %one)
   return (%s)""")
     args = [make()] + ([] if f is None else [f])
-    out = executor.run(STORE.get(STORE.register(g)), args)
+    out = executor.run(STORE.get(STORE.register(lower(g))), args)
     assert out is not None  # fused, not the interpreter
-    got, ref = out[0], run_graph(g, args)[0]
+    got, ref = out[0], interpret(g, args)[0]
     assert got.dtype == ref.dtype
     assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(torch.nan_to_num(got), torch.nan_to_num(ref))
 
@@ -606,9 +607,9 @@ def test_cuda_campaign5_findings(name):
     0.5 is sqrt in CUDA eager; CUDA's addcmul with value 1 is one fma. Each against CUDA eager."""
     make_graph, make = CAMPAIGN5[name]
     g, args = make_graph(), make()
-    out = executor.run(STORE.get(STORE.register(g)), args)
+    out = executor.run(STORE.get(STORE.register(lower(g))), args)
     assert out is not None  # fused, not the interpreter
-    for got, ref in zip(out, run_graph(g, args)):
+    for got, ref in zip(out, interpret(g, args)):
         assert got.dtype == ref.dtype
         if got.dtype.is_floating_point:
             torch.testing.assert_close(got, ref, equal_nan=True, rtol=1e-3 if got.dtype == torch.float16 else 1e-6,

@@ -33,7 +33,7 @@ import torch.nn as nn
 import transformers
 
 import fuser
-from fuser import graph_fuser, integration
+from fuser import graph_fuser, integration, ts_ir
 
 transformers.logging.set_verbosity_error()
 pytestmark = pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
@@ -355,7 +355,7 @@ def _loss(out) -> torch.Tensor:
 
 def _fused(graph) -> torch._C.Graph:
     g = graph.copy()
-    graph_fuser.raise_fusion_calls(g, lambda key: integration.STORE.get(key).graph)
+    graph_fuser.raise_fusion_calls(g, lambda key: ts_ir.raise_group(integration.STORE.get(key).group))
     return g
 
 

@@ -8,6 +8,7 @@ import fuser
 from fuser import codegen, compiler, executor, ops
 from fuser.descs import DENSE, REPEAT, ROWS, STRIDED, ArgSpec, TensorDesc, family
 from fuser.kernel_cache import STORE
+from fuser.ts_ir import lower
 
 CASES = cases()
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32)
@@ -23,7 +24,7 @@ def test_op_cpu_vs_eager(case, dtype):
     if not fuser.can_fuse_on_cpu():
         pytest.fail("the CPU backend needs a C++ compiler on this machine")
     b = build(case)
-    key = STORE.register(b.graph)
+    key = STORE.register(lower(b.graph))
     gen = torch.Generator().manual_seed(int(torch.randint(2 ** 31, ())))  # from the per-test seed (conftest)
     args, tensors, floats = make_args(b, dtype, gen=gen)
     try:
@@ -48,7 +49,7 @@ def test_op_cuda_source_compiles(case, arch):
     path) in several dtypes and compile it with NVRTC."""
     from fuser.cuda import driver
     b = build(case)
-    spec = STORE.get(STORE.register(b.graph))
+    spec = STORE.get(STORE.register(lower(b.graph)))
     n_t = spec.n_tensor_inputs
     for dtype, layout in ((torch.float32, DENSE), (torch.float16, STRIDED), (torch.int32, STRIDED),
                           (torch.float64, DENSE), (torch.bfloat16, ROWS), (torch.float32, REPEAT)):
@@ -60,7 +61,7 @@ def test_op_cuda_source_compiles(case, arch):
         except Exception:
             continue  # eager rejects these dtypes
         try:
-            src = codegen.generate(spec.graph, descs, len(b.float_args), types, "cuda", "k")
+            src = codegen.generate(spec.group, descs, types, "cuda", "k")
         except codegen.NotFusable:
             assert family(types[-1].compute) == "i"
             continue

@@ -9,6 +9,7 @@ from helpers import DROPOUT_IR, assert_same, fused_graph
 import fuser
 from fuser import executor, rng
 from fuser.kernel_cache import STORE
+from fuser.ts_ir import lower
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -36,7 +37,7 @@ def check_distribution(r: torch.Tensor) -> None:
 
 
 def _run(x, p=0.3, device_seed=None):
-    key = STORE.register(torch.parse_ir(DROPOUT_IR))
+    key = STORE.register(lower(torch.parse_ir(DROPOUT_IR)))
     if device_seed is not None:
         torch.manual_seed(device_seed)
     return executor.run(STORE.get(key), [x, p, 1 / (1 - p)])
@@ -106,14 +107,14 @@ def test_values_do_not_depend_on_the_input_layout():
 
 
 def test_two_random_ops_in_one_group_draw_different_numbers():
-    key = STORE.register(torch.parse_ir("""graph(%x : Tensor):
+    key = STORE.register(lower(torch.parse_ir("""graph(%x : Tensor):
       %none : NoneType = prim::Constant()
       %a : Tensor = aten::rand_like(%x, %none, %none, %none, %none, %none)
       %b : Tensor = aten::rand_like(%x, %none, %none, %none, %none, %none)
       %one : int = prim::Constant[value=1]()
       %s : Tensor = aten::add(%a, %b, %one)
       return (%a, %b, %s)
-    """))
+    """)))
     a, b, s = executor.run(STORE.get(key), [torch.empty(200, 300)])
     assert not torch.equal(a, b)
     assert abs(float(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1])) < 6 / math.sqrt(a.numel())
@@ -121,12 +122,12 @@ def test_two_random_ops_in_one_group_draw_different_numbers():
 
 
 def test_dtype_argument_and_options():
-    key = STORE.register(torch.parse_ir("""graph(%x : Tensor):
+    key = STORE.register(lower(torch.parse_ir("""graph(%x : Tensor):
       %none : NoneType = prim::Constant()
       %dt : int = prim::Constant[value=7]()
       %a : Tensor = aten::rand_like(%x, %dt, %none, %none, %none, %none)
       return (%a)
-    """))
+    """)))
     out = executor.run(STORE.get(key), [torch.empty(64, 64)])
     assert out is not None and out[0].dtype == torch.float64
     check_distribution(out[0])
@@ -134,13 +135,13 @@ def test_dtype_argument_and_options():
 
 def test_broadcast_after_rand_like_fuses():
     """rand_like of a value that spans the map: other inputs may broadcast (a bias vector)."""
-    key = STORE.register(torch.parse_ir("""graph(%x : Tensor, %b : Tensor):
+    key = STORE.register(lower(torch.parse_ir("""graph(%x : Tensor, %b : Tensor):
       %none : NoneType = prim::Constant()
       %r : Tensor = aten::rand_like(%x, %none, %none, %none, %none, %none)
       %one : int = prim::Constant[value=1]()
       %s : Tensor = aten::add(%r, %b, %one)
       return (%s, %r)
-    """))
+    """)))
     x, b = torch.randn(300, 40), torch.randn(40)
     out = executor.run(STORE.get(key), [x, b])
     assert out is not None
@@ -150,12 +151,12 @@ def test_broadcast_after_rand_like_fuses():
 
 def test_rand_like_of_a_broadcast_input_falls_back():
     """rand_like(y) with y (40,) broadcast over x (50, 40): eager draws 40 numbers and repeats them per row."""
-    key = STORE.register(torch.parse_ir("""graph(%x : Tensor, %y : Tensor):
+    key = STORE.register(lower(torch.parse_ir("""graph(%x : Tensor, %y : Tensor):
       %none : NoneType = prim::Constant()
       %r : Tensor = aten::rand_like(%y, %none, %none, %none, %none, %none)
       %s : Tensor = aten::mul(%r, %x)
       return (%s)
-    """))
+    """)))
     x, y = torch.randn(50, 40).abs() + 0.5, torch.randn(40)
     assert executor.run(STORE.get(key), [x, y]) is None
     out = fuser.run_fusion(key, [x, y])[0]
@@ -166,7 +167,7 @@ def test_rand_like_of_a_broadcast_input_falls_back():
 
 
 def test_integer_input_raises_eagers_error():
-    key = STORE.register(torch.parse_ir(DROPOUT_IR))
+    key = STORE.register(lower(torch.parse_ir(DROPOUT_IR)))
     with pytest.raises(RuntimeError):
         fuser.run_fusion(key, [torch.ones(4, dtype=torch.int64), 0.3, 1.0])
 
@@ -176,7 +177,7 @@ def test_dropout_under_autograd_replays_its_mask_in_the_backward_kernel(monkeypa
     so the gradient is the forward's mask times the scale (and no interpreter runs)."""
     from fuser import fallback
     monkeypatch.setattr(fallback, "run", lambda spec, args: pytest.fail("the interpreter ran"))
-    key = STORE.register(torch.parse_ir(DROPOUT_IR))
+    key = STORE.register(lower(torch.parse_ir(DROPOUT_IR)))
     x = torch.randn(64, 32, requires_grad=True)
     z, r = fuser.run_fusion(key, [x, 0.4, 1 / 0.6])
     assert z.grad_fn is not None and not r.requires_grad
@@ -187,7 +188,7 @@ def test_dropout_under_autograd_replays_its_mask_in_the_backward_kernel(monkeypa
 
 
 def test_dropout_double_backward_replays_too():
-    key = STORE.register(torch.parse_ir(DROPOUT_IR))
+    key = STORE.register(lower(torch.parse_ir(DROPOUT_IR)))
     x = torch.randn(16, 8, requires_grad=True)
     z, r = fuser.run_fusion(key, [x, 0.4, 1 / 0.6])
     (gx,) = torch.autograd.grad((z * z).sum(), x, create_graph=True)
@@ -199,7 +200,7 @@ def test_dropout_double_backward_replays_too():
 
 def test_random_group_whose_kernel_cannot_run_uses_eagers_autograd():
     fuser.override_can_fuse_on_cpu(False)
-    key = STORE.register(torch.parse_ir(DROPOUT_IR))
+    key = STORE.register(lower(torch.parse_ir(DROPOUT_IR)))
     x = torch.randn(64, 32, requires_grad=True)
     z, r = fuser.run_fusion(key, [x, 0.4, 1 / 0.6])
     g = torch.randn_like(z)

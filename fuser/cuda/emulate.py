@@ -48,7 +48,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import compiler, executor, rng
+from .. import compiler, executor, ir, rng, ts_ir
 from ..errors import CompileError, numbered
 from ..kernel_cache import STORE, KernelSpec
 from . import host_prelude, launch, templates
@@ -352,8 +352,9 @@ def summary() -> Optional[str]:
             f"{em.jobs} jobs), {em.n_launches} launches")
 
 
-def _plan(graph, inputs: Sequence, index32: Optional[bool]):
-    spec = STORE.get(STORE.register(graph))
+def _plan(group, inputs: Sequence, index32: Optional[bool]):
+    # a test tool, so a door of its own: it takes a group, or a TorchScript graph it lowers
+    spec = STORE.get(STORE.register(group if isinstance(group, ir.Group) else ts_ir.lower(group)))
     with torch.no_grad():
         p = executor.plan(spec, list(inputs), target="cuda")
     if isinstance(p, str):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import compiler, executor, fallback
+from ..integration import register_graph
 from ..kernel_cache import STORE
 from .eager import eager_eval
 from .edges import _dist, _eps, uncertainty
@@ -146,7 +147,7 @@ def check(graph: torch._C.Graph, args: list, device=None) -> Verdict:
         e_exc = ex
     f_exc, fused, reason, f_outs = None, False, "", None
     try:
-        spec = STORE.get(STORE.register(graph))
+        spec = STORE.get(register_graph(graph))
         f_outs = executor.run(spec, args)
         fused = f_outs is not None
         if not fused:

@@ -1,0 +1,159 @@
+"""A group's backward, built from the derivative table (``fuser/derivatives.py``) as a group of its own.
+
+Its inputs are the forward inputs the gradients read, then the output gradients; it recomputes the forward's
+ops from those inputs (cheaper than saving intermediates: the backward kernel reads the inputs once, eager's
+backward reads each saved intermediate), then applies each op's gradient formula, and casts each input's
+gradient to its dtype. ``fuser/autodiff.py`` runs it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from . import derivatives as D
+from . import ir, ops
+from .kernel_cache import STORE, KernelSpec
+
+@dataclass(frozen=True)
+class Backward:
+    """The backward of one (group, which inputs need gradients, which output gradients are defined).
+
+    Its group's inputs are the forward inputs listed in ``fwd_inputs`` then the output gradients listed in
+    ``grad_outputs`` (``(k, None)``: output k's gradient; ``(k, j)``: the slice of it for piece j of the cat
+    that made output k); its outputs are the gradients of the forward inputs in ``grad_inputs``. Inputs in
+    ``zero_inputs`` need a gradient that is zero everywhere (``floor``).
+    """
+
+    spec: Optional[KernelSpec]
+    fwd_inputs: tuple[int, ...]
+    grad_outputs: tuple[tuple, ...]
+    grad_inputs: tuple[int, ...]
+    zero_inputs: tuple[int, ...]
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bool],
+                   floating: frozenset) -> Backward:
+    """The backward group of ``spec.group``; raises :class:`_Unsupported` when the table cannot form it.
+
+    needs: per group input, whether its gradient is wanted. defined: per group output, whether a gradient
+    arrives for it. floating: ids of the group's values whose dtype is floating for these inputs (gradients
+    flow through those only, as in eager, where integer and bool results never require grad).
+    """
+    if spec.concat_consumed:
+        raise _Unsupported("a cat's result used inside the group")
+    fwd = spec.group
+    b = ir.Builder()
+    env: dict[int, ir.Value] = {}
+    for v in fwd.inputs:
+        env[v.id] = b.input(v.kind)
+    grad_in = []  # ((k, piece or None), forward value the gradient is for, group input)
+    for k, o in enumerate(fwd.outputs):
+        if not defined[k]:
+            continue
+        pieces = spec.pieces[k]
+        for j, p in enumerate(pieces) if pieces is not None else [(None, o)]:
+            grad_in.append(((k, j), p, b.input(ir.TENSOR)))
+
+    def mapped(a):
+        if isinstance(a, ir.Value):
+            return env[a.id]
+        return tuple(env[x.id] for x in a) if isinstance(a, tuple) else a
+
+    for n in fwd.nodes:  # the forward, recomputed from the saved inputs
+        env[n.out.id] = b.add(n.op, *map(mapped, n.args))
+
+    carries = _carries(fwd, needs, floating)
+    if carries is None:
+        raise _Unsupported("an op outside the table")
+
+    grads: dict[int, D.V] = {}
+    zeros: set[int] = set()  # values some op gives a zero gradient (eager then gives zeros, not None)
+
+    def accumulate(u: int, r: D.V) -> None:
+        grads[u] = r if u not in grads else grads[u] + r
+
+    for k, o, gv in grad_in:
+        if o.id in carries:
+            accumulate(o.id, D.V(b, gv))
+    for n in reversed(fwd.nodes):
+        if n.out.id not in grads:
+            continue
+        op = ops.of(n.op)
+        f = D.formula(op.name)
+        if f is None:
+            raise _Unsupported(op.name)
+        gy = grads[n.out.id]
+        res = f(gy, [D.V(b, mapped(a)) for a in n.args], D.V(b, env[n.out.id]))
+        for inp, r in zip(n.args, res):
+            if not isinstance(inp, ir.Value) or inp.id not in carries:
+                continue
+            if r is D.UNSUPPORTED:
+                raise _Unsupported(f"{op.name}: gradient of an input")
+            is_input = fwd.is_input(inp)
+            if r is D.ZERO and (is_input or spec.key in _backward_keys):
+                zeros.add(inp.id)
+            elif r is D.ZERO:  # eager passes a tensor of zeros on: 0 * inf upstream is NaN there too
+                accumulate(inp.id, D.op("aten::mul", D.op("aten::pow", gy, 0.0), 0.0))
+            elif r is not None and not is_input:  # the engine casts a gradient to its value's dtype
+                accumulate(inp.id, D.op("aten::type_as", r, D.V(b, env[inp.id])))
+            elif r is not None:  # None: the op does not differentiate this input (type_as's other)
+                accumulate(inp.id, r)
+
+    grad_inputs, zero_inputs, outputs = [], [], []
+    for i, v in enumerate(fwd.inputs):
+        if not needs[i]:
+            continue
+        r = grads.get(v.id)
+        if r is None:
+            if v.id in zeros:
+                zero_inputs.append(i)
+            continue
+        # a copy in the gradient's own dtype: eager sums a broadcast input's gradient before the cast
+        outputs.append(D.op("aten::type_as", r, r).value)
+        grad_inputs.append(i)
+    if not grad_inputs:
+        return Backward(None, (), (), (), tuple(zero_inputs))
+    g = b.build(outputs).pruned()
+    if _n_random(g) not in (0, _n_random(fwd)):
+        # the backward redraws the forward's numbers with its state: op r's numbers depend on its ordinal r,
+        # which must survive dead-code elimination (a random op nothing differentiable reads would not)
+        raise _Unsupported("a random op the gradient does not read")
+    # keep only the inputs the gradients read (those are what the forward saves)
+    n_fwd = len(fwd.inputs)
+    used = {v.id for n in g.nodes for v in n.values} | {v.id for v in g.outputs}
+    keep = [j for j, v in enumerate(g.inputs) if v.id in used]
+    g = g.with_inputs(keep)
+    bspec = STORE.get(STORE.register(g))
+    _backward_keys.add(bspec.key)
+    fwd_inputs = tuple(j for j in keep if j < n_fwd)
+    grad_outputs = tuple(grad_in[j - n_fwd][0] for j in keep if j >= n_fwd)
+    return Backward(bspec, fwd_inputs, grad_outputs, tuple(grad_inputs), tuple(zero_inputs))
+
+
+def _n_random(group: ir.Group) -> int:
+    return sum(1 for n in group.nodes if getattr(ops.of(n.op), "random", False))
+
+
+_backward_keys: set[int] = set()  # specs that are backward groups (their own zeros stay implicit)
+
+
+def _carries(fwd: ir.Group, needs: Sequence[bool], floating: frozenset) -> Optional[set]:
+    """ids of the values through which a wanted gradient flows (None: an op outside the table)."""
+    carries = {v.id for v, need in zip(fwd.inputs, needs) if need}
+    for n in fwd.nodes:
+        op = ops.of(n.op)
+        if op is not None and op.concat:  # its gradient goes straight to its pieces, as slices of the output's
+            if any(p.id in carries for p in n.args[0]):
+                carries.add(n.out.id)
+            continue
+        if not any(v.id in carries for v in n.values):
+            continue
+        if op is None:
+            return None
+        if op.name not in D.NOT_DIFFERENTIABLE and n.out.id in floating:
+            carries.add(n.out.id)
+    return carries

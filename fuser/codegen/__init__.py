@@ -1,0 +1,21 @@
+"""Code generation: a pure function from (group IR, input descriptions, value types, target) to source.
+
+No CUDA or compiler imports here, so every kernel's text can be generated and checked on any machine; the
+backends (``fuser.cpu``, ``fuser.cuda``) compile what this returns.
+
+Values are computed in their *compute* type (float for float16/bfloat16/float32, double for float64, the
+integer type itself for integers and bool): half-precision intermediates never round, as in the legacy
+fuser, and only stores convert back to the storage type.
+
+The package: ``common.py`` (options, value types, literals, layout facts) → ``body.py`` (:func:`generate`: one
+statement per node) → ``cpu_vector.py`` (the CPU vector path's lines) → ``emit.py`` (the kernel text per target).
+"""
+from .body import generate
+from .common import (CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_VECTORS_PER_TRIP, REDUCED, TARGETS,
+                     VECTOR_BYTES, KernelOptions, NodeTypes, NotFusable, has_vector_path, literal, strided_operands,
+                     value_type, vector_width)
+from .cpu_vector import VECTOR_TYPES, vector_ready, vector_template
+
+__all__ = ["CPU_PARALLEL_MIN", "CPU_PARALLEL_WORK", "CPU_ROW_CHUNK", "CPU_VECTORS_PER_TRIP", "REDUCED", "TARGETS",
+           "VECTOR_BYTES", "VECTOR_TYPES", "KernelOptions", "NodeTypes", "NotFusable", "generate", "has_vector_path",
+           "literal", "strided_operands", "value_type", "vector_ready", "vector_template", "vector_width"]

@@ -1,0 +1,164 @@
+"""The per-element body of a kernel: each node of the group as one C statement over its operands, in the
+values' compute types, with the op table's expression for the node's target and compute family (see
+``fuser/ops.py``), then the kernel's outputs (a cat's result as its pieces)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .. import ir, ops, rng
+from ..descs import DENSE, TensorDesc, compute_type, family, storage_type
+from .common import (REDUCED, TARGETS, KernelOptions, NodeTypes, NotFusable, _as_held, _converted, literal,
+                     value_type)
+from .cpu_vector import CpuVector
+from .emit import CpuGen, CudaGen
+
+
+def generate(group: ir.Group, inputs: Sequence[TensorDesc], node_types: Sequence[NodeTypes], target: str,
+             name: str, options: KernelOptions = KernelOptions(), out_layouts: Sequence[str] = ()) -> str:
+    """Source of one kernel.
+
+    group: the fusion group; its tensor inputs and float inputs in any order.
+    inputs: one description per tensor input. node_types: one entry per node of the group, in order.
+    target: ``"cpu"`` or ``"cuda"``. out_layouts: per kernel output (a cat's result is one output per piece),
+    its layout class; empty: all dense.
+    """
+    if target not in TARGETS:
+        raise ValueError(f"Unsupported target={target!r} (supported: {', '.join(TARGETS)})")
+    n_tensors = sum(v.is_tensor for v in group.inputs)
+    n_scalars = len(group.inputs) - n_tensors
+    if n_tensors != len(inputs):
+        raise ValueError(f"the group has {n_tensors} tensor inputs, descriptions give {len(inputs)}")
+    nodes = group.nodes
+    if len(nodes) != len(node_types):
+        raise ValueError(f"{len(nodes)} nodes but {len(node_types)} node types")
+    if any(group.is_input(v) for v in group.outputs):
+        raise NotFusable("an output is an input (a kernel's outputs are fresh tensors)")
+
+    # every value: C name and C compute type
+    vname: dict[int, str] = {}
+    vtype: dict[int, str] = {}
+    vdtype: dict[int, Optional[torch.dtype]] = {}  # None: a float argument
+    k = j = 0  # tensors and float arguments may interleave: each kind is numbered in its own order
+    for v in group.inputs:
+        if v.is_tensor:
+            d = inputs[k]
+            vname[v.id], vtype[v.id], vdtype[v.id] = f"x{k}", value_type(d.dtype, target), d.dtype
+            k += 1
+        else:
+            vname[v.id], vtype[v.id], vdtype[v.id] = f"s{j}", "double", None
+            j += 1
+
+    body: list[str] = []
+    n_random = 0
+    vector = CpuVector(inputs, target, options)
+    for j, (node, nt) in enumerate(zip(nodes, node_types)):
+        op = ops.of(node.op)
+        if op is None:
+            raise NotFusable(f"no op-table entry for {node.op}")
+        if op.concat:  # nothing to compute: its pieces are stored into its slices
+            continue
+        ctype = value_type(nt.compute, target)
+        consts = {}
+        variant = None
+        if op.variant_arg is not None:
+            variant = node.args[op.variant_arg]
+        tmpl = op.template(variant, family(nt.compute), target)
+        if target == "cuda" and options.fast_reduced and nt.result in REDUCED and family(nt.compute) == "f":
+            tmpl = op.fast_template(variant) or tmpl
+        if tmpl is None:
+            raise NotFusable(f"{op.name} has no {family(nt.compute)!r} expression ({nt.compute}, variant "
+                             f"{variant!r})")
+        rounding = target in op.round_operands and nt.compute in REDUCED  # scalars, on this target
+        round_values = op.discrete and nt.compute in REDUCED  # computed operands, on every target
+        if op.random:
+            if nt.result != torch.float64 and nt.result not in rng.BITS:
+                raise NotFusable(f"{op.name} of {nt.result}")
+            if n_random >= rng.MAX_RANDOM_OPS:
+                raise NotFusable(f"more than {rng.MAX_RANDOM_OPS} random ops in one group")
+            options_given = [k for k, v in enumerate(node.args) if k >= 2 and v is not None]
+            if options_given:  # layout, device, pin_memory, memory_format: eager's job
+                raise NotFusable(f"{op.name} with tensor options {options_given}")
+            consts = {"r": str(n_random), "bits": str(rng.BITS.get(nt.result, 53)), "T": compute_type(nt.compute)}
+            n_random += 1
+            out = node.out
+            rtype = compute_type(nt.result)
+            vname[out.id], vtype[out.id], vdtype[out.id] = f"v{j}", rtype, nt.result
+            body.append(f"const {rtype} v{j} = ({rtype})({tmpl.substitute(consts)});")
+            vector.add(node, op, variant, nt, consts, vname, vdtype, f"v{j}")
+            continue
+        for i, v in enumerate(node.args):
+            if i == op.variant_arg:
+                continue
+            arg = ops.ARG_NAMES[i]
+            if not isinstance(v, ir.Value):
+                val = v
+                if isinstance(val, ir.TensorConst):  # a 0-dim constant (traced Python scalar)
+                    if val.shape != ():
+                        raise NotFusable(f"{op.name}: a constant tensor of shape {val.shape}")
+                    val = val.values[0]
+                consts["has_" + arg] = "false" if val is None else "true"
+                if val is None:
+                    bound = op.none_as.get(i)
+                    if bound is None:
+                        raise NotFusable(f"{op.name}: argument {i} is None")
+                    consts[arg] = f"FZ_{bound.upper()}({ctype})"
+                else:
+                    if rounding and not isinstance(val, bool):
+                        val = torch.tensor(val, dtype=torch.float64).to(nt.compute).item()
+                    # converted to the compute dtype as eager converts a Scalar (uint8(-7) is 249), then held
+                    consts[arg] = _as_held(literal(val, compute_type(nt.compute)), ctype)
+                    # negated in the Scalar's own type, as eager's -alpha: an int 0 stays +0
+                    consts["n" + arg] = _as_held(literal(val if isinstance(val, bool) else -val,
+                                                         compute_type(nt.compute)), ctype)
+                consts["scalar_" + arg] = "true"  # a Python scalar in eager (a CPU scalar to its CUDA kernels)
+            else:
+                consts["has_" + arg] = "true"
+                consts["scalar_" + arg] = "true" if vdtype[v.id] is None else "false"
+                name_, t = vname[v.id], vtype[v.id]
+                # round anything not loaded straight from memory in this dtype: eager compares stored values
+                dt = vdtype[v.id]
+                if dt is None:  # a float argument: rounded where eager rounds scalars
+                    round_it = rounding
+                else:  # a tensor value not loaded straight from memory in this dtype
+                    round_it = (round_values or rounding) and (dt != nt.compute or not group.is_input(v))
+                if round_it:
+                    consts[arg] = f"fz_ld(fz_st<{storage_type(nt.compute)}>(({ctype}){name_}))"
+                elif t == ctype and dt == nt.compute or i in op.keep_args:
+                    consts[arg] = name_
+                else:
+                    consts[arg] = _converted(nt.compute, target, name_)
+                consts["n" + arg] = f"(-{consts[arg]})"
+        consts["T"] = ctype
+        out = node.out
+        rtype = value_type(nt.result, target)
+        vname[out.id], vtype[out.id], vdtype[out.id] = f"v{j}", rtype, nt.result
+        body.append(f"const {rtype} v{j} = {_converted(nt.result, target, tmpl.substitute(consts))};")
+        vector.add(node, op, variant, nt, consts, vname, vdtype, f"v{j}")
+
+    # kernel outputs: a cat's result is written as its pieces, each converted to the cat's dtype the way eager
+    # converts it: stored in its own dtype first (a float16 piece of a float32 cat holds float16 values)
+    outputs, out_dtypes = [], []
+    position = {n.out.id: k for k, n in enumerate(nodes)}
+    for o in group.outputs:
+        result = node_types[position[o.id]].result
+        pieces = group.cat_pieces(o)
+        if pieces is None:
+            outputs.append(vname[o.id])
+            out_dtypes.append(result)
+            continue
+        for p in pieces:
+            v, dt = vname[p.id], vdtype[p.id]
+            if dt != result:
+                v = f"fz_ld(fz_st<{storage_type(dt)}>(({compute_type(dt)}){v}))"
+            outputs.append(v)
+            out_dtypes.append(result)
+    out_layouts = tuple(out_layouts) or (DENSE,) * len(outputs)
+    if len(out_layouts) != len(outputs):
+        raise ValueError(f"{len(outputs)} kernel outputs but {len(out_layouts)} output layouts")
+    if target == "cpu":
+        return CpuGen(name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, n_random > 0,
+                       out_layouts, vector=vector.finish(group, out_dtypes, vname, vdtype)).source()
+    return CudaGen(name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, n_random > 0,
+                    out_layouts).source()

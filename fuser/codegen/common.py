@@ -1,0 +1,116 @@
+"""What every part of code generation shares: its errors and options, value types and C literals, and the
+layout facts the compiler also asks (which kernels get a vector path, how many strided operands, what width)."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..descs import DENSE, ROWS, STRIDED, STRIDED_LAYOUTS, TensorDesc, compute_type, storage_type
+
+TARGETS = ("cpu", "cuda")
+REDUCED = (torch.float16, torch.bfloat16)
+# CPU kernels split across OpenMP threads from this much work: elements x (ops + 16 per transcendental call,
+# cpu_t.EXPENSIVE_FUNCTIONS), at least CPU_PARALLEL_MIN elements. 65536 puts a*b+c at 32768 elements, eager's
+# own grain; the tanh-GELU at 2520. On the 2-core EPYC with the other core idle, 2 threads won already at 1024
+# elements (GELU 26.9 against 29.5 us a call, warm threads); with the other core busy a parallel region waits
+# for a descheduled thread, and work of that size gains less than it risks. FUSER_CPU_PARALLEL_WORK sets it
+# for experiments (it changes the source: cached kernels follow it).
+CPU_PARALLEL_WORK = int(os.environ.get("FUSER_CPU_PARALLEL_WORK", "65536"))
+CPU_PARALLEL_MIN = 2048
+CPU_ROW_CHUNK = 4096  # elements of one row per task of the vector path's row loop (a multiple of every trip)
+# vectors per trip of the CPU vector loops, interleaved op by op. A tanh-GELU on one core of a 2-core EPYC
+# (float32 and bfloat16, 2048x4096): 1 vector 32.4/37.5 ms, 2 vectors 29.9/32.8 ms, 4 vectors 28.0/30.5 ms.
+CPU_VECTORS_PER_TRIP = int(os.environ.get("FUSER_CPU_VECTORS_PER_TRIP", "4"))
+
+
+class NotFusable(Exception):
+    """The group cannot be generated for these inputs (e.g. an integer op with no integer template); the
+    executor falls back to the interpreter."""
+
+
+@dataclass(frozen=True)
+class NodeTypes:
+    """dtype of a node's result, and the dtype its math runs in (they differ for comparisons)."""
+
+    result: torch.dtype
+    compute: torch.dtype
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Target-specific knobs that change the source (and so belong in any cache key)."""
+
+    index32: bool = True
+    block_size: int = 256
+    vectorize: bool = True
+    fast_reduced: bool = True  # CUDA: ops.OpDef.fast expressions for float16/bfloat16 results
+
+
+def literal(value, ctype: str) -> str:
+    """``value`` (a Python bool/int/float constant) as a C expression of type ``ctype``."""
+    if isinstance(value, bool):
+        return f"(({ctype}){'true' if value else 'false'})"
+    if isinstance(value, int):
+        return f"(({ctype}){value}LL)" if -(2 ** 63) < value < 2 ** 63 else f"(({ctype}){float(value)!r})"
+    suffix = "D" if ctype == "double" else "F"
+    if math.isnan(value):
+        return f"(({ctype})FZ_NAN_{suffix})"
+    if math.isinf(value):
+        return f"(({ctype})({'-' if value < 0 else ''}FZ_INF_{suffix}))"
+    return f"(({ctype}){value!r})"
+
+
+# CUDA holds integers narrower than 32 bits in int; each op's result still wraps to its dtype (a cast through it).
+# With int8 values in int8 variables NVRTC (CUDA 13, sm_90) packed min/max into 16-bit SIMD and miscompiled
+# clamp_min(clamp_max(x, -x), -1) on the vector path: x itself in some bytes (H100; issue 9's fuzz campaign).
+_NARROW_INTS = (torch.int8, torch.uint8, torch.int16)
+
+
+def value_type(dtype: torch.dtype, target: str) -> str:
+    """C type a kernel holds values of ``dtype`` in: the compute type, or int for narrow integers on CUDA."""
+    return "int" if target == "cuda" and dtype in _NARROW_INTS else compute_type(dtype)
+
+
+def _converted(dtype: torch.dtype, target: str, expr: str) -> str:
+    """``expr`` (an operand, or an op's result) converted to ``dtype`` as eager converts it (an int32 -3 is 253 in
+    uint8), held in :func:`value_type`; a float16/bfloat16 value is held in float unrounded, as in the legacy fuser
+    (a float Scalar of a float16 op is unrounded in eager too; see the README's known limitations)."""
+    t = value_type(dtype, target)
+    return f"({t})({storage_type(dtype)})({expr})" if t != compute_type(dtype) else f"({t})({expr})"
+
+
+def _as_held(lit: str, ctype: str) -> str:
+    return lit if lit.startswith(f"(({ctype})") else f"(({ctype}){lit})"
+
+
+def has_vector_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Sequence[str] = ()) -> bool:
+    """Whether a kernel gets the 16-byte vector loop: CUDA, every input dense, a broadcast scalar, or
+    strided with a contiguous or repeated innermost dim, and every output dense."""
+    return (target == "cuda" and all(d.layout != STRIDED for d in inputs)
+            and all(lay == DENSE for lay in out_layouts))
+
+
+def strided_operands(inputs: Sequence[TensorDesc], out_layouts: Sequence[str] = ()) -> int:
+    """Operands whose strides are kernel arguments: the strided inputs, then the strided outputs (a cat's
+    slices), in that order. Rows of the CUDA kernels' ``FzArgs.strides`` (and its ctypes mirror in
+    ``fuser.cuda.launch``) and of the CPU kernels' strides array."""
+    return sum(d.layout in STRIDED_LAYOUTS for d in inputs) + sum(lay in STRIDED_LAYOUTS for lay in out_layouts)
+
+
+# per thread and loop trip, of the narrowest tensor (FUSER_VECTOR_BYTES sets it for experiments; it changes
+# the source, so cached kernels follow it). On an H200, 16 beat 32 on a*b+c and fp32 rows, lost on fp16 GELU.
+VECTOR_BYTES = int(os.environ.get("FUSER_VECTOR_BYTES", "16"))
+
+
+def vector_width(inputs: Sequence[TensorDesc], out_dtypes: Sequence[torch.dtype]) -> int:
+    """Elements per thread and trip on the CUDA vector path: ``VECTOR_BYTES`` of the narrowest vector-accessed
+    tensor (16: one 16-byte access each), at most 16."""
+    sizes = [torch.empty((), dtype=d.dtype).element_size() for d in inputs if d.layout in (DENSE, ROWS)]
+    sizes += [torch.empty((), dtype=d).element_size() for d in out_dtypes]
+    # ... and at most 32 bytes of the widest, so a float tensor beside a bool one keeps to 8 registers
+    return max(1, min(16, VECTOR_BYTES // min(sizes), 32 // max(sizes))) if sizes else 1
+

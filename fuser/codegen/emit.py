@@ -1,0 +1,205 @@
+"""The kernel text around the body: pointer declarations, strided offsets, the CPU loops (scalar and vector,
+OpenMP across rows) and the CUDA grid-stride loops (16-byte vector and scalar paths, 32- and 64-bit index
+math), from the templates in ``fuser/cpu/templates.py`` and ``fuser/cuda/templates.py``."""
+from __future__ import annotations
+
+import torch
+
+from .. import rng
+from ..cpu import templates as cpu_t
+from ..cuda import templates as cuda_t
+from ..descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, storage_type
+from .common import (CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_VECTORS_PER_TRIP, has_vector_path,
+                     value_type, vector_width)
+
+
+class _Gen:
+    """What both targets share: pointer declarations, strided offsets and the per-element body."""
+
+    indent = "    "
+
+    def __init__(self, name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, random, out_layouts):
+        self.name, self.inputs, self.n_scalars = name, inputs, n_scalars
+        self.outputs, self.out_dtypes, self.vname = outputs, out_dtypes, vname  # outputs: C expressions
+        self.body, self.options, self.random = body, options, random
+        self.out_layouts = out_layouts
+        # random kernels take the launch's Philox state in rng.N_STATE float slots after the float arguments
+        self.n_scalar_slots = n_scalars + (rng.N_STATE if random else 0)
+        self.strided = [k for k, d in enumerate(inputs) if d.layout in STRIDED_LAYOUTS]
+        self.strided_out = [m for m, lay in enumerate(out_layouts) if lay in STRIDED_LAYOUTS]
+        # offset variables, in the order of the strides arrays: strided inputs, then strided outputs
+        self.offset_names = [f"off{k}" for k in self.strided] + [f"ooff{m}" for m in self.strided_out]
+    def pointer_decls(self, ptrs: str) -> list[str]:
+        lines = []
+        for k, d in enumerate(self.inputs):
+            s = storage_type(d.dtype)
+            lines.append(f"const {s}* __restrict__ t{k} = (const {s}*){ptrs}[{k}];")
+        for m, dt in enumerate(self.out_dtypes):
+            s = storage_type(dt)
+            lines.append(f"{s}* __restrict__ o{m} = ({s}*){ptrs}[{len(self.inputs) + m}];")
+        return lines
+
+    def hoisted(self) -> list[str]:
+        return [f"const {value_type(d.dtype, self.target)} x{k} = fz_ld(t{k}[0]);"
+                for k, d in enumerate(self.inputs) if d.layout == SCALAR]
+
+    def rng_state(self, scalars: str) -> list[str]:
+        if not self.random:
+            return []
+        words = ", ".join(f"(unsigned int){scalars}[{self.n_scalars + w}]" for w in range(rng.N_STATE))
+        return [f"const unsigned int fz_rs[{rng.N_STATE}] = {{{words}}};"]
+
+    def element_body(self, load, store, index: str = "i") -> list[str]:
+        lines = []
+        for k, d in enumerate(self.inputs):
+            if d.layout != SCALAR:
+                lines.append(f"const {value_type(d.dtype, self.target)} x{k} = fz_ld({load(k, d)});")
+        lines += [ln.replace("@IDX@", f"(unsigned long long)({index})") for ln in self.body]
+        for m, (o, dt) in enumerate(zip(self.outputs, self.out_dtypes)):
+            lines.append(f"{store(m)} = fz_st<{storage_type(dt)}>({o});")
+        return lines
+
+    def scalar_store(self, m):
+        return f"o{m}[i]" if self.out_layouts[m] == DENSE else f"o{m}[ooff{m}]"
+
+    def scalar_load(self, k, d):
+        return f"t{k}[i]" if d.layout == DENSE else f"t{k}[off{k}]"
+
+    def offsets(self, template, stride_ref, index="i", unroll=1, names=None) -> str:
+        names = self.offset_names if names is None else names
+        if not names:
+            return ""
+        divide = ("fz_div(r, args.magic[d], args.shift[d])" if self.options.index32 else "r / args.sizes[d]")
+        return template.substitute(
+            index=index, unroll=unroll, divide=divide,
+            decls=", ".join(f"{name} = 0" for name in names),
+            accumulate="\n".join(f"          {name} += m * {stride_ref(j, name)};" for j, name in enumerate(names)),
+            max_dims=cuda_t.MAX_DIMS)
+
+    @staticmethod
+    def block(lines: list[str], indent: str) -> str:
+        return "\n".join(indent + ln for ln in lines)
+
+
+class CpuGen(_Gen):
+    target = "cpu"
+
+    def __init__(self, *args, vector=None):
+        super().__init__(*args)
+        self.vector = vector  # a finished CpuVector, or None: scalar loops only
+
+    def source(self) -> str:
+        params = self.pointer_decls("ptrs")
+        params += [f"const double s{j} = scalars[{j}];" for j in range(self.n_scalars)]
+        params += self.rng_state("scalars")
+        params += [f"const int64_t* st{j} = strides + {j} * rank;" for j in range(len(self.offset_names))]
+        body = self.element_body(self.scalar_load, self.scalar_store)
+        hoisted = self.hoisted()
+        work = len(self.body) + 16 * sum(len(cpu_t.EXPENSIVE_CALL.findall(ln)) for ln in self.body)
+        threshold = max(CPU_PARALLEL_MIN, CPU_PARALLEL_WORK // max(1, work))
+        rows = dict(parallel_threshold=threshold,
+                    bases=", ".join(f"base{j} = 0" for j in range(len(self.offset_names))),
+                    accumulate="\n".join(f"        base{j} += m * st{j}[d];" for j in range(len(self.offset_names))))
+        offsets = [f"const int64_t {name} = base{j} + j * st{j}[rank - 1];" for j, name in enumerate(self.offset_names)]
+        if self.vector is not None:
+            vtype, wide, vbody = self.vector.vtype, self.vector_body(CPU_VECTORS_PER_TRIP), self.vector_body(1)
+            hoisted += [f"const fz_v xs{k} = fz_vload_mask<fz_v>(t{k}, 0);" if d.dtype == torch.bool else
+                        f"const fz_v xs{k} = fz_v(x{k});" for k, d in enumerate(self.inputs) if d.layout == SCALAR]
+            if self.offset_names:
+                loop = cpu_t.VECTOR_LOOP_ROWS.substitute(
+                    rows, chunk=CPU_ROW_CHUNK, copies=CPU_VECTORS_PER_TRIP, offsets=self.block(offsets, "      "),
+                    wide=self.block(wide, "      "), vbody=self.block(vbody, "      "),
+                    body=self.block(body, "      "))
+            else:
+                loop = cpu_t.VECTOR_LOOP_FLAT.substitute(
+                    parallel_threshold=threshold, copies=CPU_VECTORS_PER_TRIP,
+                    wide=self.block(wide, "    "), vbody=self.block(vbody, "    "), body=self.block(body, "    "))
+            return cpu_t.VECTOR_KERNEL.substitute(
+                name=self.name, include=cpu_t.VECTOR_INCLUDE, rng=cpu_t.RNG if self.random else "", vtype=vtype,
+                params=self.block(params, "  "), hoisted=self.block(hoisted, "  "), loop=loop)
+        if self.offset_names:
+            loop = cpu_t.LOOP_ROWS.substitute(rows, offsets=self.block(offsets, "      "),
+                                              body=self.block(body, "      "))
+        else:
+            loop = cpu_t.LOOP_FLAT.substitute(parallel_threshold=threshold,
+                                              body=self.block(body, "    "))
+        return cpu_t.KERNEL.substitute(
+            name=self.name, prelude=cpu_t.PRELUDE + (cpu_t.RNG if self.random else ""), params=self.block(params, "  "),
+            hoisted=self.block(hoisted, "  "), loop=loop)
+
+    def vector_body(self, copies: int) -> list[str]:
+        """``copies`` vectors of elements side by side: loads (converted to the compute type), the ops, stores."""
+        stride = {name: f"st{j}[rank - 1]" for j, name in enumerate(self.offset_names)}
+        lines = []
+        for k, d in enumerate(self.inputs):
+            for c in range(copies):
+                step = f" + {c} * W" if c else ""
+                st = stride.get(f"off{k}")
+                at = {DENSE: f"t{k} + i{step}", ROWS: f"t{k} + off{k}{step}", REPEAT: f"t{k} + off{k}",
+                      STRIDED: f"t{k} + off{k}{step and f'{step} * {st}'}", SCALAR: f"t{k}"}[d.layout]
+                if d.layout == SCALAR:
+                    load = f"xs{k}"
+                elif d.dtype == torch.bool:  # a mask
+                    load = f"fz_vload_mask<fz_v>({at}, { {DENSE: 1, ROWS: 1, REPEAT: 0}.get(d.layout, st)})"
+                else:
+                    load = {DENSE: f"fz_vload({at})", ROWS: f"fz_vload({at})", REPEAT: f"fz_v(fz_ld(t{k}[off{k}]))",
+                            STRIDED: f"fz_vgather({at}, {st})"}[d.layout]
+                lines.append(f"const fz_v x{k}_{c} = {load};")
+        lines += self.vector.lines(copies)
+        for m, lay in enumerate(self.out_layouts):
+            for c in range(copies):
+                step, o, st = f" + {c} * W" if c else "", self.vector.output(m, c), stride.get(f"ooff{m}")
+                at = {DENSE: f"o{m} + i{step}", ROWS: f"o{m} + ooff{m}{step}",
+                      STRIDED: f"o{m} + ooff{m}{step and f'{step} * {st}'}"}[lay]
+                if self.out_dtypes[m] == torch.bool:  # a mask
+                    lines.append(f"fz_vstore_mask({at}, {1 if lay != STRIDED else st}, {o});")
+                else:
+                    lines.append(f"fz_vstore({at}, {o});" if lay != STRIDED else f"fz_vscatter({at}, {st}, {o});")
+        return lines
+
+
+class CudaGen(_Gen):
+    target = "cuda"
+
+    def source(self) -> str:
+        params = self.pointer_decls("args.ptrs")
+        params += [f"const double s{j} = args.scalars[{j}];" for j in range(self.n_scalars)]
+        params += self.rng_state("args.scalars")
+        body = self.element_body(self.scalar_load, self.scalar_store)
+        return cuda_t.KERNEL.substitute(
+            name=self.name, prelude=cuda_t.PRELUDE + (cuda_t.RNG if self.random else ""),
+            index_t="int" if self.options.index32 else "long long",
+            max_dims=cuda_t.MAX_DIMS, n_strided_slots=max(1, len(self.offset_names)),
+            n_ptrs=len(self.inputs) + len(self.outputs), n_scalar_slots=max(1, self.n_scalar_slots),
+            block_size=self.options.block_size,
+            params=self.block(params, "  "), hoisted=self.block(self.hoisted(), "  "),
+            vector_loop=self.vector_loop(),
+            offsets=self.offsets(cuda_t.OFFSETS, lambda j, name: f"args.strides[{j}][d]"),
+            body=self.block(body, "    "))
+
+    def vector_loop(self) -> str:
+        if not self.options.vectorize or not has_vector_path(self.inputs, "cuda", self.out_layouts):
+            return ""
+        vec = vector_width(self.inputs, self.out_dtypes)
+        if vec == 1:
+            return ""
+        vloads = []
+        if self.strided:
+            vloads.append(self.offsets(cuda_t.OFFSETS, lambda j, name: f"args.strides[{j}][d]", index="base",
+                                       unroll=cuda_t.MAX_DIMS))
+        for k, d in enumerate(self.inputs):
+            st = storage_type(d.dtype)
+            if d.layout in (DENSE, ROWS):
+                where = "base" if d.layout == DENSE else f"off{k}"
+                vloads.append(f"const fz_vec<{st}, {vec}> xv{k} = "
+                              f"*reinterpret_cast<const fz_vec<{st}, {vec}>*>(t{k} + {where});")
+            elif d.layout == REPEAT:
+                vloads.append(f"const {value_type(d.dtype, self.target)} xr{k} = fz_ld(t{k}[off{k}]);")
+        vdecls = [f"fz_vec<{storage_type(dt)}, {vec}> ov{m};" for m, dt in enumerate(self.out_dtypes)]
+        vstores = [f"*reinterpret_cast<fz_vec<{storage_type(dt)}, {vec}>*>(o{m} + base) = ov{m};"
+                   for m, dt in enumerate(self.out_dtypes)]
+        vbody = self.element_body(lambda k, d: f"xr{k}" if d.layout == REPEAT else f"xv{k}.v[k]",
+                                  lambda m: f"ov{m}.v[k]", index="base + k")
+        return cuda_t.VECTOR_LOOP.substitute(
+            vec=vec, vloads=self.block(vloads, "      "), vdecls=self.block(vdecls, "      "),
+            vbody=self.block(vbody, "        "), vstores=self.block(vstores, "      "))

@@ -1,0 +1,137 @@
+"""The TorchScript operators the pass's graphs call: ``fuser::fusion_group`` (one fusion group: the kernel, the
+differentiable group, or the fallback), ``fuser::broadcasting_chunk`` (chunk motion's chunk of every input) and
+``fuser::batch_norm_params`` (the inference batch norm decomposition's per-channel vectors).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from . import autodiff, ts_ir
+from .kernel_cache import STORE
+
+_SPECS = STORE._specs  # key -> spec; read without a lock on the hot path (a plain dict read under the GIL)
+_lib = torch.library.Library("fuser", "DEF")
+# key: this process's spec key (the fast path); digest and ir: the group's identity and its TorchScript graph, so that a
+# module saved with torch.jit.save and loaded in another process finds (or rebuilds) the same group
+_lib.define("fusion_group(Tensor[] inputs, float[] scalars, int key, str digest, str ir) -> Tensor[]")
+
+
+def run_key(key: int, args: list) -> list[torch.Tensor]:
+    spec = STORE.get(key)
+    if spec is None:
+        raise KeyError(f"no fusion group registered under key {key} "
+                       f"(keys 0..{len(STORE) - 1} exist); register_fusion(node) returns valid keys")
+    return autodiff.run(spec, args)
+
+
+def _spec_for(key: int, digest: str, ir: str):
+    spec = _SPECS.get(key)
+    if spec is not None and spec.digest == digest:
+        return spec
+    spec = STORE.by_digest(digest)
+    if spec is None:  # saved by another process: rebuild the group from its graph
+        spec = STORE.get(register_graph(torch.parse_ir(ir, parse_tensor_constants=True)))
+        if spec.digest != digest:
+            raise RuntimeError("this fused TorchScript code was saved by another process and its fusion group "
+                               "cannot be rebuilt exactly from the saved text (a tensor constant printed with "
+                               "rounding?). Load the unfused module and apply fuser.fuse() again.")
+    return spec
+
+
+def _fusion_group(inputs: list[torch.Tensor], scalars: list[float], key: int, digest: str,
+                  ir: str) -> list[torch.Tensor]:
+    spec = _spec_for(key, digest, ir)
+    if spec.all_tensors:
+        args = inputs
+    else:
+        tensors, floats = iter(inputs), iter(scalars)
+        args = [next(tensors) if is_t else next(floats) for is_t in spec.input_is_tensor]
+    return autodiff.run(spec, args)
+
+
+# CompositeImplicitAutograd: the function runs above autograd. When an input requires grad, autodiff wraps
+# the group in an autograd Function with a generated backward, or the interpreter's eager ops record it.
+_lib.impl("fusion_group", _fusion_group, "CompositeImplicitAutograd")
+# vmap: without a kernel for the batched key functorch has no rule for the op; with one, the executor sees a
+# transform in progress and the interpreter runs the group op by op, each op with its own batching rule
+_lib.impl("fusion_group", _fusion_group, "FuncTorchBatched")
+
+
+_lib.define("broadcasting_chunk(Tensor[] inputs, int chunks, int dim, int n) -> Tensor[]")
+
+
+@functools.lru_cache(maxsize=1024)
+def _chunk_sizes(shape: tuple, chunks: int, dim: int) -> tuple[int, ...]:
+    """The sizes along ``dim`` of eager's ``chunk`` of a tensor of ``shape`` (its errors too): asked on a meta
+    tensor once per shape, since that costs tens of us, on every call of an LSTM cell."""
+    nd = len(shape)
+    return tuple(p.shape[dim + nd if dim < 0 else dim] for p in torch.empty(shape, device="meta").chunk(chunks, dim))
+
+
+def _broadcasting_chunk(inputs: list[torch.Tensor], chunks: int, dim: int, n: int) -> list[torch.Tensor]:
+    """For chunk motion (graph_fuser.move_chunks): chunk ``k`` of every input as the chunked pointwise result
+    would see it, input-major (input j's chunk k at j * n + k). An input broadcast along the chunked dim is
+    passed whole; chunk sizes and errors come from chunking the broadcast shape, as eager's chunk would."""
+    shape = autodiff.broadcast_shapes(*(t.shape for t in inputs))
+    sizes = _chunk_sizes(tuple(shape), chunks, dim)
+    if len(sizes) != n:
+        raise RuntimeError(f"Expected {n} elements in a list but found {len(sizes)}")
+    nd = len(shape)
+    d = dim + nd if dim < 0 else dim
+    out = []
+    for t in inputs:
+        td = d - (nd - t.dim())
+        if td < 0 or (t.shape[td] == 1 and shape[d] != 1):
+            out.extend([t] * n)
+        else:
+            out.extend(t.split(sizes, td))
+    return out
+
+
+_lib.impl("broadcasting_chunk", _broadcasting_chunk, "CompositeImplicitAutograd")
+
+
+_lib.define("batch_norm_params(Tensor input, Tensor? weight, Tensor? bias, Tensor running_mean, "
+            "Tensor running_var) -> Tensor[]")
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+def _batch_norm_params(input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                       running_mean: torch.Tensor, running_var: torch.Tensor) -> list[torch.Tensor]:
+    """For the inference batch_norm decomposition (prepare.decompose_batch_norm): the given per-channel vectors
+    (weight, bias when present, mean, var) shaped to broadcast along dim 1 of ``input``, in the dtype eager's
+    kernel computes them in (float32 for float16/bfloat16 vectors). Arguments eager would reject go through
+    eager's batch_norm, which raises its error."""
+    vecs = [t for t in (weight, bias, running_mean, running_var) if t is not None]
+    shape = input.shape
+    nd = len(shape)
+    dtype = vecs[0].dtype
+    if nd >= 2 and input.numel() and all(t.shape == (shape[1],) and t.dtype == dtype for t in vecs) and all(
+            t.device == input.device for t in vecs) and (dtype == input.dtype or (dtype == torch.float32 and
+                                                                                 input.dtype in _REDUCED)):
+        if dtype in _REDUCED:
+            vecs = [t.float() for t in vecs]
+        # called once per batch norm per forward: as_strided is the cheapest view (a third of view's host
+        # time), and eager's autograd records a view where a gradient is wanted
+        grad = torch.is_grad_enabled()
+        out_shape = (shape[1],) + (1,) * (nd - 2)
+        strides = (1,) * (nd - 1)
+        return [t.view(out_shape) if grad and t.requires_grad else t.as_strided(out_shape, (t.stride(0),) + strides[1:])
+                for t in vecs]
+    torch.batch_norm(input, weight, bias, running_mean, running_var, False, 0.0, 1e-5, False)
+    if not input.numel():  # eager returns early without checking sizes; any broadcastable vector will do
+        return [t.reshape(-1)[:1].reshape((1,) * nd) for t in vecs]
+    # eager accepted what the fast path did not (a vector of another shape with the right number of elements)
+    out_shape = (shape[1],) + (1,) * (nd - 2)
+    return [(t.float() if t.dtype in _REDUCED else t).reshape(out_shape) for t in vecs]
+
+
+_lib.impl("batch_norm_params", _batch_norm_params, "CompositeImplicitAutograd")
+
+
+def register_graph(graph: torch._C.Graph) -> int:
+    """The key of ``graph`` as one fusion group: lowered to the group IR (``ts_ir.lower``) and registered."""
+    return STORE.register(ts_ir.lower(graph))
