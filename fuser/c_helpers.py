@@ -5,13 +5,16 @@ Each prelude defines ``FZ_FN`` (the function qualifiers) before including it; th
 ``fuser/rng.py`` uses it too."""
 
 HELPERS = r"""
-// pow with a scalar exponent: eager takes sqrt / 1/sqrt for exponents 0.5 / -0.5, which differ from pow at
-// -inf and -0.0 (found by the fuzzer)
+// pow with a scalar exponent as eager's kernels on both devices: sqrt / 1/sqrt for 0.5 / -0.5 (they differ from
+// pow at -inf and -0.0), products for 2, 3 and -2 (1 / (a * a) is 0 where a * a overflows, and pow(a, -2) is not:
+// pow(rsqrt(1e-310), -2) is 1e-310 in pow, 0 in eager; the CUDA fuzzer)
 FZ_FN float fz_pow_scalar(float a, float b) {
-  return b == 0.5f ? sqrtf(a) : b == -0.5f ? 1.f / sqrtf(a) : powf(a, b);
+  return b == 0.5f ? sqrtf(a) : b == -0.5f ? 1.f / sqrtf(a) : b == 2.f ? a * a : b == 3.f ? a * a * a
+       : b == -2.f ? 1.f / (a * a) : powf(a, b);
 }
 FZ_FN double fz_pow_scalar(double a, double b) {
-  return b == 0.5 ? sqrt(a) : b == -0.5 ? 1.0 / sqrt(a) : pow(a, b);
+  return b == 0.5 ? sqrt(a) : b == -0.5 ? 1.0 / sqrt(a) : b == 2.0 ? a * a : b == 3.0 ? a * a * a
+       : b == -2.0 ? 1.0 / (a * a) : pow(a, b);
 }
 // integer arithmetic in unsigned 64 bits, cast back: it wraps as eager's does, and no signed overflow (undefined,
 // and NVRTC takes it as impossible: max(x, x + 5) was x + 5 at INT64_MAX; the CUDA fuzzer) is left in a kernel

@@ -337,12 +337,14 @@ _OPS: list[OpDef] = [
 
 for _cmp, _sym in (("eq", "=="), ("ne", "!="), ("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
     _e = f"($a {_sym} $b)"
-    # CUDA: an ordered comparison of floats also asks fz_isnan of its operands (see there); == and != need not
-    _ordered = f"(!fz_isnan($a) && !fz_isnan($b) && {_e})"
+    # CUDA: a comparison of floats also asks fz_isnan of its operands (see there): ptxas took fabsf(NaN) >= -0.25f
+    # as true, and the NaN of 0 * (1 / 0) != itself as false (the CUDA fuzzer)
+    _ordered = (f"(fz_isnan($a) || fz_isnan($b) || {_e})" if _cmp == "ne"
+                else f"(!fz_isnan($a) && !fz_isnan($b) && {_e})")
     _OPS.append(OpDef(_cmp, (f"aten::{_cmp}.Tensor(Tensor self, Tensor other) -> Tensor",
                              f"aten::{_cmp}.Scalar(Tensor self, Scalar other) -> Tensor"),
                       {None: Exprs(_e, _e, _e)}, compute="common", round_operands=("cpu", "cuda"), discrete=True,
-                      targets={} if _cmp in ("eq", "ne") else {"cuda": {None: Exprs(_ordered, _ordered, _e)}}))
+                      targets={"cuda": {None: Exprs(_ordered, _ordered, _e)}}))
 
 OPS_BY_NAME: dict[str, OpDef] = {op.name: op for op in _OPS}
 OPS_BY_SCHEMA: dict[str, OpDef] = {s: op for op in _OPS for s in op.schemas}

@@ -77,7 +77,8 @@ def build(case: Case) -> Built:
         elif t == "str":
             consts.append(f'  %{a.name} : str = prim::Constant[value="{case.variant}"]()')
             call[a.name] = ("const", case.variant)
-        elif a.name in case.none_args:
+        elif a.name in case.none_args or (t.startswith("Optional[") and t != "Optional[number]"):
+            # rand_like's tensor options (dtype, layout, device...): not a number's place
             consts.append(f"  %{a.name} : NoneType = prim::Constant()")
             call[a.name] = ("const", None)
         elif case.scalars_as_inputs:
@@ -331,3 +332,20 @@ def interpret(graph, args) -> list:
     """The graph run op by op by TorchScript's own interpreter: a reference independent of fuser's fallback."""
     out = torch._C._jit_interpret_graph(graph, tuple(args))
     return list(out) if isinstance(out, tuple) else [out]
+
+# the sixth CUDA campaign (seed 3082817118): pow(x, -2) is 1 / (x * x) in eager, 0 where x * x overflows (graph 7865);
+# a NaN made from constants compared with itself (ptxas took v != v as false; graph 11838)
+POW_MINUS_TWO_IR = """graph(%t0 : Tensor):
+  %v0 : Tensor = aten::rsqrt(%t0)
+  %c1_1 : float = prim::Constant[value=-2.0]()
+  %v1 : Tensor = aten::pow(%v0, %c1_1)
+  %v2 : Tensor = aten::log10(%v1)
+  %v3 : Tensor = aten::atan(%v2)
+  return (%v3)"""
+NAN_SELF_NE_IR = """graph(%t0 : Tensor):
+  %v0 : Tensor = aten::lt(%t0, %t0)
+  %c1_1 : int = prim::Constant[value=0]()
+  %v1 : Tensor = aten::div(%v0, %c1_1)
+  %v2 : Tensor = aten::ne(%v1, %v1)
+  %v3 : Tensor = aten::eq(%v1, %v1)
+  return (%v2, %v3)"""

@@ -15,7 +15,7 @@ from string import Template
 import numpy as np
 import pytest
 import torch
-from helpers import (interpret, DROPOUT_IR, FLOAT_DTYPES, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR,
+from helpers import (interpret, NAN_SELF_NE_IR, POW_MINUS_TWO_IR, DROPOUT_IR, FLOAT_DTYPES, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR,
                      SIGMOID_GT_IR, assert_op_result, assert_same, assert_same_comparison, build, cases, eager,
                      expect_fused, make_args, random_tensor, sigmoid_gt_reference)
 
@@ -729,6 +729,30 @@ def test_ordered_comparisons_of_nan_are_false():
             assert torch.equal(o, r), dtype
         # hardswish's CUDA kernel multiplies by the float 1.0f / 6.0f (ops._sixth): not bitwise in float64
         torch.testing.assert_close(out[4], ref[4], equal_nan=True)
+
+
+def test_pow_by_2_3_and_minus_2_are_eagers_products():
+    """Eager's pow with a Scalar exponent of 2, 3 or -2 is a * a, a * a * a, 1 / (a * a) on both devices, which differ
+    from pow where a * a overflows or underflows: atan(log10(pow(rsqrt(1e-310), -2))) is -pi/2 in eager (the sixth
+    CUDA campaign); a NaN of the group compared with itself is unequal."""
+    g = torch.parse_ir(POW_MINUS_TWO_IR)
+    x = torch.tensor([1e-310, 1e-300, 4.0, 0.25] * 30, dtype=torch.float64)
+    assert torch.equal(emulate.run_graph(g, [x])[0], interpret(g, [x])[0])
+    for e in (2.0, 3.0, -2.0):
+        ge = torch.parse_ir(f"""graph(%t0 : Tensor):
+  %e : float = prim::Constant[value={e}]()
+  %v : Tensor = aten::pow(%t0, %e)
+  return (%v)""")
+        for dtype in (torch.float32, torch.float64):
+            big = 1e155 if dtype == torch.float64 else 2e19
+            x = torch.tensor([big, 1 / big, -big, 3.0, -0.0, math.inf, math.nan] * 20, dtype=dtype)
+            assert torch.equal(emulate.run_graph(ge, [x])[0].nan_to_num(7.0), interpret(ge, [x])[0].nan_to_num(7.0))
+    g = torch.parse_ir(NAN_SELF_NE_IR)
+    x = torch.tensor([-0.2, 0.0, math.nan] * 40)
+    k = emulate.kernel_for(g, [x])
+    assert "fz_isnan(" in k.source
+    for o, r in zip(emulate.run_graph(g, [x]), interpret(g, [x])):
+        assert torch.equal(o, r)
 
 
 def test_addcmul_with_value_1_is_one_fused_multiply_add_on_cuda():

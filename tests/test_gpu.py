@@ -4,7 +4,7 @@ import threading
 
 import pytest
 import torch
-from helpers import (interpret, FMA_OPS, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR, SIGMOID_GT_IR as IR, assert_op_result, assert_same, assert_same_comparison, build, cases,
+from helpers import (interpret, NAN_SELF_NE_IR, POW_MINUS_TWO_IR, FMA_OPS, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR, SIGMOID_GT_IR as IR, assert_op_result, assert_same, assert_same_comparison, build, cases,
                      check_fused_multiply_adds, check_scalar_rounding, eager, expect_fused, make_args, random_tensor,
                      sigmoid_gt_reference as reference)
 
@@ -597,6 +597,11 @@ CAMPAIGN5 = {
                                  torch.tensor([-1.5, 2.0, -0.5] * 100, device="cuda")]),
     "pow_of_minus_inf_by_a_cpu_half": (_pow_half_ir, lambda: [
         torch.tensor([-float("inf"), -0.0, 4.0, float("nan")] * 100, device="cuda")]),
+    # the sixth campaign's (seed 3082817118)
+    "pow_by_minus_2_where_the_square_overflows": (lambda: torch.parse_ir(POW_MINUS_TWO_IR), lambda: [
+        torch.tensor([1e-310, 1e-300, 4.0, 0.25] * 100, dtype=torch.float64, device="cuda")]),
+    "nan_of_constants_compared_with_itself": (lambda: torch.parse_ir(NAN_SELF_NE_IR), lambda: [
+        torch.tensor([-0.2, 0.0, float("nan")] * 100, device="cuda")]),
 }
 
 

@@ -6,7 +6,7 @@ import torch.nn as nn
 from helpers import assert_same
 
 import fuser
-from fuser import graph_fuser, integration, prepare
+from fuser import graph_fuser, integration, prepare, ts_ir
 
 
 def _trace(fn, *args):
@@ -28,7 +28,7 @@ def _script(fn):
 def _shown(fn) -> torch._C.Graph:
     """``fn``'s graph with each fuser::fusion_group call shown as its prim::FusionGroup."""
     g = fn.graph.copy()
-    graph_fuser.raise_fusion_calls(g, lambda key: integration.STORE.get(key).graph)
+    graph_fuser.raise_fusion_calls(g, lambda key: ts_ir.raise_group(integration.STORE.get(key).group))
     return g
 
 
