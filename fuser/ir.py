@@ -131,9 +131,6 @@ class Group:
         n = self.producer(v)
         return n.args[0] if n is not None and n.op == CAT else None
 
-    def users(self, v: Value) -> list[Node]:
-        return [n for n in self.nodes if any(x.id == v.id for x in n.values)]
-
     def text(self) -> str:
         """The canonical text (see the module's doc)."""
         got = self._cache.get("text")
@@ -233,11 +230,6 @@ def schema(op: str):
 def params(op: str) -> tuple[Param, ...]:
     return tuple(Param(a.name, str(a.type), a.kwarg_only, a.default_value if a.has_default_value() else None,
                        a.has_default_value()) for a in schema(op).arguments)
-
-
-def schema_text(op: str) -> str:
-    """The schema's text, as the op table (``fuser.ops``) keys its entries."""
-    return str(schema(op))
 
 
 def name_of(s) -> str:
