@@ -63,8 +63,9 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
             return env[a.id]
         return tuple(env[x.id] for x in a) if isinstance(a, tuple) else a
 
-    for n in fwd.nodes:  # the forward, recomputed from the saved inputs
-        env[n.out.id] = b.add(n.op, *map(mapped, n.args))
+    for n in fwd.nodes:  # the forward, recomputed from the saved inputs, rounded where the forward rounds
+        with b.steps_of(n.origin):
+            env[n.out.id] = b.add(n.op, *map(mapped, n.args))
 
     carries = _carries(fwd, needs, floating)
     if carries is None:
@@ -79,6 +80,9 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     for k, o, gv in grad_in:
         if o.id in carries:
             accumulate(o.id, D.V(b, gv))
+    # the gradient's nodes are steps of eager's backward kernels (gelu_backward computes in float in one kernel):
+    # held unrounded, as the legacy fuser held every intermediate
+    b.origin = "autograd"
     for n in reversed(fwd.nodes):
         if n.out.id not in grads:
             continue

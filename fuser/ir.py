@@ -17,6 +17,7 @@ unset, so one group serves every dtype and rank, and the executor specializes pe
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -71,11 +72,17 @@ Arg = Union[Value, Constant, tuple]
 
 @dataclass(frozen=True)
 class Node:
-    """``out = op(*args)``: one ATen overload, every schema argument given positionally."""
+    """``out = op(*args)``: one ATen overload, every schema argument given positionally.
+
+    ``origin``: empty for a node that is an eager op of its own, whose result eager stores in its dtype (so a
+    float16/bfloat16 result is rounded before the next op reads it); else the eager op (``"aten::batch_norm"``,
+    ``"aten::gelu_backward"``) that this node is one step of, computed in one eager kernel without rounding
+    between steps: such a result is held in the compute type unrounded."""
 
     op: str
     args: tuple
     out: Value
+    origin: str = ""
 
     @property
     def values(self) -> list[Value]:
@@ -200,7 +207,8 @@ def _print(g: Group) -> str:
     for n in g.nodes:
         args = ", ".join(arg(a) for a in n.args)
         names[n.out.id] = f"%{len(names)}"
-        lines.append(f"{names[n.out.id]}: {_describe(n.out)} = {n.op}({args})")
+        of = f"  # of {n.origin}" if n.origin else ""
+        lines.append(f"{names[n.out.id]}: {_describe(n.out)} = {n.op}({args}){of}")
     lines.append("return " + ", ".join(names[v.id] for v in g.outputs))
     return "\n".join(lines)
 
@@ -287,6 +295,16 @@ class Builder:
         self._next = 0
         self.inputs: list[Value] = []
         self.nodes: list[Node] = []
+        self.origin = ""  # given to every node added (see Node.origin); set it with ``steps_of``
+
+    @contextlib.contextmanager
+    def steps_of(self, origin: str):
+        """Within this context every node added is a step of the eager op ``origin`` (see :attr:`Node.origin`)."""
+        outer, self.origin = self.origin, origin
+        try:
+            yield self
+        finally:
+            self.origin = outer
 
     def _value(self, kind: str, dtype=None, rank=None) -> Value:
         v = Value(self._next, kind, dtype, rank)
@@ -309,7 +327,7 @@ class Builder:
             if not _accepts(p.type, a, numbers_as_tensors=True):
                 raise TypeError(f"{op}: argument {p.name} ({p.type}) cannot be {a!r}")
         out = self._value(TENSOR, dtype)
-        self.nodes.append(Node(op, tuple(args), out))
+        self.nodes.append(Node(op, tuple(args), out, self.origin))
         return out
 
     def call(self, name: str, *args, candidates: Optional[Iterable[str]] = None) -> Value:

@@ -20,6 +20,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from .ts_ir import ORIGIN
+
 _TENSOR = torch._C.TensorType.get()
 
 # in-place activations whose functional form gives the in-place result's dtype for every input dtype (or both
@@ -64,9 +66,10 @@ def _constant(v: torch._C.Value):
 
 
 def _create(graph: torch._C.Graph, kind: str, inputs: list, before: torch._C.Node,
-            n_out: int = 1) -> torch._C.Node:
+            n_out: int = 1, origin: str = "") -> torch._C.Node:
     """``kind(inputs)`` inserted before ``before``, which it replaces (in part); Python numbers and None become
-    constants."""
+    constants. ``origin``: the eager op this node is one step of (``ts_ir.ORIGIN``; the group IR's
+    ``Node.origin``)."""
     vals = []
     for a in inputs:
         if isinstance(a, torch._C.Value):
@@ -78,6 +81,8 @@ def _create(graph: torch._C.Graph, kind: str, inputs: list, before: torch._C.Nod
     node = graph.create(kind, vals, n_out)
     node.insertBefore(before)
     node.copyMetadata(before)  # the replaced node's source range and scope: errors point at the model's line
+    if origin:
+        node.s_(ORIGIN, origin)
     for o in node.outputs():
         o.setType(_TENSOR)
     return node
@@ -114,10 +119,11 @@ def _decompose_dropout(graph: torch._C.Graph, node: torch._C.Node, p: float) -> 
     # with the same probability (rand_like's grid is eager's)
     x = node.inputsAt(0)
     u = _create(graph, "aten::rand_like", [x, None, None, None, None, None], node).output()
-    keep = _create(graph, "aten::gt", [u, p], node).output()
-    mask = _create(graph, "aten::type_as", [keep, x], node).output()
-    kept = _create(graph, "aten::mul", [mask, x], node).output()
-    out = _create(graph, "aten::mul", [kept, 1.0 / (1.0 - p)], node).output()
+    # eager computes x * mask * scale in one kernel, in float for float16/bfloat16, rounding once
+    keep = _create(graph, "aten::gt", [u, p], node, origin="aten::dropout").output()
+    mask = _create(graph, "aten::type_as", [keep, x], node, origin="aten::dropout").output()
+    kept = _create(graph, "aten::mul", [mask, x], node, origin="aten::dropout").output()
+    out = _create(graph, "aten::mul", [kept, 1.0 / (1.0 - p)], node).output()  # dropout's result: stored
     out.setType(node.output().type())
     node.output().replaceAllUsesWith(out)
     node.destroy()
@@ -258,8 +264,8 @@ def _decompose_batch_norm(graph: torch._C.Graph, node: torch._C.Node) -> None:
     b = vecs.pop(0) if has_b else None
     m, v = vecs
 
-    def op(kind, *args):
-        return _create(graph, kind, list(args), node).output()
+    def op(kind, *args):  # eager's batch norm kernel computes all of it in float, rounding once at the end
+        return _create(graph, kind, list(args), node, origin="aten::batch_norm").output()
 
     invstd = op("aten::rsqrt", op("aten::add", v, eps, 1))
     alpha = op("aten::mul", invstd, w) if has_w else invstd
@@ -267,7 +273,7 @@ def _decompose_batch_norm(graph: torch._C.Graph, node: torch._C.Node) -> None:
     # eager's bias is 0 when absent: 0 - m * alpha (rsub), not -(m * alpha), for the sign of a zero result
     beta = op("aten::sub", b, mean_alpha, 1) if has_b else op("aten::rsub", mean_alpha, 0, 1)
     y = op("aten::add", op("aten::mul", x, alpha), beta, 1)
-    out = op("aten::type_as", y, x)
+    out = _create(graph, "aten::type_as", [y, x], node).output()  # batch norm's result: stored
     out.setType(node.output().type())
     node.output().replaceAllUsesWith(out)
     node.destroy()

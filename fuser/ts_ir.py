@@ -8,6 +8,9 @@ import torch
 
 from . import ir
 
+# the TorchScript node attribute that carries ``ir.Node.origin`` (set by the pass's decompositions, prepare.py)
+ORIGIN = "fuser_origin"
+
 
 def _kind(v: torch._C.Value) -> str:
     t = v.type()
@@ -55,7 +58,8 @@ def lower(graph: torch._C.Graph) -> ir.Group:
         if s == "(no schema)":
             raise ValueError(f"a fusion group's nodes are ATen ops with a schema: {kind}")
         op = ir.name_of(torch._C.parse_schema(s))
-        env[n.output().unique()] = b.add(op, *(env[i.unique()] for i in n.inputs()))
+        with b.steps_of(n.s(ORIGIN) if n.hasAttribute(ORIGIN) else ""):
+            env[n.output().unique()] = b.add(op, *(env[i.unique()] for i in n.inputs()))
     outs = []
     for v in graph.outputs():
         got = env[v.unique()]
@@ -92,6 +96,8 @@ def raise_group(group: ir.Group) -> torch._C.Graph:
             else:
                 vals.append(_insert_constant(g, a))
         node = g.create(n.op.split(".")[0], vals, 1)
+        if n.origin:
+            node.s_(ORIGIN, n.origin)
         g.insertNode(node)
         node.output().setType(torch._C.TensorType.get())
         env[n.out.id] = node.output()
