@@ -349,3 +349,52 @@ NAN_SELF_NE_IR = """graph(%t0 : Tensor):
   %v2 : Tensor = aten::ne(%v1, %v1)
   %v3 : Tensor = aten::eq(%v1, %v1)
   return (%v2, %v3)"""
+
+
+# float16/bfloat16 rounding per op (tests/test_rounding.py, tests/test_gpu.py)
+# (x * y + z).sigmoid() * w - x / y: every op's result is stored by eager
+CHAIN_IR = """graph(%x : Tensor, %y : Tensor, %z : Tensor, %w : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %a : Tensor = aten::mul(%x, %y)
+  %b : Tensor = aten::add(%a, %z, %one)
+  %c : Tensor = aten::sigmoid(%b)
+  %d : Tensor = aten::mul(%c, %w)
+  %e : Tensor = aten::div(%x, %y)
+  %f : Tensor = aten::sub(%d, %e, %one)
+  return (%f)"""
+
+# the findings the README listed as a known limitation while intermediates were held unrounded (CUDA fuzz
+# campaigns): float16 gelu(-6e-8) is -0.0 in eager, so x / 0 is NaN; float16 lgamma(30400) is inf in eager, so
+# lgamma * 0 is NaN; float16 sinh(x + 4) at x = 7.785 reads x + 4 rounded to 11.78125; bfloat16 exp(sqrt(7872))
+# reads sqrt rounded to 88.5
+EDGE_IRS = {
+    "gelu_of_a_tiny_negative_over_zero": ("""graph(%x : Tensor):
+  %none : str = prim::Constant[value="none"]()
+  %zero : float = prim::Constant[value=0.]()
+  %g : Tensor = aten::gelu(%x, %none)
+  %r : Tensor = aten::div(%g, %zero)
+  return (%r)""", torch.float16, [-6e-8, 1.0, -3.0, 0.0]),
+    "lgamma_past_float16_max_times_zero": ("""graph(%x : Tensor):
+  %zero : float = prim::Constant[value=0.]()
+  %g : Tensor = aten::lgamma(%x)
+  %r : Tensor = aten::mul(%g, %zero)
+  return (%r)""", torch.float16, [30400.0, 3.0, 0.5]),
+    "sinh_of_a_rounded_sum": ("""graph(%x : Tensor):
+  %four : float = prim::Constant[value=4.]()
+  %one : int = prim::Constant[value=1]()
+  %s : Tensor = aten::add(%x, %four, %one)
+  %r : Tensor = aten::sinh(%s)
+  return (%r)""", torch.float16, [7.785, -2.5, 0.125]),
+    "exp_of_a_rounded_sqrt": ("""graph(%x : Tensor):
+  %s : Tensor = aten::sqrt(%x)
+  %r : Tensor = aten::exp(%s)
+  return (%r)""", torch.bfloat16, [7872.0, 4.0, 0.5]),
+}
+
+# (x * 1000) * 0.001 marked as steps of one eager op: held in float, 100 stays 100 (rounded, 1e5 would be inf)
+STEPS_IR = """graph(%x : Tensor):
+  %k : float = prim::Constant[value=1000.]()
+  %m : float = prim::Constant[value=0.001]()
+  %a : Tensor = aten::mul[fuser_origin="aten::some_op"](%x, %k)
+  %r : Tensor = aten::mul(%a, %m)
+  return (%r)"""

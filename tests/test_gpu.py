@@ -4,7 +4,7 @@ import threading
 
 import pytest
 import torch
-from helpers import (interpret, NAN_SELF_NE_IR, POW_MINUS_TWO_IR, FMA_OPS, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR, SIGMOID_GT_IR as IR, assert_op_result, assert_same, assert_same_comparison, build, cases,
+from helpers import (interpret, CHAIN_IR, EDGE_IRS, STEPS_IR, NAN_SELF_NE_IR, POW_MINUS_TWO_IR, FMA_OPS, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR, SIGMOID_GT_IR as IR, assert_op_result, assert_same, assert_same_comparison, build, cases,
                      check_fused_multiply_adds, check_scalar_rounding, eager, expect_fused, make_args, random_tensor,
                      sigmoid_gt_reference as reference)
 
@@ -621,3 +621,32 @@ def test_cuda_campaign5_findings(name):
                                        atol=0)
         else:
             assert torch.equal(got, ref), (name, got, ref)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_reduced_precision_ops_round_per_op_on_cuda(dtype):
+    """Each op's float16/bfloat16 result is rounded as CUDA eager stores it: the arithmetic chain is eager's bits
+    (sigmoid within one unit of the dtype), the fuzzer's edge findings follow CUDA eager, and the steps of one
+    decomposed op stay unrounded."""
+    torch.manual_seed(11)
+    x, y, z, w = (torch.randn(1 << 20, dtype=dtype, device="cuda") for _ in range(4))
+    y = y.abs() + 0.5
+    g = torch.parse_ir(CHAIN_IR)
+    got = executor.run(STORE.get(STORE.register(lower(g))), [x, y, z, w])
+    assert got is not None
+    ref = interpret(g, [x, y, z, w])[0]
+    diff = (got[0].float() - ref.float()).abs()
+    assert bool((diff <= torch.finfo(dtype).eps * ref.float().abs().clamp_min(1e-3)).all())
+    assert (got[0] != ref).float().mean().item() < 0.01
+    for name, (text, edtype, values) in sorted(EDGE_IRS.items()):
+        if edtype != dtype:
+            continue
+        g, xe = torch.parse_ir(text), torch.tensor(values * 100, dtype=dtype, device="cuda")
+        out = executor.run(STORE.get(STORE.register(lower(g))), [xe])
+        assert out is not None, name
+        ref = interpret(g, [xe])[0]
+        assert torch.equal(out[0].isnan(), ref.isnan()), name
+        torch.testing.assert_close(out[0], ref, equal_nan=True, rtol=1e-2, atol=0, msg=name)
+    xs = torch.tensor([100.0, -3.0, 0.5, 60.0] * 100, dtype=dtype, device="cuda")
+    out = executor.run(STORE.get(STORE.register(lower(torch.parse_ir(STEPS_IR)))), [xs])
+    torch.testing.assert_close(out[0], ((xs.float() * 1000.0) * 0.001).to(dtype), rtol=0, atol=0)

@@ -52,6 +52,9 @@ def generate(group: ir.Group, inputs: Sequence[TensorDesc], node_types: Sequence
 
     body: list[str] = []
     n_random = 0
+    # values that hold exactly a number of their float16/bfloat16 dtype: the inputs, and each result of an op of
+    # its own (eager stores it, rounded, before the next op reads it); a step of a decomposed op stays unrounded
+    exact: set[int] = {v.id for v in group.inputs}
     vector = CpuVector(inputs, target, options)
     for j, (node, nt) in enumerate(zip(nodes, node_types)):
         op = ops.of(node.op)
@@ -122,7 +125,7 @@ def generate(group: ir.Group, inputs: Sequence[TensorDesc], node_types: Sequence
                 if dt is None:  # a float argument: rounded where eager rounds scalars
                     round_it = rounding
                 else:  # a tensor value not loaded straight from memory in this dtype
-                    round_it = (round_values or rounding) and (dt != nt.compute or not group.is_input(v))
+                    round_it = (round_values or rounding) and (dt != nt.compute or v.id not in exact)
                 if round_it:
                     consts[arg] = f"fz_ld(fz_st<{storage_type(nt.compute)}>(({ctype}){name_}))"
                 elif t == ctype and dt == nt.compute or i in op.keep_args:
@@ -134,8 +137,14 @@ def generate(group: ir.Group, inputs: Sequence[TensorDesc], node_types: Sequence
         out = node.out
         rtype = value_type(nt.result, target)
         vname[out.id], vtype[out.id], vdtype[out.id] = f"v{j}", rtype, nt.result
-        body.append(f"const {rtype} v{j} = {_converted(nt.result, target, tmpl.substitute(consts))};")
-        vector.add(node, op, variant, nt, consts, vname, vdtype, f"v{j}")
+        expr = _converted(nt.result, target, tmpl.substitute(consts))
+        round_result = nt.result in REDUCED and not node.origin
+        if round_result:  # eager's result, stored in its dtype
+            expr = f"fz_ld(fz_st<{storage_type(nt.result)}>({expr}))"
+            exact.add(out.id)
+        body.append(f"const {rtype} v{j} = {expr};")
+        vector.add(node, op, variant, nt, consts, vname, vdtype, f"v{j}",
+                   storage_type(nt.result) if round_result else None)
 
     # kernel outputs: a cat's result is written as its pieces, each converted to the cat's dtype the way eager
     # converts it: stored in its own dtype first (a float16 piece of a float32 cat holds float16 values)

@@ -77,8 +77,8 @@ def value_type(dtype: torch.dtype, target: str) -> str:
 
 def _converted(dtype: torch.dtype, target: str, expr: str) -> str:
     """``expr`` (an operand, or an op's result) converted to ``dtype`` as eager converts it (an int32 -3 is 253 in
-    uint8), held in :func:`value_type`; a float16/bfloat16 value is held in float unrounded, as in the legacy fuser
-    (a float Scalar of a float16 op is unrounded in eager too; see the README's known limitations)."""
+    uint8), held in :func:`value_type` (a float16/bfloat16 value in float: ``body.generate`` rounds the results that
+    eager stores)."""
     t = value_type(dtype, target)
     return f"({t})({storage_type(dtype)})({expr})" if t != compute_type(dtype) else f"({t})({expr})"
 

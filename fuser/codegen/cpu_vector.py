@@ -60,7 +60,8 @@ class CpuVector:
         self.on = False
 
     def add(self, node, op: ops.OpDef, variant, nt: NodeTypes, consts: dict, vname: dict, vdtype: dict,
-            out: str) -> None:
+            out: str, round_to: Optional[str] = None) -> None:
+        """Node ``node``'s line; ``round_to``: the storage type its result is rounded to (eager stores it)."""
         if not self.on:
             return
         if self.ctype is None:
@@ -92,7 +93,7 @@ class CpuVector:
             args[arg] = (name_, forms[consts[arg]], name_ in self.masks and i not in op.keep_args)
         if mask:
             self.masks.add(out)
-        self.nodes.append((out, tmpl, args))
+        self.nodes.append((out, tmpl, args, round_to))
 
     def finish(self, group: ir.Group, out_dtypes, vname: dict, vdtype: dict) -> Optional["CpuVector"]:
         """This, with the kernel outputs set; None: no vector path."""
@@ -120,12 +121,15 @@ class CpuVector:
     def lines(self, copies: int) -> list[str]:
         """The ops on ``copies`` vectors, interleaved op by op."""
         out = []
-        for name_, tmpl, args in self.nodes:
+        for name_, tmpl, args, round_to in self.nodes:
             for c in range(copies):
                 subs = {k: self.value(a, c) if isinstance(a, tuple) else a for k, a in args.items()}
                 subs.update({"n" + k: f"(-{subs[k]})" for k, a in args.items() if isinstance(a, tuple)})
                 index = f"(unsigned long long)(i + {c} * W)" if c else "(unsigned long long)(i)"
-                out.append(f"const {self.vtype} {name_}_{c} = {tmpl.substitute(subs).replace('@IDX@', index)};")
+                expr = tmpl.substitute(subs).replace('@IDX@', index)
+                if round_to is not None:
+                    expr = f"fz_vround<{round_to}>({expr})"
+                out.append(f"const {self.vtype} {name_}_{c} = {expr};")
         return out
 
     def output(self, m: int, copy: int) -> str:

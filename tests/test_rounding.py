@@ -1,0 +1,88 @@
+"""float16/bfloat16 results inside a group: each op that is an eager op of its own is rounded to its dtype before the
+next op reads it, as eager stores it, so a chain gives eager's numbers; the steps of one decomposed eager op
+(``ir.Node.origin``) stay unrounded in float, as eager's single kernel holds them. On the CPU backend and through the
+CUDA host emulation (tests/test_gpu.py has the GPU twins)."""
+import math
+
+import pytest
+import torch
+from helpers import CHAIN_IR, EDGE_IRS, STEPS_IR, interpret
+
+from fuser import executor
+from fuser.cuda import emulate
+from fuser.kernel_cache import STORE
+from fuser.ts_ir import lower
+
+REDUCED = (torch.float16, torch.bfloat16)
+
+def _run_cpu(ir_text, args):
+    g = torch.parse_ir(ir_text)
+    out = executor.run(STORE.get(STORE.register(lower(g))), args)
+    assert out is not None, "fell back"
+    return g, out
+
+
+def _same(got, ref):
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    assert torch.equal(got.isnan(), ref.isnan())
+    assert torch.equal(got.nan_to_num(0.0), ref.nan_to_num(0.0)), (got, ref)
+
+
+@pytest.mark.parametrize("dtype", REDUCED, ids=str)
+@pytest.mark.parametrize("n", (7, 4099))  # the scalar loop alone; the vector loop and its tail
+def test_a_chain_of_reduced_precision_ops_gives_eagers_numbers_on_the_cpu(dtype, n):
+    x, y, z, w = (torch.randn(n, dtype=dtype) for _ in range(4))
+    y = y.abs() + 0.5
+    g, out = _run_cpu(CHAIN_IR, [x, y, z, w])
+    ref = interpret(g, [x, y, z, w])[0]
+    # the arithmetic is IEEE-exact in float before each rounding: eager's bits; sigmoid may differ by its float
+    # ulp before rounding, so at most one unit of the dtype there, rarely
+    diff = (out[0].float() - ref.float()).abs()
+    ulp = torch.finfo(dtype).eps * ref.float().abs().clamp_min(torch.finfo(dtype).tiny)
+    assert bool((diff <= ulp).all())
+    assert (out[0] != ref).float().mean().item() < 0.01
+    arith = """graph(%x : Tensor, %y : Tensor, %z : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %a : Tensor = aten::mul(%x, %y)
+  %b : Tensor = aten::add(%a, %z, %one)
+  %c : Tensor = aten::div(%b, %y)
+  %d : Tensor = aten::sub(%c, %x, %one)
+  return (%d)"""
+    g, out = _run_cpu(arith, [x, y, z])
+    _same(out[0], interpret(g, [x, y, z])[0])
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_IRS))
+def test_fuzzer_findings_of_unrounded_intermediates_now_follow_eager_on_the_cpu(name):
+    text, dtype, values = EDGE_IRS[name]
+    x = torch.tensor(values * 5, dtype=dtype)
+    g, out = _run_cpu(text, [x])
+    _same(out[0], interpret(g, [x])[0])
+
+
+@pytest.mark.parametrize("dtype", REDUCED, ids=str)
+def test_steps_of_one_eager_op_stay_unrounded_on_the_cpu(dtype):
+    x = torch.tensor([100.0, -3.0, 0.5, 60.0] * 5, dtype=dtype)
+    g, out = _run_cpu(STEPS_IR, [x])
+    ref = ((x.float() * 1000.0) * 0.001).to(dtype)  # one kernel in float, rounded once
+    torch.testing.assert_close(out[0], ref, rtol=0, atol=0)
+    if dtype == torch.float16:  # rounded after the first step, 1e5 is inf in float16
+        assert math.isinf(interpret(g, [x])[0][0].item()) and out[0][0].item() == 100.0
+
+
+def test_cuda_kernels_round_as_eager_does_under_emulation():
+    torch.manual_seed(5)
+    for dtype in REDUCED:
+        x, y, z, w = (torch.randn(4099, dtype=dtype) for _ in range(4))
+        y = y.abs() + 0.5
+        g = torch.parse_ir(CHAIN_IR)
+        got, ref = emulate.run_graph(g, [x, y, z, w])[0], interpret(g, [x, y, z, w])[0]
+        diff = (got.float() - ref.float()).abs()
+        assert bool((diff <= torch.finfo(dtype).eps * ref.float().abs().clamp_min(1e-3)).all())
+    for name, (text, dtype, values) in sorted(EDGE_IRS.items()):
+        g, x = torch.parse_ir(text), torch.tensor(values * 5, dtype=dtype)
+        got, ref = emulate.run_graph(g, [x])[0], interpret(g, [x])[0]
+        assert torch.equal(got.isnan(), ref.isnan()), name
+        torch.testing.assert_close(got, ref, equal_nan=True, rtol=1e-2, atol=0, msg=name)
+    g, x = torch.parse_ir(STEPS_IR), torch.tensor([100.0, -3.0, 0.5, 60.0] * 5, dtype=torch.float16)
+    assert emulate.run_graph(g, [x])[0][0].item() == 100.0
