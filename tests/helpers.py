@@ -398,3 +398,20 @@ STEPS_IR = """graph(%x : Tensor):
   %a : Tensor = aten::mul[fuser_origin="aten::some_op"](%x, %k)
   %r : Tensor = aten::mul(%a, %m)
   return (%r)"""
+
+
+def chain_tolerance(x, y, z, w) -> torch.Tensor:
+    """Per element, what CHAIN_IR may differ from eager by when only its sigmoid may be one unit of the dtype off:
+    a unit of the sigmoid's product (the subtraction after it may cancel), nothing of the exact arithmetic."""
+    d = torch.sigmoid(x * y + z) * w
+    return 2 * torch.finfo(x.dtype).eps * d.float().abs()
+
+
+# CHAIN_IR without its sigmoid: IEEE-exact in float before each rounding, so eager's bits on every device
+ARITH_IR = """graph(%x : Tensor, %y : Tensor, %z : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %a : Tensor = aten::mul(%x, %y)
+  %b : Tensor = aten::add(%a, %z, %one)
+  %c : Tensor = aten::div(%b, %y)
+  %d : Tensor = aten::sub(%c, %x, %one)
+  return (%d)"""
