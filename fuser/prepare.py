@@ -20,6 +20,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from . import graph_fuser
 from .ts_ir import ORIGIN
 
 _TENSOR = torch._C.TensorType.get()
@@ -230,7 +231,8 @@ def decompose_batch_norm(graph: torch._C.Graph) -> int:
     statistics shaped to broadcast along dim 1 by ``fuser::batch_norm_params`` (which also checks the arguments
     as eager does), ending in ``type_as(y, x)``; in a group the per-channel terms are recomputed per element,
     which costs arithmetic but no memory traffic. It applies only when ``training`` is a constant False and
-    the running statistics are tensors (not None): training-mode batch norm reduces over the batch.
+    the running statistics are tensors (not None): training-mode batch norm reduces over the batch. A batch
+    norm with no fusable op beside it (conv -> batch norm -> conv) stays eager's one kernel.
     """
     done = 0
     for node in list(_all_nodes(graph.block())):
@@ -246,9 +248,17 @@ def decompose_batch_norm(graph: torch._C.Graph) -> int:
             continue  # an Optional[Tensor] decided at run time
         if not (_constant(eps)[0] or eps.type().kind() == "FloatType"):
             continue
+        if not _fusable_neighbour(node):
+            continue  # a group of it alone would replace eager's one kernel with one of ours: no memory saved
         _decompose_batch_norm(graph, node)
         done += 1
     return done
+
+
+def _fusable_neighbour(node: torch._C.Node) -> bool:
+    """Whether the op producing ``node``'s input, or one using its output, is one the pass may group with it."""
+    return graph_fuser.fusable_op(node.inputsAt(0).node()) is not None or any(
+        graph_fuser.fusable_op(u.user) is not None for u in node.output().uses())
 
 
 def _decompose_batch_norm(graph: torch._C.Graph, node: torch._C.Node) -> None:

@@ -308,6 +308,28 @@ def test_inference_batch_norm_is_one_group_with_add_and_relu(cls, shape, affine)
         assert_same(fused(x, r), m(x, r))  # with gradients on: the differentiable group
 
 
+def test_inference_batch_norm_between_convolutions_stays_eagers_one_kernel():
+    """conv -> batch norm -> conv: a group of the batch norm alone would replace eager's one kernel with one of
+    ours and save no memory, so it stays; with a ReLU after it, it decomposes and fuses with the ReLU."""
+    torch.manual_seed(0)
+    conv1, conv2 = nn.Conv2d(3, 5, 3).eval(), nn.Conv2d(5, 4, 1).eval()
+    bn = _bn(nn.BatchNorm2d, 5)
+    plain, relu = nn.Sequential(conv1, bn, conv2).eval(), nn.Sequential(conv1, bn, nn.ReLU(), conv2).eval()
+    x = torch.randn(2, 3, 9, 9)
+    with torch.no_grad():
+        alone, with_relu = _trace(plain, x), _trace(relu, x)
+        for f, ref in ((alone, plain), (with_relu, relu)):
+            for _ in range(2):
+                y = torch.randn(2, 3, 9, 9)
+                assert_same(f(y), ref(y))
+    g = _shown(alone)
+    assert g.findAllNodes("aten::batch_norm") and not graph_fuser.fusion_groups(g)
+    g = _shown(with_relu)
+    assert not g.findAllNodes("aten::batch_norm")
+    (kinds,) = _group_kinds(g)
+    assert {"aten::rsqrt", "aten::relu"} <= set(kinds)
+
+
 def test_inference_batch_norm_layouts_and_dtypes():
     m = BNBlock(_bn(nn.BatchNorm2d, 5))
     x = torch.randn(3, 5, 6, 7)
