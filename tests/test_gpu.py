@@ -652,3 +652,25 @@ def test_reduced_precision_ops_round_per_op_on_cuda(dtype):
     xs = torch.tensor([100.0, -3.0, 0.5, 60.0] * 100, dtype=dtype, device="cuda")
     out = executor.run(STORE.get(STORE.register(lower(torch.parse_ir(STEPS_IR)))), [xs])
     torch.testing.assert_close(out[0], ((xs.float() * 1000.0) * 0.001).to(dtype), rtol=0, atol=0)
+
+
+def test_an_expanded_attention_mask_runs_the_memory_efficient_kernel():
+    """A traced model's attention mask made by expand: CUDA's fused attention refuses it (only the math path
+    remains); after the pass's contiguous copy the memory-efficient kernel takes it, with eager's result."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from test_prepare import _MaskedAttention, _trace
+    torch.manual_seed(4)
+    m = _MaskedAttention()
+    q = torch.randn(8, 12, 197, 64, device="cuda")
+    keep = torch.rand(8, 197, device="cuda") > 0.2
+    keep[:, 0] = True
+    with torch.no_grad():
+        traced = _trace(m, q, keep)
+        ref = m(q, keep)
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            with pytest.raises(RuntimeError):  # the expanded mask itself: no fused kernel takes it
+                torch.nn.functional.scaled_dot_product_attention(
+                    q, q, q, keep[:, None, :, None].expand(8, 1, 197, 197), 0.0, False, scale=0.25)
+            for _ in range(3):  # the profiling executor's runs, then the optimized graph
+                out = traced(q, keep)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

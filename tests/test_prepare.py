@@ -410,3 +410,29 @@ def test_frozen_module_folds_conv_and_batch_norm():
     x, r = torch.randn(2, 3, 6, 6), torch.randn(2, 4, 6, 6)
     with torch.no_grad():
         torch.testing.assert_close(frozen(x, r), m(x, r))  # folding rounds differently: float32's defaults
+
+
+class _MaskedAttention(nn.Module):
+    """Attention whose mask is a broadcast view, as a traced Hugging Face model builds it."""
+
+    def forward(self, q, keep):
+        mask = keep[:, None, :, None].expand(q.shape[0], 1, q.shape[2], q.shape[2])
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, mask, 0.0, False, scale=0.25)
+
+
+def test_an_expanded_attention_mask_is_made_contiguous_and_the_result_is_eagers():
+    """A mask made by expand (stride 0 in its last dim) makes CUDA's fused attention kernels refuse it (tests/
+    test_gpu.py); the pass copies it to a contiguous mask of the same values first."""
+    torch.manual_seed(3)
+    m = _MaskedAttention()
+    q, keep = torch.randn(2, 3, 5, 8), torch.rand(2, 5) > 0.3
+    keep[:, 0] = True  # a row of all False is NaN in eager on some paths: keep every query attending somewhere
+    with torch.no_grad():
+        traced = _trace(m, q, keep)
+        for _ in range(2):
+            q2 = torch.randn(2, 3, 5, 8)
+            assert_same(traced(q2, keep), m(q2, keep))
+    g = traced.graph
+    (sdpa,) = g.findAllNodes("aten::scaled_dot_product_attention")
+    assert sdpa.inputsAt(3).node().kind() == "aten::contiguous"
+    assert sdpa.inputsAt(3).node().inputsAt(0).node().kind() == "aten::expand"
