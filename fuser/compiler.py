@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import codegen, ir, ops, rng
+from . import codegen, ir, ops, rng, settings
 from .descs import DTYPES, STRIDED_LAYOUTS, ArgSpec, TensorDesc
 from .fallback import evaluate
 from .kernel_cache import KernelSpec
@@ -130,6 +130,7 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
     name = "fused_" + hashlib.sha256(f"{spec.text}\n{arg_spec!r}\n{target}".encode()).hexdigest()[:16]
     options = codegen.KernelOptions(index32=arg_spec.index32,
                                     fast_reduced=os.environ.get("FUSER_FAST_REDUCED", "1") != "0",
+                                    round_reduced=settings.round_reduced,
                                     vectorize=target == "cuda" or _cpu_vectorize())
     try:
         source = codegen.generate(spec.group, arg_spec.inputs, types, target, name, options, arg_spec.outputs)

@@ -624,10 +624,11 @@ def test_cuda_campaign5_findings(name):
 
 
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
-def test_reduced_precision_ops_round_per_op_on_cuda(dtype):
+def test_reduced_precision_ops_round_per_op_on_cuda(dtype, monkeypatch):
     """Each op's float16/bfloat16 result is rounded as CUDA eager stores it: the arithmetic chain is eager's bits
     (sigmoid within one unit of the dtype), the fuzzer's edge findings follow CUDA eager, and the steps of one
-    decomposed op stay unrounded."""
+    decomposed op stay unrounded. With settings.round_reduced on (off by default)."""
+    monkeypatch.setattr(fuser.settings, "round_reduced", True)
     torch.manual_seed(11)
     x, y, z, w = (torch.randn(1 << 20, dtype=dtype, device="cuda") for _ in range(4))
     y = y.abs() + 0.5

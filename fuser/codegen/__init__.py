@@ -4,10 +4,10 @@ No CUDA or compiler imports here, so every kernel's text can be generated and ch
 backends (``fuser.cpu``, ``fuser.cuda``) compile what this returns.
 
 Values are computed in their *compute* type (float for float16/bfloat16/float32, double for float64, the
-integer type itself for integers and bool). A float16/bfloat16 result of an op that is an eager op of its own is
-rounded to its dtype before the next op reads it, as eager stores it (so a chain of such ops gives eager's numbers,
-not the legacy fuser's unrounded ones); the steps of one decomposed eager op (``ir.Node.origin``: batch norm,
-dropout, a backward) stay unrounded in the compute type, as eager's single kernel holds them.
+integer type itself for integers and bool): float16/bfloat16 intermediates are held in float, as in the legacy
+fuser. With ``KernelOptions.round_reduced`` (``settings.round_reduced``) the result of each op that is an eager op of
+its own is rounded to its dtype before the next op reads it, as eager stores it; the steps of one decomposed eager op
+(``ir.Node.origin``: batch norm, dropout, a backward) stay unrounded, as eager's single kernel holds them.
 
 The package: ``common.py`` (options, value types, literals, layout facts) → ``body.py`` (:func:`generate`: one
 statement per node) → ``cpu_vector.py`` (the CPU vector path's lines) → ``emit.py`` (the kernel text per target).

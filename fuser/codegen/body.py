@@ -138,7 +138,7 @@ def generate(group: ir.Group, inputs: Sequence[TensorDesc], node_types: Sequence
         rtype = value_type(nt.result, target)
         vname[out.id], vtype[out.id], vdtype[out.id] = f"v{j}", rtype, nt.result
         expr = _converted(nt.result, target, tmpl.substitute(consts))
-        round_result = nt.result in REDUCED and not node.origin
+        round_result = options.round_reduced and nt.result in REDUCED and not node.origin
         if round_result:  # eager's result, stored in its dtype
             expr = f"fz_ld(fz_st<{storage_type(nt.result)}>({expr}))"
             exact.add(out.id)

@@ -48,6 +48,7 @@ class KernelOptions:
     block_size: int = 256
     vectorize: bool = True
     fast_reduced: bool = True  # CUDA: ops.OpDef.fast expressions for float16/bfloat16 results
+    round_reduced: bool = False  # round each eager op's float16/bfloat16 result as eager stores it (settings.py)
 
 
 def literal(value, ctype: str) -> str:

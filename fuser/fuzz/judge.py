@@ -57,7 +57,8 @@ def _closer(F: torch.Tensor, E: torch.Tensor, R: torch.Tensor, spread: torch.Ten
     # the truth rounded to the output dtype is as right as the truth (90443 is inf in float16)
     dE, dF = _dist(e, r), torch.minimum(_dist(f, r), _dist(f, R.to(E.dtype).double()))
     tol = atol + rtol * torch.nan_to_num(r.abs(), nan=0.0, posinf=0.0) + 2 * spread
-    closer = dF <= 2 * dE + tol
+    # the fused value is the truth itself (say -inf where eager's stored intermediate made NaN): always as close
+    closer = (dF == 0) | (dF <= 2 * dE + tol)
     # eager is NaN or infinite where the float64 truth is finite (e.g. a float16 intermediate overflowed in
     # eager but not in the fused float intermediate): the fused value must then be near the truth
     wild = torch.isinf(dE) & torch.isfinite(r)
