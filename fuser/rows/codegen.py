@@ -1,0 +1,174 @@
+"""The row kernel's source: a pure function from (group, input dtypes, node types, target) to C++ or CUDA.
+
+Per row, one pass along the row per reduction, in the group's order: the element-level nodes that reduction's
+input needs are computed again from the inputs in memory (correct for any row length; keeping the row in
+registers is a later optimization), accumulated per thread, and on CUDA combined across the block. Then the
+row-level nodes whose operands are ready. A last pass computes and stores the element-level outputs; the
+row-level outputs are stored once per row. Each node's statement is the pointwise codegen's
+(``codegen.body.node_statement``), so an op means the same in both kinds of kernel.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .. import ir, ops
+from ..codegen import REDUCED, KernelOptions, NodeTypes, NotFusable, value_type
+from ..codegen.body import node_statement
+from ..cpu import templates as cpu_t
+from ..cuda import templates as cuda_t
+from ..descs import compute_type, storage_type
+from . import templates as t
+from .plan import row_level
+
+CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU row kernel splits its rows across threads
+
+
+def accumulator_type(red: ops.Reduction, nt: NodeTypes, target: str) -> str:
+    """The C type a reduction accumulates in (see ``ops.Reduction.wide``)."""
+    if not red.wide:
+        return compute_type(nt.compute)
+    return "double" if target == "cpu" or nt.compute == torch.float64 else "float"
+
+
+def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
+             name: str, n_scalar_slots: int) -> str:
+    """Source of the row kernel ``name``; ``inputs``: the tensor inputs' dtypes. Raises NotFusable where an op
+    has no expression for its types (the executor falls back)."""
+    rows_v = row_level(group)
+    vname: dict[int, str] = {}
+    vtype: dict[int, str] = {}
+    vdtype: dict = {}
+    tensor_index: dict[int, int] = {}
+    k = j = 0
+    for v in group.inputs:
+        if v.is_tensor:
+            vname[v.id], vtype[v.id], vdtype[v.id] = f"x{k}", value_type(inputs[k], target), inputs[k]
+            tensor_index[v.id] = k
+            k += 1
+        else:
+            vname[v.id], vtype[v.id], vdtype[v.id] = f"s{j}", "double", None
+            j += 1
+
+    statement: dict[int, str] = {}  # per non-reduction node's value: its C statement
+    reductions = []  # (node, position, reduction, node types)
+    options = KernelOptions(index32=False, vectorize=False)
+    for pos, (n, nt) in enumerate(zip(group.nodes, node_types)):
+        red = ops.reduction(n.op)
+        if red is not None:
+            vname[n.out.id], vtype[n.out.id], vdtype[n.out.id] = f"v{pos}", value_type(nt.result, target), nt.result
+            reductions.append((n, pos, red, nt))
+            continue
+        op = ops.of(n.op)
+        if op is None or op.random or op.concat:
+            raise NotFusable(f"{n.op} in a row kernel")
+        statement[n.out.id], _, _ = node_statement(group, n, op, nt, pos, target, options, vname, vtype, vdtype)
+
+    producer = {n.out.id: n for n in group.nodes}
+    order = {n.out.id: pos for pos, n in enumerate(group.nodes)}
+
+    def element_lines(wanted: Sequence[ir.Value]) -> list[str]:
+        """Loads and statements of the element-level values ``wanted`` needs, in the group's order."""
+        need, stack = set(), [v for v in wanted]
+        while stack:
+            v = stack.pop()
+            if v.id in need or v.id in rows_v:
+                continue
+            need.add(v.id)
+            if v.id in producer:
+                stack.extend(producer[v.id].values)
+        lines = []
+        for v in group.inputs:
+            if v.id in need and v.is_tensor:
+                kk = tensor_index[v.id]
+                lines.append(f"const {vtype[v.id]} x{kk} = fz_ld(t{kk}[off{kk} + c * cs{kk}]);")
+        lines += [statement[i] for i in sorted(need - set(tensor_index) - {v.id for v in group.inputs},
+                                                key=order.__getitem__)]
+        return lines
+
+    indent = "      "
+    phases: list[str] = []
+    ready = {v.id for v in group.inputs if not v.is_tensor}
+    shared = set()
+    cuda = target == "cuda"
+    for n, pos, red, nt in reductions:
+        u = n.args[0]
+        acc_t = accumulator_type(red, nt, target)
+        x = vname[u.id]
+        if vdtype[u.id] != nt.compute:  # eager converts the input to the reduction's dtype first
+            x = (f"fz_ld(fz_st<{storage_type(nt.compute)}>(({compute_type(vdtype[u.id])}){x}))"
+                 if nt.compute in REDUCED else f"({compute_type(nt.compute)})({x})")
+        ident = red.identity.replace("$A", acc_t)
+        body = element_lines([u]) + [f"acc{pos} = {red.combine}::f(acc{pos}, ({acc_t})({x}));"]
+        after = []
+        if cuda:
+            shared.add(acc_t)
+            after.append(f"acc{pos} = fz_block_reduce<{red.combine}>(acc{pos}, fz_sh_{acc_t});")
+        result = f"acc{pos} / ({acc_t})cols" if red.mean else f"acc{pos}"
+        rtype = value_type(nt.result, target)
+        if nt.result in REDUCED and not n.origin:  # an eager op of its own: its result is stored in its dtype
+            result = f"fz_ld(fz_st<{storage_type(nt.result)}>((float)({result})))"
+        after.append(f"const {rtype} v{pos} = ({rtype})({result});")
+        ready.add(n.out.id)
+        for m in group.nodes:  # row-level nodes whose operands are ready now
+            if m.out.id in rows_v and m.out.id not in ready and ops.reduction(m.op) is None and all(
+                    v.id in ready for v in m.values):
+                after.append(statement[m.out.id])
+                ready.add(m.out.id)
+        phases.append(t.PHASE.substitute(
+            acc_decl=f"{acc_t} acc{pos} = {ident};", first="threadIdx.x" if cuda else "0",
+            step="blockDim.x" if cuda else "1", body="\n".join(indent + ln for ln in body),
+            after="\n".join("    " + ln for ln in after)))
+
+    position = {n.out.id: pos for pos, n in enumerate(group.nodes)}
+    elem_out = [(m, o) for m, o in enumerate(group.outputs) if o.id not in rows_v]
+    row_out = [(m, o) for m, o in enumerate(group.outputs) if o.id in rows_v]
+
+    def store(m: int, o: ir.Value, at: str) -> str:
+        dt = node_types[position[o.id]].result
+        return f"o{m}[{at}] = fz_st<{storage_type(dt)}>({vname[o.id]});"
+
+    if elem_out:
+        body = element_lines([o for _, o in elem_out]) + [store(m, o, "row * cols + c") for m, o in elem_out]
+        phases.append(t.PHASE.substitute(acc_decl="", first="threadIdx.x" if cuda else "0",
+                                          step="blockDim.x" if cuda else "1",
+                                          body="\n".join(indent + ln for ln in body), after=""))
+    if row_out:
+        stores = [store(m, o, "row") for m, o in row_out]
+        if cuda:
+            phases.append("    if (threadIdx.x == 0) {\n" + "\n".join("      " + s for s in stores) + "\n    }")
+        else:
+            phases += ["    " + s for s in stores]
+
+    out_dtypes = [node_types[position[o.id]].result for o in group.outputs]
+    params = [f"const {storage_type(dt)}* __restrict__ t{kk} = (const {storage_type(dt)}*)PTRS[{kk}];"
+              for kk, dt in enumerate(inputs)]
+    params += [f"{storage_type(dt)}* __restrict__ o{m} = ({storage_type(dt)}*)PTRS[{len(inputs) + m}];"
+               for m, dt in enumerate(out_dtypes)]
+    params += [f"const double s{jj} = SCALARS[{jj}];" for jj in range(j)]
+    ptrs, scalars = ("args.ptrs", "args.scalars") if cuda else ("ptrs", "scalars")
+    params = ["  " + p.replace("PTRS", ptrs).replace("SCALARS", scalars) for p in params]
+    n_in = len(inputs)
+    if cuda:
+        size, stride = "args.sizes[d]", lambda kk, d: f"args.strides[{kk}][{d}]"
+    else:
+        size, stride = "sizes[d]", lambda kk, d: f"strides[{kk} * (rank + 1) + {d}]"
+    offsets = t.OFFSETS.substitute(
+        decls=", ".join(f"off{kk} = 0" for kk in range(n_in)) if n_in else "fz_unused = 0", size=size,
+        accumulate="\n".join(f"        off{kk} += m * {stride(kk, 'd')};" for kk in range(n_in)),
+        col_strides="\n".join(f"    const long long cs{kk} = {stride(kk, t.MAX_DIMS if cuda else 'rank')};"
+                               for kk in range(n_in)))
+    if cuda:
+        return t.CUDA_KERNEL.substitute(
+            name=name, prelude=cuda_t.PRELUDE, row_prelude=t.ROW_PRELUDE.substitute(
+                fn="__device__ __forceinline__", block_reduce=t.BLOCK_REDUCE),
+            max_dims=t.MAX_DIMS, n_stride_rows=max(1, n_in), n_ptrs=n_in + len(out_dtypes),
+            n_scalar_slots=max(1, n_scalar_slots), block_size=t.BLOCK_SIZE, params="\n".join(params),
+            shared="\n".join(f"  __shared__ {a} fz_sh_{a}[{t.BLOCK_SIZE}];" for a in sorted(shared)),
+            offsets=offsets, phases="\n".join(phases))
+    work = 1 + len(statement) + len(reductions)
+    return t.CPU_KERNEL.substitute(
+        name=name, prelude=cpu_t.PRELUDE, row_prelude=t.ROW_PRELUDE.substitute(fn="inline", block_reduce=""),
+        params="\n".join(params), parallel_threshold=max(1, CPU_PARALLEL_WORK // work), offsets=offsets,
+        phases="\n".join(phases))
