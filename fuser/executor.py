@@ -214,6 +214,10 @@ def _concat_views(spec: KernelSpec, shapes: list, shape) -> tuple:
 
 
 def kernel_for(spec: KernelSpec, p: Plan) -> Optional[compiler.CompiledKernel]:
+    """The kernel of plan ``p`` (for a group with reductions, its ``fuser.rows`` row kernel), built once."""
+    if spec.has_reduction:
+        from . import rows
+        return rows.kernel_for(spec, p)
     return spec.kernel_for(p.arg_spec, lambda: compiler.build(spec, p.arg_spec))
 
 
@@ -295,7 +299,8 @@ def run(spec: KernelSpec, args: Sequence, rng_state: Optional[list] = None) -> O
             return None  # a switch, not a property of the inputs: do not remember it
         if spec.has_reduction:  # a row kernel (fuser/rows/)
             from . import rows
-            geo = None if isinstance(p, str) else rows.geometry(spec, p)
+            kernel = None if isinstance(p, str) else kernel_for(spec, p)
+            geo = None if kernel is None else rows.RowGeometry(p, kernel)
         else:
             kernel = None if isinstance(p, str) else kernel_for(spec, p)
             geo = None if kernel is None else Geometry(p, kernel)

@@ -93,6 +93,7 @@ class OpDef:
     random: bool = False
     concat: bool = False
     targets: Mapping[str, Mapping[Optional[str], Exprs]] = field(default_factory=dict)
+    reduction: Optional["Reduction"] = None  # a reduction (see Reduction): no expression, a row kernel runs it
 
     def template(self, variant: Optional[str], family: str, target: Optional[str] = None) -> Optional[string.Template]:
         exprs = self.targets.get(target, {}).get(variant) or self.exprs.get(variant)
@@ -395,6 +396,20 @@ REDUCTIONS: dict[str, Reduction] = {
 }
 
 
+# what the pass looks up by a node's schema (ops.lookup serves pointwise ops only)
+REDUCTION_DEFS: dict[str, OpDef] = {s: OpDef(s.split("(", 1)[0], (s,), {}, reduction=REDUCTIONS[s.split("(", 1)[0]])
+                                    for s in (
+    "aten::sum.dim_IntList(Tensor self, int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor",
+    "aten::mean.dim(Tensor self, int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor",
+    "aten::amax(Tensor self, int[1] dim=[], bool keepdim=False) -> Tensor",
+    "aten::amin(Tensor self, int[1] dim=[], bool keepdim=False) -> Tensor")}
+
+
 def reduction(op: str) -> Optional[Reduction]:
     """The reduction an ATen overload name stands for, or None (pointwise ops are in the table above)."""
     return REDUCTIONS.get(op)
+
+
+def lookup_reduction(schema: str) -> Optional[OpDef]:
+    """The reduction entry for a node's schema string, or None."""
+    return REDUCTION_DEFS.get(schema)

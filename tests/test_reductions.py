@@ -330,3 +330,60 @@ def test_cuda_row_kernels_compile_with_nvrtc(arch):
         p = rows.plan(spec, case.inputs(dtype, 5), "cuda")
         name, source = rows.launch.source_for(spec, p)
         driver.compile_source(source, name, driver.NvrtcOptions(arch))
+
+
+# ---------------------------------------------------------------------------------------- the TorchScript pass
+
+def _softmax_written_out(x, w):
+    y = x * w
+    e = torch.exp(y - y.amax(-1, keepdim=True))
+    return e / e.sum(-1, keepdim=True)
+
+
+def _row_sum(x):
+    return (x * 2 + 1).sum(-1)
+
+
+def _sum_over_dim0(x):
+    return (x * 2 + 1).sum(0) * 3
+
+
+def _kinds(g):
+    return [n.kind() for n in g.nodes() if n.kind() != "prim::Constant"]
+
+
+def _row_kernels_of(group_node) -> list:
+    from fuser import ts_ir
+    spec = _spec(ts_ir.lower(group_node.g("Subgraph")))
+    return [k for k in spec.kernels().values() if isinstance(k, rows.launch.RowKernel)]
+
+
+@pytest.mark.parametrize("fn", (_softmax_written_out, _row_sum), ids=("softmax", "row_sum"))
+def test_the_pass_fuses_a_trailing_reduction_with_its_prologue_and_epilogue(fn):
+    scripted = fuser.fuse(torch.jit.script(fn))
+    args = (torch.randn(8, 100), torch.randn(100))[:1 if fn is _row_sum else 2]
+    for _ in range(2):  # the profiling executor's first call records shapes
+        out = scripted(*args)
+    torch.testing.assert_close(out, fn(*args))
+    g = fuser.graph_for(scripted, *args)
+    assert _kinds(g) == ["prim::FusionGroup"]
+    assert _row_kernels_of(g.findNode("prim::FusionGroup"))  # it ran as a row kernel
+    other = [torch.randn(3, 4, 33)] + ([torch.randn(33)] if fn is not _row_sum else [])
+    torch.testing.assert_close(scripted(*other), fn(*other))  # another rank: the same group
+
+
+def test_the_pass_leaves_a_reduction_over_a_leading_dim_to_eager():
+    scripted = fuser.fuse(torch.jit.script(_sum_over_dim0))
+    x = torch.randn(9, 20)
+    for _ in range(2):
+        torch.testing.assert_close(scripted(x), _sum_over_dim0(x))
+    g = fuser.graph_for(scripted, x)
+    assert "aten::sum" in _kinds(g)
+    for node in g.findAllNodes("prim::FusionGroup"):
+        assert not any(n.kind() == "aten::sum" for n in node.g("Subgraph").nodes())
+
+
+def test_the_reduction_schemas_are_torchs():
+    from fuser import ops
+    for schema in ops.REDUCTION_DEFS:
+        assert str(ir.schema(schema.split("(", 1)[0])) == schema

@@ -48,10 +48,4 @@ def kernel_for(spec: KernelSpec, p: RowPlan) -> Optional[launch.RowKernel]:
     return spec.kernel_for(p.key, lambda: launch.build(spec, p))
 
 
-def geometry(spec: KernelSpec, p: RowPlan) -> Optional[RowGeometry]:
-    """The geometry of plan ``p``, its kernel built (once per key); None where the kernel cannot be generated."""
-    kernel = kernel_for(spec, p)
-    return None if kernel is None else RowGeometry(p, kernel)
-
-
-__all__ = ["RowGeometry", "RowPlan", "geometry", "kernel_for", "plan"]
+__all__ = ["RowGeometry", "RowPlan", "kernel_for", "plan"]
