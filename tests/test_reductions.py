@@ -161,6 +161,9 @@ def emulated():
     with torch.random.fork_rng():
         for case, dtype in PARAMS:
             row_emulate.kernel_for(_GROUPS[case.id], case.inputs(dtype, 3), em)
+        for kind, g in _DECOMPOSED.items():
+            for dtype in (torch.float32, torch.bfloat16):
+                row_emulate.kernel_for(g, _decomposed_case(kind, dtype)[0], em)
     em.compile_pending()
     return em
 
@@ -387,3 +390,41 @@ def test_the_reduction_schemas_are_torchs():
     from fuser import ops
     for schema in ops.REDUCTION_DEFS:
         assert str(ir.schema(schema.split("(", 1)[0])) == schema
+
+
+# ----------------------------------------------------------------------------------------- decompositions
+
+def _decomposed(kind: str) -> ir.Group:
+    from fuser.rows import decompose
+    b = ir.Builder()
+    x = b.input()
+    if kind == "layer_norm":
+        w, c = b.input(), b.input()
+        return b.build([decompose.layer_norm(b, x, (7, 64), w, c, 1e-5)])
+    return b.build([getattr(decompose, kind)(b, x, -1)])
+
+
+_DECOMPOSED = {k: _decomposed(k) for k in ("softmax", "log_softmax", "layer_norm")}
+
+
+def _decomposed_case(kind: str, dtype):
+    x = 2 * torch.randn(5, 7, 64, dtype=dtype)
+    if kind == "layer_norm":
+        args = [x + 1, torch.randn(7, 64, dtype=dtype), torch.randn(7, 64, dtype=dtype)]
+        return args, lambda x, w, c: torch.nn.functional.layer_norm(x, (7, 64), w, c, 1e-5)
+    return [x], lambda x: getattr(torch, kind)(x, -1)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("kind", sorted(_DECOMPOSED))
+def test_decompositions_run_as_one_row_kernel_like_eager(kind, dtype, emulated):
+    """softmax, log_softmax and layer_norm as steps of the IR: one row kernel on the CPU and emulated CUDA,
+    eager's op's result within the dtype's tolerance of eager in float64."""
+    g = _DECOMPOSED[kind]
+    assert all(n.origin == f"aten::{kind}" for n in g.nodes)
+    args, fn = _decomposed_case(kind, dtype)
+    ref, ref64 = fn(*args), fn(*[a.double() for a in args])
+    for (out,) in _both(g, args):
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        tol = TOL[dtype]
+        torch.testing.assert_close(out.double(), ref64, rtol=tol, atol=tol * max(1.0, ref64.abs().max().item()))
