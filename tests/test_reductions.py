@@ -428,3 +428,58 @@ def test_decompositions_run_as_one_row_kernel_like_eager(kind, dtype, emulated):
         assert out.dtype == ref.dtype and out.shape == ref.shape
         tol = TOL[dtype]
         torch.testing.assert_close(out.double(), ref64, rtol=tol, atol=tol * max(1.0, ref64.abs().max().item()))
+
+
+# ------------------------------------------------------------------------------- random shapes and layouts
+
+def _layout_group() -> ir.Group:
+    """y = x * w + k (k a keepdim-shaped input); outputs y - amax(y), mean(y) (keepdim) and sum(y * y)."""
+    b = ir.Builder()
+    x, w, k = b.input(), b.input(), b.input()
+    y = b.call("aten::add", b.call("aten::mul", x, w), k, 1)
+    dims = (-2, -1)
+    m = _reduce(b, "amax", y, dims, True)
+    return b.build([b.call("aten::sub", y, m, 1), _reduce(b, "mean", y, dims, True),
+                    _reduce(b, "sum", b.call("aten::mul", y, y), dims, False)])
+
+
+_LAYOUT = _layout_group()
+
+
+def _random_layout_args(gen: torch.Generator) -> list:
+    """x of rank 2..4 (reduced: its last two dims), maybe a permuted view; w broadcast along some dims; k of the
+    kept shape (or with its rows broadcast too)."""
+    def pick(n):
+        return int(torch.randint(n, (), generator=gen))
+    rank = 2 + pick(3)
+    shape = [1 + pick(6) if pick(4) else 1 for _ in range(rank)]
+    shape[-1] = 1 + pick(40)
+    base = torch.randn(*shape, dtype=torch.float64, generator=gen)
+    if rank >= 3 and pick(2):  # a view whose row dims are permuted
+        perm = list(range(rank - 2))[::-1] + [rank - 2, rank - 1]
+        base = torch.randn(*[shape[p] for p in perm], dtype=torch.float64, generator=gen).permute(*perm)
+    w_shape = [s if pick(2) else 1 for s in shape][pick(rank):]
+    k_shape = [s if pick(2) else 1 for s in shape[:-2]] + [1, 1]
+    return [base, torch.randn(w_shape, dtype=torch.float64, generator=gen),
+            torch.randn(k_shape, dtype=torch.float64, generator=gen)]
+
+
+def test_random_shapes_broadcasts_and_views_match_eager(emulated):
+    """40 random shapes, broadcasts and views, through one kernel per backend: eager's results where the plan
+    takes them (most), and through the fallback (eager's results too) where it does not."""
+    spec = _spec(_LAYOUT)
+    gen = torch.Generator().manual_seed(int(torch.randint(2 ** 31, ())))
+    fused = 0
+    for _ in range(40):
+        x, w, k = args = _random_layout_args(gen)
+        y = x * w + k
+        ref = [y - y.amax((-2, -1), keepdim=True), y.mean((-2, -1), keepdim=True), (y * y).sum((-2, -1))]
+        outs = [fuser.run_fusion(spec.key, args)]
+        cpu = executor.run(spec, args)
+        fused += cpu is not None
+        outs += [o for o in (cpu, row_emulate.run(_LAYOUT, args, emulated)) if o is not None]
+        for out in outs:
+            for o, r in zip(out, ref):
+                assert o.shape == r.shape
+                torch.testing.assert_close(o, r, rtol=1e-12, atol=1e-12)
+    assert fused >= 20
