@@ -7,6 +7,7 @@ import hashlib
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,6 +28,7 @@ class RowKernel:
     backend: object  # fuser.cpu.compiler.CpuKernel or RowCudaKernel
     # per float argument: (index, lowest, highest, non-finite allowed), as compiler.CompiledKernel's
     scalar_limits: tuple = ()
+    build_ms: float = 0.0  # wall time of build(): codegen, compile (or disk-cache load), load
 
 
 def kernel_name(spec_text: str, key) -> str:
@@ -45,6 +47,7 @@ def source_for(spec, p: RowPlan) -> tuple[str, str]:
 
 def build(spec, p: RowPlan) -> Optional[RowKernel]:
     """Compile the row kernel for ``p`` on its device; None where it cannot be generated (the caller falls back)."""
+    t0 = time.perf_counter()
     try:
         name, source = source_for(spec, p)
     except codegen.NotFusable:
@@ -58,7 +61,7 @@ def build(spec, p: RowPlan) -> Optional[RowKernel]:
     if compiled:
         compiler._count_compile()
     return RowKernel(name, source, p.key.target, tuple(p.out_dtypes), backend,
-                     compiler._scalar_limits(spec, p.types))
+                     compiler._scalar_limits(spec, p.types), (time.perf_counter() - t0) * 1e3)
 
 
 # ---- CPU
@@ -125,6 +128,10 @@ class RowCudaKernel:
     (one block per row, at most a few waves of blocks; the kernel grid-strides over the rest)."""
 
     def __init__(self, kernel, struct):
+        from ..cuda import launch as cuda_launch
+        if cuda_launch.BLOCK_SIZE != t.BLOCK_SIZE:  # the kernel's shared arrays and its tree assume its block size
+            raise RuntimeError(f"row kernels are written for {t.BLOCK_SIZE} threads a block, the launcher launches "
+                               f"{cuda_launch.BLOCK_SIZE}")
         self.kernel, self.struct = kernel, struct
         self.max_blocks = kernel.max_blocks if kernel.max_blocks < 2 ** 31 - 1 else 65535 * 32
         self._local = threading.local()
