@@ -483,3 +483,28 @@ def test_random_shapes_broadcasts_and_views_match_eager(emulated):
                 assert o.shape == r.shape
                 torch.testing.assert_close(o, r, rtol=1e-12, atol=1e-12)
     assert fused >= 20
+
+
+def test_cpu_row_kernels_take_vector_loops_and_scalar_ones(monkeypatch):
+    """Where the vector toolchain is there, the CPU row kernel's passes run at::vec loops (the scalar loop only
+    for a row's tail and for rows whose inputs step by more than 1); without it, scalar loops alone: both like
+    eager."""
+    from fuser import compiler
+    from fuser.cpu import templates as cpu_t
+    args = [3 * torch.randn(6, 1000)]
+    ref = torch.softmax(args[0], -1)
+    spec = _spec(_GROUPS["softmax"])
+    assert executor.run(spec, args) is not None
+    source = next(k for k in spec.kernels().values() if isinstance(k, rows.launch.RowKernel)).source
+    assert (cpu_t.VECTOR_INCLUDE in source) == compiler._cpu_vectorize()
+    monkeypatch.setattr(compiler, "_cpu_vectorize", lambda: False)
+    b = ir.Builder()  # another group (its own kernel): softmax of x * 1.0
+    x = b.call("aten::mul", b.input(), 1.0)
+    m = _reduce(b, "amax", x, (-1,), True)
+    e = b.call("aten::exp", b.call("aten::sub", x, m, 1))
+    spec = _spec(b.build([b.call("aten::div", e, _reduce(b, "sum", e, (-1,), True))]))
+    out = executor.run(spec, args)
+    assert out is not None
+    source = next(k for k in spec.kernels().values() if isinstance(k, rows.launch.RowKernel)).source
+    assert cpu_t.VECTOR_INCLUDE not in source
+    torch.testing.assert_close(out[0], ref)

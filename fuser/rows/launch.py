@@ -38,8 +38,9 @@ def kernel_name(spec_text: str, key) -> str:
 def source_for(spec, p: RowPlan) -> tuple[str, str]:
     """(name, source) of the row kernel of ``spec`` for plan ``p``; raises codegen.NotFusable."""
     name = kernel_name(spec.text, p.key)
+    from .. import compiler
     source = row_codegen.generate(spec.group, [dt for dt, _ in p.key.inputs], p.types, p.key.target, name,
-                                  len(p.scalars))
+                                  len(p.scalars), vectorize=p.key.target == "cpu" and compiler._cpu_vectorize())
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: row kernel {name} for {p.key}\n{source}", file=sys.stderr)
     return name, source

@@ -40,6 +40,7 @@ ${row_prelude}
 extern "C" void ${name}(int64_t rows, int64_t rank, const int64_t* sizes, const int64_t* strides,
                         void* const* ptrs, const double* scalars) {
   (void)scalars;
+${vector_types}
 ${params}
   const int64_t cols = sizes[rank];
 #pragma omp parallel for schedule(static) if (rows > 1 && rows * cols >= ${parallel_threshold})
@@ -93,3 +94,33 @@ PHASE = Template(r"""    ${acc_decl}
 ${body}
     }
 ${after}""")
+
+# the CPU kernel's vector loops (fuser.rows.codegen._Vector), over the vector header's at::vec types
+CPU_VECTOR_TYPES = Template(r"""  typedef ${vtype} fz_v;
+  const int64_t W = fz_v::size();""")
+
+# a pass of a reduction: trips of ${copies} vectors while the row steps by 0 or 1 in every input (vec_ok), the
+# partial results combined in a fixed order, then the scalar loop from c0_${pos} on
+CPU_VECTOR_PASS = Template(r"""    int64_t c0_${pos} = 0;
+    ${acc_t} acc${pos} = ${ident};
+    if (vec_ok && cols >= ${copies} * W) {
+${decls}
+      for (; c0_${pos} + ${copies} * W <= cols; c0_${pos} += ${copies} * W) {
+        const int64_t c = c0_${pos};
+${lines}
+${accumulate}
+      }
+${combine}
+      ${ctype} fz_h[64];
+      vacc${pos}_0.store(fz_h);
+      for (int64_t l = 0; l < W; ++l) acc${pos} = ${combine_fn}::f(acc${pos}, (${acc_t})fz_h[l]);
+    }""")
+
+# the pass that stores the element-level outputs: trips of ${copies} vectors, then the scalar loop from c0_out on
+CPU_VECTOR_STORES = Template(r"""    int64_t c0_out = 0;
+    if (vec_ok) {
+      for (; c0_out + ${copies} * W <= cols; c0_out += ${copies} * W) {
+        const int64_t c = c0_out;
+${lines}
+      }
+    }""")
