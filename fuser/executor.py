@@ -297,14 +297,14 @@ def run(spec: KernelSpec, args: Sequence, rng_state: Optional[list] = None) -> O
             p = plan(spec, args)
         if isinstance(p, str) and p.endswith("fusion is off"):
             return None  # a switch, not a property of the inputs: do not remember it
-        if spec.has_reduction:  # a row kernel (fuser/rows/)
+        kernel = None if isinstance(p, str) else kernel_for(spec, p)
+        if kernel is None:
+            geo = _NOT_FUSABLE
+        elif spec.has_reduction:  # a row kernel (fuser/rows/)
             from . import rows
-            kernel = None if isinstance(p, str) else kernel_for(spec, p)
-            geo = None if kernel is None else rows.RowGeometry(p, kernel)
+            geo = rows.RowGeometry(p, kernel)
         else:
-            kernel = None if isinstance(p, str) else kernel_for(spec, p)
-            geo = None if kernel is None else Geometry(p, kernel)
-        geo = _NOT_FUSABLE if geo is None else geo
+            geo = Geometry(p, kernel)
         if len(spec.geometries) >= MAX_SIGNATURES:
             spec.geometries.clear()
         spec.geometries[sig] = geo

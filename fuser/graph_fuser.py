@@ -234,8 +234,8 @@ class _BlockFuser:
         outs = self._outputs(members)
         if any(self.ops[v.node()].aliases_input and not self._private(v.node().inputsAt(0), mset) for v in outs):
             return None
-        reduced = {sorted_dims for m in members if self.ops.get(m) is not None and self.ops[m].reduction
-                   for sorted_dims in (tuple(sorted(m.inputsAt(1).toIValue())),)}
+        reduced = {tuple(sorted(m.inputsAt(1).toIValue())) for m in members
+                   if self.ops.get(m) is not None and self.ops[m].reduction is not None}
         if len(reduced) > 1:  # one set of reduced dims per group (a row kernel)
             return None
         for m in members:  # a cat's result is not consumed inside its own group (it is not a map value)

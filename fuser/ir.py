@@ -1,11 +1,11 @@
 """The group IR: what every front door builds and every later stage reads.
 
-A :class:`Group` is a straight-line program of pointwise ATen ops. It has inputs (tensors and float scalars),
-:class:`Node`s that each name one ATen overload (``"aten::add.Tensor"``, ``"aten::gelu"``) with one positional
-argument per schema argument, and outputs. An argument is a :class:`Value` of the group, a constant (None, bool,
-int, float, str, or a :class:`TensorConst`: the 0-dim tensors tracing makes of Python numbers), a tuple of
-values (``cat``'s list), or a tuple of ints (a reduction's dims). Everything is a frozen dataclass: a group never changes once built (a
-:class:`Builder` builds it).
+A :class:`Group` is a straight-line program of ATen ops (pointwise ones, and reductions: ``fuser/rows/``). It has
+inputs (tensors and float scalars), :class:`Node`s that each name one ATen overload (``"aten::add.Tensor"``,
+``"aten::gelu"``) with one positional argument per schema argument, and outputs. An argument is a :class:`Value`
+of the group, a constant (None, bool, int, float, str, or a :class:`TensorConst`: the 0-dim tensors tracing makes
+of Python numbers), a tuple of values (``cat``'s list), or a tuple of ints (a reduction's dims). Everything is a
+frozen dataclass: a group never changes once built (a :class:`Builder` builds it).
 
 ``Group.text()`` is the canonical printed form: values renumbered in order, constants typed, so two groups have
 the same text exactly when they compute the same thing the same way. It is the kernel store's key and what
