@@ -56,20 +56,24 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
 
     statement: dict[int, str] = {}  # per non-reduction node's value: its C statement
     vector_args: dict[int, tuple] = {}  # per non-reduction node's value: what CpuVector.add takes
+    # the values holding a number of their float16/bfloat16 dtype exactly (see codegen.body.generate)
+    exact: set = {v.id for v in group.inputs}
     reductions = []  # (node, position, reduction, node types)
     options = KernelOptions(index32=False, vectorize=False)
     for pos, (n, nt) in enumerate(zip(group.nodes, node_types)):
         red = ops.reduction(n.op)
         if red is not None:
             vname[n.out.id], vtype[n.out.id], vdtype[n.out.id] = f"v{pos}", value_type(nt.result, target), nt.result
+            if nt.result in REDUCED and not n.origin:  # rounded to its dtype below, as eager stores it
+                exact.add(n.out.id)
             reductions.append((n, pos, red, nt))
             continue
         op = ops.of(n.op)
         if op is None or op.random or op.concat:
             raise NotFusable(f"{n.op} in a row kernel")
-        statement[n.out.id], variant, consts = node_statement(group, n, op, nt, pos, target, options, vname, vtype,
-                                                              vdtype)
-        vector_args[n.out.id] = (n, op, variant, nt, consts, pos)
+        statement[n.out.id], variant, consts, round_to = node_statement(group, n, op, nt, pos, target, options,
+                                                                        vname, vtype, vdtype, exact)
+        vector_args[n.out.id] = (n, op, variant, nt, consts, pos, round_to)
 
     producer = {n.out.id: n for n in group.nodes}
     order = {n.out.id: pos for pos, n in enumerate(group.nodes)}
@@ -228,8 +232,8 @@ class _Vector:
         """(loads, op lines) for ``copies`` vectors, or None (no vector form)."""
         cv = CpuVector(self.descs, "cpu", KernelOptions())
         for i in sorted(need - set(self.tensor_index) - {v.id for v in self.group.inputs}, key=self.order.__getitem__):
-            n, op, variant, nt, consts, pos = self.vector_args[i]
-            cv.add(n, op, variant, nt, consts, self.vname, self.vdtype, f"v{pos}")
+            n, op, variant, nt, consts, pos, round_to = self.vector_args[i]
+            cv.add(n, op, variant, nt, consts, self.vname, self.vdtype, f"v{pos}", round_to)
         if not cv.on or cv.vtype is None:
             self.on = False
             return None
