@@ -193,7 +193,7 @@ def differentiable(spec: KernelSpec, args: list, rng_state: Optional[list] = Non
     its backward kernel then reuses: Philox numbers depend only on (seed, offset, op, element), so the
     backward recomputes exactly the forward's mask. If the forward kernel cannot run, the interpreter does
     (eager's autograd then records eager's own draw)."""
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or spec.has_reduction:  # no derivatives of reductions yet: eager's autograd
         return None
     if _forward_ad._current_level >= 0 or _functorch_stack() is not None:
         return None

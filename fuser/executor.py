@@ -79,12 +79,9 @@ def _contiguous_strides(sizes: Sequence[int]) -> list[int]:
     return out[::-1]
 
 
-def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Union[Plan, str]:
-    """A :class:`Plan` for running ``spec`` on ``args``, or the reason it must fall back.
-
-    target: the backend to plan for; None: the tensors' device's, if its fusion is on. The CUDA emulator
-    (``fuser.cuda.emulate``) plans "cuda" kernels for CPU tensors.
-    """
+def check_inputs(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Union[tuple, str]:
+    """(tensors, float arguments, device, target) when a kernel may run on ``args`` (one device whose fusion is
+    on, or the given target; supported dtypes and layouts; no autograd), else the reason to fall back."""
     if len(args) != len(spec.input_is_tensor):
         return f"expected {len(spec.input_is_tensor)} inputs, got {len(args)}"
     tensors, scalars = [], []
@@ -117,6 +114,23 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
         target = device.type
         if not settings.fusion_enabled(device.type):
             return f"{device.type} fusion is off"
+    return tensors, scalars, device, target
+
+
+def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Union[Plan, str]:
+    """A :class:`Plan` for running ``spec`` on ``args``, or the reason it must fall back (for a group with
+    reductions, a ``fuser.rows.RowPlan``).
+
+    target: the backend to plan for; None: the tensors' device's, if its fusion is on. The CUDA emulator
+    (``fuser.cuda.emulate``) plans "cuda" kernels for CPU tensors.
+    """
+    if spec.has_reduction:  # a row kernel's plan (fuser/rows/)
+        from . import rows
+        return rows.plan(spec, args, target)
+    checked = check_inputs(spec, args, target)
+    if isinstance(checked, str):
+        return checked
+    tensors, scalars, device, target = checked
 
     shapes = [t.shape for t in tensors]
     first = shapes[0]
@@ -200,6 +214,10 @@ def _concat_views(spec: KernelSpec, shapes: list, shape) -> tuple:
 
 
 def kernel_for(spec: KernelSpec, p: Plan) -> Optional[compiler.CompiledKernel]:
+    """The kernel of plan ``p`` (for a group with reductions, its ``fuser.rows`` row kernel), built once."""
+    if spec.has_reduction:
+        from . import rows
+        return rows.kernel_for(spec, p)
     return spec.kernel_for(p.arg_spec, lambda: compiler.build(spec, p.arg_spec))
 
 
@@ -277,10 +295,16 @@ def run(spec: KernelSpec, args: Sequence, rng_state: Optional[list] = None) -> O
     if geo is None:
         with torch.no_grad():  # the geometry is the same with or without grad; the check below decides
             p = plan(spec, args)
-        kernel = None if isinstance(p, str) else kernel_for(spec, p)
         if isinstance(p, str) and p.endswith("fusion is off"):
             return None  # a switch, not a property of the inputs: do not remember it
-        geo = _NOT_FUSABLE if kernel is None else Geometry(p, kernel)
+        kernel = None if isinstance(p, str) else kernel_for(spec, p)
+        if kernel is None:
+            geo = _NOT_FUSABLE
+        elif spec.has_reduction:  # a row kernel (fuser/rows/)
+            from . import rows
+            geo = rows.RowGeometry(p, kernel)
+        else:
+            geo = Geometry(p, kernel)
         if len(spec.geometries) >= MAX_SIGNATURES:
             spec.geometries.clear()
         spec.geometries[sig] = geo
@@ -296,6 +320,8 @@ def run(spec: KernelSpec, args: Sequence, rng_state: Optional[list] = None) -> O
     device = geo.device
     if not settings.enabled.get(device.type) and not settings.fusion_enabled(device.type):
         return None
+    if spec.has_reduction:
+        return geo.run(tensors, scalars)
     if geo.out_like is not None:
         empty_like = torch.empty_like
         outputs = kernel_outputs = [empty_like(tensors[k]) if dt is None else empty_like(tensors[k], dtype=dt)

@@ -59,8 +59,12 @@ def fusable_op(node: torch._C.Node) -> Optional[ops.OpDef]:
     """
     if not node.kind().startswith("aten::") or node.outputsSize() != 1 or list(node.blocks()):
         return None
-    op = ops.lookup(node.schema())
-    if op is None or not _is_tensor(node.output()):
+    schema = node.schema()
+    op = ops.lookup(schema)
+    if op is None:
+        red = ops.lookup_reduction(schema)
+        return red if red is not None and _is_tensor(node.output()) and _trailing_reduction(node) else None
+    if not _is_tensor(node.output()):
         return None
     if op.concat:
         return op if concat_list(node) is not None else None
@@ -78,6 +82,19 @@ def fusable_op(node: torch._C.Node) -> Optional[ops.OpDef]:
         if v.type().kind() != "FloatType":
             return None
     return op
+
+
+def _trailing_reduction(node: torch._C.Node) -> bool:
+    """Whether a reduction may join a group: its dims, keepdim and dtype constants, the dims the last k of
+    any rank (-1, or -2 and -1, ...; the row kernels reduce trailing dims, and this holds for every input's
+    rank). The executor checks the rest per call (the shapes) and falls back when the form does not hold."""
+    args = list(node.inputs())
+    if not all(_is_constant(v) for v in args[1:]):
+        return False
+    dims, keepdim = args[1].toIValue(), args[2].toIValue()
+    if not isinstance(dims, list) or not dims or not isinstance(keepdim, bool):
+        return False
+    return sorted(dims) == list(range(-len(dims), 0))
 
 
 def concat_list(cat: torch._C.Node) -> Optional[torch._C.Node]:
@@ -216,6 +233,10 @@ class _BlockFuser:
                 deferred_outs.update(o.unique() for o in n.outputs())
         outs = self._outputs(members)
         if any(self.ops[v.node()].aliases_input and not self._private(v.node().inputsAt(0), mset) for v in outs):
+            return None
+        reduced = {tuple(sorted(m.inputsAt(1).toIValue())) for m in members
+                   if self.ops.get(m) is not None and self.ops[m].reduction is not None}
+        if len(reduced) > 1:  # one set of reduced dims per group (a row kernel)
             return None
         for m in members:  # a cat's result is not consumed inside its own group (it is not a map value)
             op = self.ops.get(m)

@@ -1,11 +1,11 @@
 """The group IR: what every front door builds and every later stage reads.
 
-A :class:`Group` is a straight-line program of pointwise ATen ops. It has inputs (tensors and float scalars),
-:class:`Node`s that each name one ATen overload (``"aten::add.Tensor"``, ``"aten::gelu"``) with one positional
-argument per schema argument, and outputs. An argument is a :class:`Value` of the group, a constant (None, bool,
-int, float, str, or a :class:`TensorConst`: the 0-dim tensors tracing makes of Python numbers), or a tuple of
-values (``cat``'s list). Everything is a frozen dataclass: a group never changes once built (a
-:class:`Builder` builds it).
+A :class:`Group` is a straight-line program of ATen ops (pointwise ones, and reductions: ``fuser/rows/``). It has
+inputs (tensors and float scalars), :class:`Node`s that each name one ATen overload (``"aten::add.Tensor"``,
+``"aten::gelu"``) with one positional argument per schema argument, and outputs. An argument is a :class:`Value`
+of the group, a constant (None, bool, int, float, str, or a :class:`TensorConst`: the 0-dim tensors tracing makes
+of Python numbers), a tuple of values (``cat``'s list), or a tuple of ints (a reduction's dims). Everything is a
+frozen dataclass: a group never changes once built (a :class:`Builder` builds it).
 
 ``Group.text()`` is the canonical printed form: values renumbered in order, constants typed, so two groups have
 the same text exactly when they compute the same thing the same way. It is the kernel store's key and what
@@ -258,7 +258,9 @@ def _accepts(ptype: str, a, numbers_as_tensors: bool = False) -> bool:
         return t == "Tensor" if a.is_tensor else t in ("number", "float")
     if isinstance(a, TensorConst):
         return t == "Tensor"
-    if isinstance(a, tuple):
+    if isinstance(a, tuple):  # cat's list of values, or a constant list of ints (a reduction's dims)
+        if t == "List[int]":
+            return all(isinstance(x, int) and not isinstance(x, bool) for x in a)
         return t == "List[Tensor]" and all(isinstance(x, Value) and x.is_tensor for x in a)
     if isinstance(a, bool):
         return t in ("bool", "number")

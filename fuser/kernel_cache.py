@@ -57,6 +57,8 @@ class KernelSpec:
         # not a map element, so such a group is neither generated nor differentiated, the fallback runs it
         cats = {n.out.id for n in g.nodes if getattr(ops.of(n.op), "concat", False)}
         self.concat_consumed = any(v.id in cats for n in g.nodes for v in n.values)
+        # a reduction inside: the row kernels of fuser/rows/ run it, not the pointwise map
+        self.has_reduction = any(ops.reduction(n.op) is not None for n in g.nodes)
 
     @property
     def n_tensor_inputs(self) -> int:

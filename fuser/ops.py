@@ -93,6 +93,7 @@ class OpDef:
     random: bool = False
     concat: bool = False
     targets: Mapping[str, Mapping[Optional[str], Exprs]] = field(default_factory=dict)
+    reduction: Optional["Reduction"] = None  # a reduction (see Reduction): no expression, a row kernel runs it
 
     def template(self, variant: Optional[str], family: str, target: Optional[str] = None) -> Optional[string.Template]:
         exprs = self.targets.get(target, {}).get(variant) or self.exprs.get(variant)
@@ -362,3 +363,53 @@ def lookup(schema: str) -> Optional[OpDef]:
 def of(op: str) -> Optional[OpDef]:
     """The table entry for an ATen overload name (a group IR node's ``op``), or None when it is not fusable."""
     return OPS_BY_OVERLOAD.get(op)
+
+
+# ---- reductions ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Reduction:
+    """A reduction over a constant list of dims (``fuser/rows/``: a group's row kernel).
+
+    identity: the accumulator's start, a C expression of the accumulator type ``$A``; combine: a struct of the
+    kernels' row prelude whose ``f(a, b)`` folds two partial results (the block reduction calls it too, so it is
+    associative and commutative up to rounding); wide: the accumulator is float for float16/bfloat16/float32 and
+    double for float64 (eager's sum and mean; the CPU kernels accumulate in double), else the compute type
+    (max and min are exact); mean: the result is the sum over the row's length. Arguments: ``self``, ``dim``
+    (a constant tuple of ints; empty or None: every dim), ``keepdim``, and for sum and mean the ``dtype`` the
+    input is converted to before the sum (eager's rule)."""
+
+    kind: str
+    identity: str
+    combine: str
+    wide: bool
+    mean: bool = False
+    has_dtype: bool = False
+
+
+REDUCTIONS: dict[str, Reduction] = {
+    "aten::sum.dim_IntList": Reduction("sum", "(($A)0)", "fz_rsum", True, has_dtype=True),
+    "aten::mean.dim": Reduction("mean", "(($A)0)", "fz_rsum", True, mean=True, has_dtype=True),
+    # eager's amax/amin propagate NaN (fz_max/fz_min do); an empty row raises in eager (the executor falls back)
+    "aten::amax": Reduction("amax", "FZ_LOWEST($A)", "fz_rmax", False),
+    "aten::amin": Reduction("amin", "FZ_HIGHEST($A)", "fz_rmin", False),
+}
+
+
+# what the pass looks up by a node's schema (ops.lookup serves pointwise ops only)
+REDUCTION_DEFS: dict[str, OpDef] = {s: OpDef(s.split("(", 1)[0], (s,), {}, reduction=REDUCTIONS[s.split("(", 1)[0]])
+                                    for s in (
+    "aten::sum.dim_IntList(Tensor self, int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor",
+    "aten::mean.dim(Tensor self, int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor",
+    "aten::amax(Tensor self, int[1] dim=[], bool keepdim=False) -> Tensor",
+    "aten::amin(Tensor self, int[1] dim=[], bool keepdim=False) -> Tensor")}
+
+
+def reduction(op: str) -> Optional[Reduction]:
+    """The reduction an ATen overload name stands for, or None (pointwise ops are in the table above)."""
+    return REDUCTIONS.get(op)
+
+
+def lookup_reduction(schema: str) -> Optional[OpDef]:
+    """The reduction entry for a node's schema string, or None."""
+    return REDUCTION_DEFS.get(schema)

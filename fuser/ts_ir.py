@@ -28,6 +28,8 @@ def _constant(v: torch._C.Value):
         return ir.TensorConst.of(val)
     if val is None or isinstance(val, (bool, int, float, str)):
         return val
+    if isinstance(val, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in val):
+        return tuple(val)  # a reduction's dims
     raise ValueError(f"a constant of type {v.type()} cannot be part of a fusion group")
 
 
@@ -72,7 +74,7 @@ def lower(graph: torch._C.Graph) -> ir.Group:
 def _insert_constant(g: torch._C.Graph, c) -> torch._C.Value:
     if isinstance(c, ir.TensorConst):
         c = c.tensor()
-    return g.insertConstant(c)
+    return g.insertConstant(list(c) if isinstance(c, tuple) else c)
 
 
 def raise_group(group: ir.Group) -> torch._C.Graph:
@@ -88,7 +90,7 @@ def raise_group(group: ir.Group) -> torch._C.Graph:
         for a in n.args:
             if isinstance(a, ir.Value):
                 vals.append(env[a.id])
-            elif isinstance(a, tuple):
+            elif isinstance(a, tuple) and not all(isinstance(x, int) for x in a):  # cat's list of values
                 lst = g.create("prim::ListConstruct", [env[x.id] for x in a], 1)
                 g.insertNode(lst)
                 lst.output().setType(torch._C.ListType.ofTensors())

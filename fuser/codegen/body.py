@@ -62,19 +62,7 @@ def generate(group: ir.Group, inputs: Sequence[TensorDesc], node_types: Sequence
             raise NotFusable(f"no op-table entry for {node.op}")
         if op.concat:  # nothing to compute: its pieces are stored into its slices
             continue
-        ctype = value_type(nt.compute, target)
-        consts = {}
-        variant = None
-        if op.variant_arg is not None:
-            variant = node.args[op.variant_arg]
-        tmpl = op.template(variant, family(nt.compute), target)
-        if target == "cuda" and options.fast_reduced and nt.result in REDUCED and family(nt.compute) == "f":
-            tmpl = op.fast_template(variant) or tmpl
-        if tmpl is None:
-            raise NotFusable(f"{op.name} has no {family(nt.compute)!r} expression ({nt.compute}, variant "
-                             f"{variant!r})")
-        rounding = target in op.round_operands and nt.compute in REDUCED  # scalars, on this target
-        round_values = op.discrete and nt.compute in REDUCED  # computed operands, on every target
+        variant = node.args[op.variant_arg] if op.variant_arg is not None else None
         if op.random:
             if nt.result != torch.float64 and nt.result not in rng.BITS:
                 raise NotFusable(f"{op.name} of {nt.result}")
@@ -88,63 +76,14 @@ def generate(group: ir.Group, inputs: Sequence[TensorDesc], node_types: Sequence
             out = node.out
             rtype = compute_type(nt.result)
             vname[out.id], vtype[out.id], vdtype[out.id] = f"v{j}", rtype, nt.result
-            body.append(f"const {rtype} v{j} = ({rtype})({tmpl.substitute(consts)});")
+            expr = op.template(variant, family(nt.compute), target).substitute(consts)
+            body.append(f"const {rtype} v{j} = ({rtype})({expr});")
             vector.add(node, op, variant, nt, consts, vname, vdtype, f"v{j}")
             continue
-        for i, v in enumerate(node.args):
-            if i == op.variant_arg:
-                continue
-            arg = ops.ARG_NAMES[i]
-            if not isinstance(v, ir.Value):
-                val = v
-                if isinstance(val, ir.TensorConst):  # a 0-dim constant (traced Python scalar)
-                    if val.shape != ():
-                        raise NotFusable(f"{op.name}: a constant tensor of shape {val.shape}")
-                    val = val.values[0]
-                consts["has_" + arg] = "false" if val is None else "true"
-                if val is None:
-                    bound = op.none_as.get(i)
-                    if bound is None:
-                        raise NotFusable(f"{op.name}: argument {i} is None")
-                    consts[arg] = f"FZ_{bound.upper()}({ctype})"
-                else:
-                    if rounding and not isinstance(val, bool):
-                        val = torch.tensor(val, dtype=torch.float64).to(nt.compute).item()
-                    # converted to the compute dtype as eager converts a Scalar (uint8(-7) is 249), then held
-                    consts[arg] = _as_held(literal(val, compute_type(nt.compute)), ctype)
-                    # negated in the Scalar's own type, as eager's -alpha: an int 0 stays +0
-                    consts["n" + arg] = _as_held(literal(val if isinstance(val, bool) else -val,
-                                                         compute_type(nt.compute)), ctype)
-                consts["scalar_" + arg] = "true"  # a Python scalar in eager (a CPU scalar to its CUDA kernels)
-            else:
-                consts["has_" + arg] = "true"
-                consts["scalar_" + arg] = "true" if vdtype[v.id] is None else "false"
-                name_, t = vname[v.id], vtype[v.id]
-                # round anything not loaded straight from memory in this dtype: eager compares stored values
-                dt = vdtype[v.id]
-                if dt is None:  # a float argument: rounded where eager rounds scalars
-                    round_it = rounding
-                else:  # a tensor value not loaded straight from memory in this dtype
-                    round_it = (round_values or rounding) and (dt != nt.compute or v.id not in exact)
-                if round_it:
-                    consts[arg] = f"fz_ld(fz_st<{storage_type(nt.compute)}>(({ctype}){name_}))"
-                elif t == ctype and dt == nt.compute or i in op.keep_args:
-                    consts[arg] = name_
-                else:
-                    consts[arg] = _converted(nt.compute, target, name_)
-                consts["n" + arg] = f"(-{consts[arg]})"
-        consts["T"] = ctype
-        out = node.out
-        rtype = value_type(nt.result, target)
-        vname[out.id], vtype[out.id], vdtype[out.id] = f"v{j}", rtype, nt.result
-        expr = _converted(nt.result, target, tmpl.substitute(consts))
-        round_result = options.round_reduced and nt.result in REDUCED and not node.origin
-        if round_result:  # eager's result, stored in its dtype
-            expr = f"fz_ld(fz_st<{storage_type(nt.result)}>({expr}))"
-            exact.add(out.id)
-        body.append(f"const {rtype} v{j} = {expr};")
-        vector.add(node, op, variant, nt, consts, vname, vdtype, f"v{j}",
-                   storage_type(nt.result) if round_result else None)
+        line, variant, consts, round_to = node_statement(group, node, op, nt, j, target, options, vname, vtype,
+                                                         vdtype, exact)
+        body.append(line)
+        vector.add(node, op, variant, nt, consts, vname, vdtype, f"v{j}", round_to)
 
     # kernel outputs: a cat's result is written as its pieces, each converted to the cat's dtype the way eager
     # converts it: stored in its own dtype first (a float16 piece of a float32 cat holds float16 values)
@@ -171,3 +110,77 @@ def generate(group: ir.Group, inputs: Sequence[TensorDesc], node_types: Sequence
                        out_layouts, vector=vector.finish(group, out_dtypes, vname, vdtype)).source()
     return CudaGen(name, inputs, n_scalars, outputs, out_dtypes, vname, body, options, n_random > 0,
                     out_layouts).source()
+
+
+def node_statement(group: ir.Group, node: ir.Node, op: ops.OpDef, nt: NodeTypes, j: int, target: str,
+                   options: KernelOptions, vname: dict, vtype: dict, vdtype: dict,
+                   exact: set) -> tuple[str, object, dict, Optional[str]]:
+    """The C statement of a pointwise node (not random, not cat) that defines ``v{j}``: (statement, the op's
+    variant, the template's substitutions, the storage type its result is rounded to or None). Reads the C
+    names, types and dtypes of its operands from ``vname``/``vtype``/``vdtype`` and adds its own result's there;
+    ``exact``: the values that hold a number of their dtype exactly (see :func:`generate`), which it extends."""
+    ctype = value_type(nt.compute, target)
+    consts = {}
+    variant = None
+    if op.variant_arg is not None:
+        variant = node.args[op.variant_arg]
+    tmpl = op.template(variant, family(nt.compute), target)
+    if target == "cuda" and options.fast_reduced and nt.result in REDUCED and family(nt.compute) == "f":
+        tmpl = op.fast_template(variant) or tmpl
+    if tmpl is None:
+        raise NotFusable(f"{op.name} has no {family(nt.compute)!r} expression ({nt.compute}, variant "
+                         f"{variant!r})")
+    rounding = target in op.round_operands and nt.compute in REDUCED  # scalars, on this target
+    round_values = op.discrete and nt.compute in REDUCED  # computed operands, on every target
+    for i, v in enumerate(node.args):
+        if i == op.variant_arg:
+            continue
+        arg = ops.ARG_NAMES[i]
+        if not isinstance(v, ir.Value):
+            val = v
+            if isinstance(val, ir.TensorConst):  # a 0-dim constant (traced Python scalar)
+                if val.shape != ():
+                    raise NotFusable(f"{op.name}: a constant tensor of shape {val.shape}")
+                val = val.values[0]
+            consts["has_" + arg] = "false" if val is None else "true"
+            if val is None:
+                bound = op.none_as.get(i)
+                if bound is None:
+                    raise NotFusable(f"{op.name}: argument {i} is None")
+                consts[arg] = f"FZ_{bound.upper()}({ctype})"
+            else:
+                if rounding and not isinstance(val, bool):
+                    val = torch.tensor(val, dtype=torch.float64).to(nt.compute).item()
+                # converted to the compute dtype as eager converts a Scalar (uint8(-7) is 249), then held
+                consts[arg] = _as_held(literal(val, compute_type(nt.compute)), ctype)
+                # negated in the Scalar's own type, as eager's -alpha: an int 0 stays +0
+                consts["n" + arg] = _as_held(literal(val if isinstance(val, bool) else -val,
+                                                     compute_type(nt.compute)), ctype)
+            consts["scalar_" + arg] = "true"  # a Python scalar in eager (a CPU scalar to its CUDA kernels)
+        else:
+            consts["has_" + arg] = "true"
+            consts["scalar_" + arg] = "true" if vdtype[v.id] is None else "false"
+            name_, t = vname[v.id], vtype[v.id]
+            # round anything not loaded straight from memory in this dtype: eager compares stored values
+            dt = vdtype[v.id]
+            if dt is None:  # a float argument: rounded where eager rounds scalars
+                round_it = rounding
+            else:  # a tensor value not loaded straight from memory in this dtype
+                round_it = (round_values or rounding) and (dt != nt.compute or v.id not in exact)
+            if round_it:
+                consts[arg] = f"fz_ld(fz_st<{storage_type(nt.compute)}>(({ctype}){name_}))"
+            elif t == ctype and dt == nt.compute or i in op.keep_args:
+                consts[arg] = name_
+            else:
+                consts[arg] = _converted(nt.compute, target, name_)
+            consts["n" + arg] = f"(-{consts[arg]})"
+    consts["T"] = ctype
+    out = node.out
+    rtype = value_type(nt.result, target)
+    vname[out.id], vtype[out.id], vdtype[out.id] = f"v{j}", rtype, nt.result
+    expr = _converted(nt.result, target, tmpl.substitute(consts))
+    round_result = options.round_reduced and nt.result in REDUCED and not node.origin
+    if round_result:  # eager's result, stored in its dtype
+        expr = f"fz_ld(fz_st<{storage_type(nt.result)}>({expr}))"
+        exact.add(out.id)
+    return f"const {rtype} v{j} = {expr};", variant, consts, storage_type(nt.result) if round_result else None

@@ -211,11 +211,8 @@ def _unload(library) -> None:
         pass
 
 
-def load_kernel(source: str, name: str, arg_spec, n_strided: int, out_dtypes, n_scalars: int,
-                vec: int) -> tuple[CudaKernel, bool]:
-    """Compile ``source`` with NVRTC for the arg spec's device (or take it from the disk cache) and load it.
-    Returns the kernel and whether NVRTC ran."""
-    index = arg_spec.device_index if arg_spec.device_index is not None else torch.cuda.current_device()
+def cached_image(source: str, name: str, index: int) -> tuple[bytes, bool]:
+    """The compiled image of ``source`` for device ``index``: NVRTC's, or the disk cache's; and whether NVRTC ran."""
     options = options_for(torch.cuda.get_device_capability(index))
     compiled = []
 
@@ -225,10 +222,18 @@ def load_kernel(source: str, name: str, arg_spec, n_strided: int, out_dtypes, n_
 
     fields = [("nvrtc", repr(nvrtc_version())), ("arch", repr(options)),
               ("flags", b" ".join(options.flags())), ("name", name), ("source", source)]
-    image = disk_cache.get_or_build(fields, build, ".cubin" if options.cubin else ".ptx")
+    return disk_cache.get_or_build(fields, build, ".cubin" if options.cubin else ".ptx"), bool(compiled)
+
+
+def load_kernel(source: str, name: str, arg_spec, n_strided: int, out_dtypes, n_scalars: int,
+                vec: int) -> tuple[CudaKernel, bool]:
+    """Compile ``source`` with NVRTC for the arg spec's device (or take it from the disk cache) and load it.
+    Returns the kernel and whether NVRTC ran."""
+    index = arg_spec.device_index if arg_spec.device_index is not None else torch.cuda.current_device()
+    image, compiled = cached_image(source, name, index)
     kernel = CudaKernel(name, image, index, arg_spec.index32, n_strided, len(arg_spec.inputs) + len(out_dtypes),
                         n_scalars, vec, vector_alignment(arg_spec, out_dtypes, vec))
-    return kernel, bool(compiled)
+    return kernel, compiled
 
 
 def vector_alignment(arg_spec, out_dtypes, vec: int) -> tuple:

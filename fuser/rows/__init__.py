@@ -1,0 +1,51 @@
+"""Row kernels: fusion groups holding reductions (issue 12).
+
+A group whose reductions all reduce the same trailing dims of one shape runs as one kernel over [rows, cols]: a
+pointwise prologue, reductions one after another over the same row (softmax: amax, then the sum of exp(x - max)),
+and an epilogue that reads the row-level results broadcast back along the row. ``plan.py`` (the row view of the
+inputs, or why not) → ``codegen.py`` and ``templates.py`` (the kernel text per target) → ``launch.py`` (build and
+launch). ``fuser.executor`` plans, caches a :class:`RowGeometry` per input signature and runs it for such groups,
+with the same checks as for pointwise groups. ``emulate.py`` runs the CUDA row kernels on the CPU for CI.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..kernel_cache import KernelSpec
+from . import launch
+from .plan import RowPlan, plan
+
+
+class RowGeometry:
+    """What a launch needs that depends only on the inputs' signature: computed once per signature. Holds what
+    ``executor.run`` asks of a geometry (``kernel.scalar_limits``, ``requires_grad``, ``device``)."""
+
+    __slots__ = ("kernel", "rows", "cols", "lead", "strides", "out_shapes", "out_dtypes", "device", "cpu_args",
+                 "requires_grad")
+
+    def __init__(self, p: RowPlan, kernel: launch.RowKernel):
+        self.kernel, self.rows, self.cols, self.lead, self.strides = kernel, p.rows, p.cols, p.lead, p.strides
+        self.out_shapes, self.out_dtypes = p.out_shapes, p.out_dtypes
+        self.device = p.tensors[0].device
+        self.requires_grad = any(t.requires_grad for t in p.tensors)
+        self.cpu_args = launch.CpuArgs(p) if kernel.target == "cpu" else None
+
+    def run(self, tensors, scalars) -> list[torch.Tensor]:
+        """Allocate the outputs and launch (the executor checked everything else)."""
+        outputs = [torch.empty(s, dtype=dt, device=self.device) for s, dt in zip(self.out_shapes, self.out_dtypes)]
+        if self.rows == 0:
+            return outputs
+        if self.cpu_args is not None:
+            launch.launch_cpu(self.kernel, self.cpu_args, tensors, scalars, outputs)
+        else:
+            self.kernel.backend.launch(self, tensors, scalars, outputs)
+        return outputs
+
+
+def kernel_for(spec: KernelSpec, p: RowPlan) -> Optional[launch.RowKernel]:
+    return spec.kernel_for(p.key, lambda: launch.build(spec, p))
+
+
+__all__ = ["RowGeometry", "RowPlan", "kernel_for", "plan"]

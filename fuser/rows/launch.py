@@ -1,0 +1,159 @@
+"""Build a row kernel for a plan and launch it: on the CPU (g++ through ``fuser.cpu.compiler``), on CUDA (NVRTC and
+the driver through ``fuser.cuda``), or through the CUDA host emulation (``fuser.cuda.emulate``, for CI)."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import codegen
+from . import codegen as row_codegen
+from . import templates as t
+from .plan import RowPlan
+
+
+@dataclass
+class RowKernel:
+    name: str
+    source: str
+    target: str
+    out_dtypes: tuple
+    backend: object  # fuser.cpu.compiler.CpuKernel or RowCudaKernel
+    # per float argument: (index, lowest, highest, non-finite allowed), as compiler.CompiledKernel's
+    scalar_limits: tuple = ()
+    build_ms: float = 0.0  # wall time of build(): codegen, compile (or disk-cache load), load
+
+
+def kernel_name(spec_text: str, key) -> str:
+    return "fused_rows_" + hashlib.sha256(f"{spec_text}\n{key!r}".encode()).hexdigest()[:16]
+
+
+def source_for(spec, p: RowPlan) -> tuple[str, str]:
+    """(name, source) of the row kernel of ``spec`` for plan ``p``; raises codegen.NotFusable."""
+    name = kernel_name(spec.text, p.key)
+    from .. import compiler
+    source = row_codegen.generate(spec.group, [dt for dt, _ in p.key.inputs], p.types, p.key.target, name,
+                                  len(p.scalars), vectorize=p.key.target == "cpu" and compiler._cpu_vectorize())
+    if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
+        print(f"fuser: row kernel {name} for {p.key}\n{source}", file=sys.stderr)
+    return name, source
+
+
+def build(spec, p: RowPlan) -> Optional[RowKernel]:
+    """Compile the row kernel for ``p`` on its device; None where it cannot be generated (the caller falls back)."""
+    t0 = time.perf_counter()
+    try:
+        name, source = source_for(spec, p)
+    except codegen.NotFusable:
+        return None
+    from .. import compiler
+    if p.key.target == "cpu":
+        from ..cpu import compiler as cpu_compiler
+        backend, compiled = cpu_compiler.compile_kernel(source, name)
+    else:
+        backend, compiled = _load_cuda(source, name, p)
+    if compiled:
+        compiler._count_compile()
+    return RowKernel(name, source, p.key.target, tuple(p.out_dtypes), backend,
+                     compiler._scalar_limits(spec, p.types), (time.perf_counter() - t0) * 1e3)
+
+
+# ---- CPU
+
+class CpuArgs:
+    """The CPU kernel's arrays for one geometry (sizes: the row dims then the row length; strides per input)."""
+
+    def __init__(self, p: RowPlan):
+        self.rows, self.rank = p.rows, len(p.lead)
+        self.sizes = (ctypes.c_int64 * (self.rank + 1))(*p.lead, p.cols)
+        flat = [x for st in p.strides for x in st]
+        self.strides = (ctypes.c_int64 * max(1, len(flat)))(*flat)
+        self.addresses = ctypes.addressof(self.sizes), ctypes.addressof(self.strides)
+
+
+def launch_cpu(kernel: RowKernel, args: CpuArgs, tensors, scalars, outputs) -> None:
+    ptrs = (ctypes.c_void_p * max(1, len(tensors) + len(outputs)))(*[x.data_ptr() for x in (*tensors, *outputs)])
+    values = (ctypes.c_double * max(1, len(scalars)))(*scalars)
+    kernel.backend.launch(args.rows, args.rank, *args.addresses, ptrs, values)
+
+
+# ---- CUDA
+
+def args_struct(n_inputs: int, n_ptrs: int, n_scalars: int):
+    """ctypes mirror of the row kernel's ``FzArgs`` (``fuser/rows/templates.py``)."""
+    i64 = ctypes.c_int64
+
+    class FzRowArgs(ctypes.Structure):
+        _fields_ = [("rows", i64), ("cols", i64), ("sizes", i64 * t.MAX_DIMS),
+                    ("strides", (i64 * (t.MAX_DIMS + 1)) * max(1, n_inputs)), ("rank", ctypes.c_int32),
+                    ("ptrs", ctypes.c_void_p * n_ptrs), ("scalars", ctypes.c_double * max(1, n_scalars))]
+
+    return FzRowArgs
+
+
+def fill_args(struct, p_rows: int, p_cols: int, lead, strides, tensors, scalars, outputs):
+    """An ``FzArgs`` for one launch: the rows, the row dims and each input's strides (the row stride last)."""
+    a = struct()
+    a.rows, a.cols, a.rank = p_rows, p_cols, len(lead)
+    for d, s in enumerate(lead):
+        a.sizes[d] = s
+    for k, st in enumerate(strides):
+        for d, x in enumerate(st[:-1]):
+            a.strides[k][d] = x
+        a.strides[k][t.MAX_DIMS] = st[-1]
+    a.ptrs[:] = [x.data_ptr() for x in (*tensors, *outputs)]
+    if scalars:
+        a.scalars[:len(scalars)] = scalars
+    return a
+
+
+def _load_cuda(source: str, name: str, p: RowPlan):
+    from ..cuda import launch as cuda_launch
+    index = p.key.device_index if p.key.device_index is not None else torch.cuda.current_device()
+    image, compiled = cuda_launch.cached_image(source, name, index)
+    n_in, n_out = len(p.key.inputs), len(p.out_dtypes)
+    kernel = cuda_launch.CudaKernel(name, image, index, False, 0, n_in + n_out, len(p.scalars), 1,
+                                    (0,) * (n_in + n_out))
+    return RowCudaKernel(kernel, args_struct(n_in, n_in + n_out, len(p.scalars))), compiled
+
+
+class RowCudaKernel:
+    """A loaded row kernel: the pointwise kernel's loading and launch, with the row kernel's arguments and grid
+    (one block per row, at most a few waves of blocks; the kernel grid-strides over the rest)."""
+
+    def __init__(self, kernel, struct):
+        from ..cuda import launch as cuda_launch
+        if cuda_launch.BLOCK_SIZE != t.BLOCK_SIZE:  # the kernel's shared arrays and its tree assume its block size
+            raise RuntimeError(f"row kernels are written for {t.BLOCK_SIZE} threads a block, the launcher launches "
+                               f"{cuda_launch.BLOCK_SIZE}")
+        self.kernel, self.struct = kernel, struct
+        self.max_blocks = kernel.max_blocks if kernel.max_blocks < 2 ** 31 - 1 else 65535 * 32
+        self._local = threading.local()
+
+    def launch(self, geo, tensors, scalars, outputs) -> None:
+        from ..cuda import launch as cuda_launch
+        a = fill_args(self.struct, geo.rows, geo.cols, geo.lead, geo.strides, tensors, scalars, outputs)
+        params = (ctypes.c_void_p * 1)(ctypes.addressof(a))
+        loc = getattr(self._local, "loc", None)
+        if loc is None:
+            loc = self._local.loc = _Loc()
+        loc.args, loc.params, loc.params_addr = a, params, ctypes.addressof(params)
+        grid = max(1, min(geo.rows, self.max_blocks))
+        index = self.kernel.device_index
+        with torch.cuda.device(index):
+            self.kernel._do_launch(loc, grid, cuda_launch._raw_stream(index))
+
+
+class _Loc:
+    __slots__ = ("args", "params", "params_addr", "context_ready")
+
+    def __init__(self):
+        self.context_ready = False
+

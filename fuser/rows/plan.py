@@ -1,0 +1,171 @@
+"""The row plan: a group with reductions viewed as [rows, cols], or the reason it must fall back.
+
+Every value of the group is element-level (one per (row, col): the tensor inputs, and nodes that read one) or
+row-level (one per row: a reduction's result, and nodes that read only row-level values). The group's shapes come
+from eager itself: the group runs once on meta tensors of the inputs' shapes and strides, which also raises
+where eager raises (an amax of an empty row), and gives each value's dtype. The form this supports: every
+reduction reads an element-level value of one full shape F and reduces the same trailing dims of it; rows is the
+product of F's other dims, cols of the reduced ones. Element-level values broadcast to F, row-level values have F's
+leading dims (with the reduced dims kept as 1, or dropped); a row-level value read by an element-level node keeps
+its dims (otherwise broadcasting would align it with F's trailing dims, not its rows).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .. import codegen, executor, ir, ops
+from ..descs import DTYPES
+from ..fallback import evaluate
+from ..kernel_cache import KernelSpec
+
+MAX_LEAD_DIMS = 8  # compressed row dims (the CUDA argument struct's arrays)
+FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class RowKey:
+    """What a row kernel's source depends on: the target, the device, per tensor input its dtype and whether it
+    is 0-dim (type promotion treats those apart). Strides and sizes are launch arguments."""
+
+    target: str
+    device_index: Optional[int]
+    inputs: tuple[tuple[torch.dtype, bool], ...]
+
+
+@dataclass
+class RowPlan:
+    key: RowKey
+    tensors: list
+    scalars: list
+    rows: int
+    cols: int
+    lead: list  # the compressed sizes of the row dims (row-major)
+    strides: list  # per tensor input: its strides over ``lead``, then its one stride along the row
+    out_shapes: list  # per group output
+    out_dtypes: list
+    types: list  # codegen.NodeTypes per node
+
+
+def row_level(group: ir.Group) -> frozenset:
+    """ids of the row-level values (see the module's doc); every other value is element-level."""
+    got = group._cache.get("row_level")
+    if got is None:
+        rows: set = set()
+        floats = {v.id for v in group.inputs if not v.is_tensor}  # the same for every row and element
+        for n in group.nodes:
+            ids = {v.id for v in n.values} - floats
+            if ops.reduction(n.op) is not None or (ids and ids <= rows):
+                rows.add(n.out.id)
+        got = group._cache["row_level"] = frozenset(rows)
+    return got
+
+
+def _dims(node: ir.Node, rank: int) -> list[int]:
+    dims = node.args[1]
+    if not dims:  # None or empty: every dim, as eager reads it
+        return list(range(rank))
+    return sorted({d % rank for d in dims}) if rank else []
+
+
+def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Union[RowPlan, str]:
+    """A :class:`RowPlan` for ``args``, or the reason to fall back. ``target``: as for ``executor.plan`` (the
+    CUDA emulator plans "cuda" kernels for CPU tensors)."""
+    checked = executor.check_inputs(spec, args, target)
+    if isinstance(checked, str):
+        return checked
+    tensors, scalars, device, target = checked
+    group = spec.group
+    if any(group.is_input(v) for v in group.outputs):
+        return "an output is an input (a kernel's outputs are fresh tensors)"
+    metas_list = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in tensors]
+    metas = iter(metas_list)
+    try:
+        values = evaluate(group, [next(metas) if is_t else a for a, is_t in zip(args, spec.input_is_tensor)],
+                          every_value=True)[len(group.outputs):]
+    except Exception as e:  # eager raises for these inputs: the fallback shows its error
+        return f"eager rejects these inputs: {e}"
+    shape = {v.id: tuple(t.shape) for v, t in zip([v for v in group.inputs if v.is_tensor], tensors)}
+    dtype = {v.id: t.dtype for v, t in zip([v for v in group.inputs if v.is_tensor], tensors)}
+    for n, val in zip(group.nodes, values):
+        if not isinstance(val, torch.Tensor):
+            return f"{n.op} does not give a tensor"
+        shape[n.out.id], dtype[n.out.id] = tuple(val.shape), val.dtype
+    if any(dt not in DTYPES for dt in dtype.values()):
+        return "a value of an unsupported dtype"
+    rows_v = row_level(group)
+
+    full, dims = None, None
+    for n in group.nodes:
+        if ops.reduction(n.op) is None:
+            continue
+        u = n.args[0]
+        if u.id in rows_v:
+            return f"{n.op} of a row-level value (a reduction of a reduction)"
+        if dtype[u.id] not in FLOATING or dtype[n.out.id] not in FLOATING:
+            return f"{n.op} of {dtype[u.id]} to {dtype[n.out.id]} (floating reductions only)"
+        d = _dims(n, len(shape[u.id]))
+        if full is None:
+            full, dims = shape[u.id], d
+        elif shape[u.id] != full or d != dims:
+            return "reductions of different shapes or dims in one group"
+    nd, k = len(full), len(dims)
+    if dims != list(range(nd - k, nd)):
+        return f"reduced dims {dims} of a rank-{nd} value are not its trailing dims"
+    lead_shape = full[:nd - k]
+    keep, drop = lead_shape + (1,) * k, lead_shape
+
+    def broadcasts(s) -> bool:
+        try:
+            return torch.broadcast_shapes(s, full) == torch.Size(full)
+        except RuntimeError:
+            return False
+
+    for v in group.inputs:
+        if v.is_tensor and not broadcasts(shape[v.id]):
+            return f"an input of shape {list(shape[v.id])} is larger than the reduced shape {list(full)}"
+    for n in group.nodes:
+        s = shape[n.out.id]
+        row_args = [shape[v.id] for v in n.values if v.id in rows_v]
+        if n.out.id in rows_v:
+            if s not in (keep, drop) or any(a != s for a in row_args):
+                return f"a row-level value of shape {list(s)} (rows {list(lead_shape)})"
+        elif not broadcasts(s) or any(a != keep and not (a == () and not lead_shape) for a in row_args):
+            return f"{n.op} broadcasts a row-level value across the row's dims"
+    for v in group.outputs:
+        if shape[v.id] != (full if v.id not in rows_v else shape[v.id]):
+            return f"an output of shape {list(shape[v.id])} (the rows' elements are {list(full)})"
+
+    # each input's strides over the row dims and along the row: views of it broadcast to the full shape,
+    # compressed as the pointwise map compresses its dims
+    wide = [m.expand(full).stride() for m in metas_list]
+    base = torch.empty(0, device="meta")
+    lead, lead_st = executor._compress(lead_shape, [base.as_strided(lead_shape, w[:nd - k]) for w in wide])
+    inner, inner_st = executor._compress(full[nd - k:], [base.as_strided(full[nd - k:], w[nd - k:]) for w in wide])
+    if len(inner) > 1:
+        return "an input does not walk the reduced dims with one stride"
+    col_strides = [st[0] if st else 0 for st in inner_st]
+    if len(lead) > MAX_LEAD_DIMS:
+        return f"{len(lead)} row dims after compression (row kernels take {MAX_LEAD_DIMS})"
+
+    # compute types as the compiler's probe gives them (comparisons compute in their operands' common dtype);
+    # a reduction computes in its result's dtype: eager converts the input to it first (sum's dtype argument)
+    meta_of = {v.id: m for v, m in zip([v for v in group.inputs if v.is_tensor], metas_list)}
+    meta_of.update({v.id: float(a) for v, a in zip(group.inputs, args) if not v.is_tensor})
+    meta_of.update({n.out.id: val for n, val in zip(group.nodes, values)})
+    types = []
+    for n, val in zip(group.nodes, values):
+        op = ops.of(n.op)
+        compute = val.dtype
+        if op is not None and op.compute == "common":
+            a, b = (meta_of[x.id] if isinstance(x, ir.Value) else
+                    x.tensor() if isinstance(x, ir.TensorConst) else x for x in n.args)
+            compute = torch.result_type(a, b)
+        types.append(codegen.NodeTypes(val.dtype, compute))
+    key = RowKey(target, device.index, tuple((t.dtype, t.dim() == 0) for t in tensors))
+    return RowPlan(key, tensors, scalars, math.prod(lead_shape), math.prod(full[nd - k:]), lead,
+                   [ls + [cs] for ls, cs in zip(lead_st, col_strides)], [shape[v.id] for v in group.outputs],
+                   [dtype[v.id] for v in group.outputs], types)

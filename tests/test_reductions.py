@@ -1,0 +1,510 @@
+"""Reductions inside fusion groups (fuser/rows/, issue 12): groups built from the IR alone (sum, mean, amax, amin
+over trailing dims, keepdim both ways, sum's dtype argument; a prologue, softmax and layer norm written out) run as
+one row kernel on the CPU backend and through the CUDA host emulation (fuser/rows/emulate.py), against eager on
+seeded random inputs (a float64 reference for the sums), at row lengths 1, 7, 1000 and 4097, with empty rows and
+no rows, NaN and inf; forms the row kernel does not take fall back to eager (its result or its error); autograd
+runs through eager's. The CUDA twins are marked gpu."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+
+import fuser
+from fuser import executor, ir, rows
+from fuser.cuda import emulate
+from fuser.kernel_cache import STORE
+from fuser.rows import emulate as row_emulate
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+LENGTHS = (1, 7, 1000, 4097)
+_RED = {"sum": "aten::sum.dim_IntList", "mean": "aten::mean.dim", "amax": "aten::amax", "amin": "aten::amin"}
+_EAGER = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "amin": torch.amin}
+
+
+def _reduce(b: ir.Builder, kind: str, x, dims, keepdim, dtype=None):
+    args = (x, tuple(dims), keepdim) + ((dtype,) if kind in ("sum", "mean") else ())
+    return b.add(_RED[kind], *args)
+
+
+# ---------------------------------------------------------------------------------------------- the cases
+
+@dataclass(frozen=True)
+class Case:
+    """A group, its inputs for a dtype and a row length, and eager's outputs for those inputs."""
+
+    id: str
+    group: Callable[[], ir.Group]
+    inputs: Callable[[torch.dtype, int], list]
+    eager: Callable[..., list]
+
+
+def _single(kind: str, dims, keepdim: bool) -> Case:
+    def group():
+        b = ir.Builder()
+        x = b.input()
+        return b.build([_reduce(b, kind, x, dims, keepdim)])
+
+    def eager(x):
+        return [_EAGER[kind](x, dim=tuple(dims), keepdim=keepdim)]
+
+    inputs = (lambda dt, n: [torch.randn(3, 5, n, dtype=dt)]) if len(dims) == 1 else (
+        lambda dt, n: [torch.randn(4, 3, n, dtype=dt)])
+    return Case(f"{kind}-{'_'.join(map(str, dims))}-{'keep' if keepdim else 'drop'}", group, inputs, eager)
+
+
+def _prologue() -> Case:
+    """sum(x * w + b, -1) and its mean, keepdim off, w and b broadcast along the rows."""
+    def group():
+        b = ir.Builder()
+        x, w, c = b.input(), b.input(), b.input()
+        y = b.call("aten::add", b.call("aten::mul", x, w), c, 1)
+        return b.build([_reduce(b, "sum", y, (-1,), False), _reduce(b, "mean", y, (-1,), False)])
+
+    def eager(x, w, c):
+        y = x * w + c
+        return [y.sum(-1), y.mean(-1)]
+
+    return Case("prologue", group, lambda dt, n: [torch.randn(6, n, dtype=dt), torch.randn(n, dtype=dt),
+                                                  torch.randn(n, dtype=dt)], eager)
+
+
+def _softmax() -> Case:
+    """softmax written out: amax, exp(x - max), its sum, the quotient; also the row sums (keepdim)."""
+    def group():
+        b = ir.Builder()
+        x = b.input()
+        m = _reduce(b, "amax", x, (-1,), True)
+        e = b.call("aten::exp", b.call("aten::sub", x, m, 1))
+        s = _reduce(b, "sum", e, (-1,), True)
+        return b.build([b.call("aten::div", e, s), s])
+
+    def eager(x):
+        e = torch.exp(x - x.amax(-1, keepdim=True))
+        s = e.sum(-1, keepdim=True)
+        return [e / s, s]
+
+    return Case("softmax", group, lambda dt, n: [3 * torch.randn(5, n, dtype=dt)], eager)
+
+
+def _layer_norm() -> Case:
+    """layer norm written out over the last dim, eps a float input, weight and bias broadcast."""
+    def group():
+        b = ir.Builder()
+        x, w, c, eps = b.input(), b.input(), b.input(), b.input(ir.FLOAT)
+        mu = _reduce(b, "mean", x, (-1,), True)
+        d = b.call("aten::sub", x, mu, 1)
+        var = _reduce(b, "mean", b.call("aten::mul", d, d), (-1,), True)
+        r = b.call("aten::rsqrt", b.call("aten::add", var, eps, 1))
+        y = b.call("aten::add", b.call("aten::mul", b.call("aten::mul", d, r), w), c, 1)
+        return b.build([y, mu, r])
+
+    def eager(x, w, c, eps):
+        mu = x.mean(-1, keepdim=True)
+        d = x - mu
+        r = torch.rsqrt((d * d).mean(-1, keepdim=True) + eps)
+        return [d * r * w + c, mu, r]
+
+    return Case("layer_norm", group, lambda dt, n: [torch.randn(4, 3, n, dtype=dt) + 2, torch.randn(n, dtype=dt),
+                                                    torch.randn(n, dtype=dt), 1e-5], eager)
+
+
+CASES = [_single("sum", (-1,), True), _single("mean", (-1,), False), _single("amax", (-1,), False),
+         _single("amin", (-1,), True), _single("sum", (-2, -1), False), _single("amax", (1, 2), True),
+         _prologue(), _softmax(), _layer_norm()]
+PARAMS = [(c, dt) for c in CASES for dt in DTYPES]
+IDS = [f"{c.id}-{str(dt)[6:]}" for c, dt in PARAMS]
+
+
+def _spec(group: ir.Group):
+    return STORE.get(STORE.register(group))
+
+
+def _groups() -> dict:
+    return {c.id: c.group() for c in CASES}
+
+
+_GROUPS = _groups()
+
+
+def _check(outs, case: Case, args):
+    """Against eager (dtypes and shapes exactly) and, in value, eager run in float64 (within the dtype's
+    tolerance, relative to the outputs' magnitude)."""
+    ref = case.eager(*args)
+    ref64 = case.eager(*[a.double() if isinstance(a, torch.Tensor) else a for a in args])
+    assert len(outs) == len(ref)
+    for o, r, r64 in zip(outs, ref, ref64):
+        assert o.dtype == r.dtype and o.shape == r.shape, (o.dtype, r.dtype, o.shape, r.shape)
+        tol = TOL[r.dtype]
+        scale = max(1.0, r64.abs().max().item()) if r64.numel() else 1.0
+        torch.testing.assert_close(o.double(), r64, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("case,dtype", PARAMS, ids=IDS)
+def test_row_kernel_on_the_cpu_matches_eager(case, dtype):
+    spec = _spec(_GROUPS[case.id])
+    for n in LENGTHS:
+        args = case.inputs(dtype, n)
+        out = executor.run(spec, args)
+        assert out is not None, executor.plan(spec, args)  # the row kernel ran, not the fallback
+        _check(out, case, args)
+    assert any(isinstance(k, rows.launch.RowKernel) for k in spec.kernels().values())
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    """Every emulated case's kernel registered first, so they compile together."""
+    em = emulate.default()
+    with torch.random.fork_rng():
+        for case, dtype in PARAMS:
+            row_emulate.kernel_for(_GROUPS[case.id], case.inputs(dtype, 3), em)
+        for kind, g in _DECOMPOSED.items():
+            for dtype in (torch.float32, torch.bfloat16):
+                row_emulate.kernel_for(g, _decomposed_case(kind, dtype)[0], em)
+    em.compile_pending()
+    return em
+
+
+@pytest.mark.parametrize("case,dtype", PARAMS, ids=IDS)
+def test_cuda_row_kernel_emulated_matches_eager(case, dtype, emulated):
+    for n in LENGTHS:
+        args = case.inputs(dtype, n)
+        out = row_emulate.run(_GROUPS[case.id], args, emulated)
+        assert out is not None, rows.plan(_spec(_GROUPS[case.id]), args, "cuda")
+        _check(out, case, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype", PARAMS, ids=IDS)
+def test_cuda_row_kernel_matches_eager(case, dtype):
+    spec = _spec(_GROUPS[case.id])
+    for n in LENGTHS:
+        args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in case.inputs(dtype, n)]
+        out = executor.run(spec, args)
+        assert out is not None, executor.plan(spec, args)
+        _check([o.cpu() for o in out], case, [a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
+
+
+# ---------------------------------------------------------------------------------- layouts and edges
+
+def _both(group: ir.Group, args) -> list:
+    """The outputs of the CPU row kernel and of the emulated CUDA one (both must run fused)."""
+    spec = _spec(group)
+    cpu = executor.run(spec, args)
+    assert cpu is not None, executor.plan(spec, args)
+    cuda = row_emulate.run(group, args)
+    assert cuda is not None, rows.plan(spec, args, "cuda")
+    return [cpu, cuda]
+
+
+def test_strided_and_broadcast_inputs():
+    """A transposed input (rows and elements both strided), a keepdim [rows, 1] input and a 0-dim one."""
+    b = ir.Builder()
+    x, m, z = b.input(), b.input(), b.input()
+    y = b.call("aten::mul", b.call("aten::sub", x, m, 1), z)
+    g = b.build([_reduce(b, "sum", y, (-1,), True), y])
+    x = torch.randn(300, 37, dtype=torch.float64).t()  # [37, 300]: elements 37 apart
+    args = [x, torch.randn(37, 1, dtype=torch.float64), torch.tensor(1.5, dtype=torch.float64)]
+    yy = (args[0] - args[1]) * args[2]
+    for out in _both(g, args):
+        torch.testing.assert_close(out[0], yy.sum(-1, keepdim=True))
+        torch.testing.assert_close(out[1], yy)
+    x3 = torch.randn(5, 4, 64, dtype=torch.float64).transpose(0, 1)  # row dims that do not merge
+    args = [x3, torch.randn(4, 5, 1, dtype=torch.float64), torch.tensor(-2.0, dtype=torch.float64)]
+    yy = (args[0] - args[1]) * args[2]
+    for out in _both(g, args):
+        torch.testing.assert_close(out[0], yy.sum(-1, keepdim=True))
+        torch.testing.assert_close(out[1], yy)
+
+
+@pytest.mark.parametrize("kind", ("amax", "amin"))
+def test_nan_and_inf_as_eager(kind):
+    b = ir.Builder()
+    x = b.input()
+    g = b.build([_reduce(b, kind, x, (-1,), False)])
+    x = torch.randn(6, 300)
+    x[0, 17], x[1, 299], x[2, 0] = float("nan"), float("inf"), -float("inf")
+    x[3, :] = float("inf")
+    x[4, :] = -float("inf")
+    x[5, 5], x[5, 6] = float("inf"), float("nan")
+    ref = _EAGER[kind](x, -1)
+    for (out,) in _both(g, [x]):
+        torch.testing.assert_close(out, ref, equal_nan=True, rtol=0, atol=0)
+
+
+def test_empty_rows_and_no_rows_as_eager():
+    """[0, n]: no rows (empty outputs); [n, 0]: empty rows: sum 0, mean NaN; amax raises eager's error."""
+    b = ir.Builder()
+    x = b.input()
+    g = b.build([_reduce(b, "sum", x, (-1,), False), _reduce(b, "mean", x, (-1,), True)])
+    for shape in ((0, 9), (4, 0)):
+        x = torch.randn(shape)
+        for s, m in _both(g, [x]):
+            torch.testing.assert_close(s, x.sum(-1))
+            torch.testing.assert_close(m, x.mean(-1, keepdim=True), equal_nan=True)
+    b = ir.Builder()
+    x = b.input()
+    g = b.build([_reduce(b, "amax", x, (-1,), False)])
+    spec = _spec(g)
+    x = torch.randn(4, 0)
+    assert isinstance(rows.plan(spec, [x]), str)
+    with pytest.raises(Exception) as want:
+        torch.amax(x, -1)
+    with pytest.raises(want.type) as got:
+        fuser.run_fusion(spec.key, [x])
+    assert str(got.value).splitlines()[0] == str(want.value).splitlines()[0]
+
+
+def test_forms_the_row_kernel_does_not_take_fall_back_to_eager():
+    """A reduction over a leading dim, two reductions over different dims, and a row-level value without its
+    kept dim broadcast along the row: each falls back (the plan says why) and still gives eager's result."""
+    b = ir.Builder()
+    x = b.input()
+    g0 = b.build([_reduce(b, "sum", x, (0,), False)])
+    b = ir.Builder()
+    x = b.input()
+    g1 = b.build([_reduce(b, "sum", x, (-1,), True), _reduce(b, "amax", x, (-2, -1), True)])
+    b = ir.Builder()
+    x = b.input()
+    g2 = b.build([b.call("aten::sub", x, _reduce(b, "mean", x, (-1,), False), 1)])
+    x = torch.randn(9, 9)
+    refs = [[x.sum(0)], [x.sum(-1, keepdim=True), x.amax((-2, -1), keepdim=True)], [x - x.mean(-1)]]
+    for g, ref in zip((g0, g1, g2), refs):
+        spec = _spec(g)
+        assert isinstance(rows.plan(spec, [x]), str)
+        assert executor.run(spec, [x]) is None
+        for o, r in zip(fuser.run_fusion(spec.key, [x]), ref):
+            torch.testing.assert_close(o, r)
+
+
+def test_sum_dtype_argument():
+    """sum(x, dtype=float64) of float32, and mean(x, dtype=float32) of bfloat16: eager converts the input first."""
+    b = ir.Builder()
+    x = b.input()
+    g = b.build([_reduce(b, "sum", x, (-1,), False, 7)])  # ScalarType 7: float64
+    x = torch.randn(7, 1000)
+    for (out,) in _both(g, [x]):
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out, x.sum(-1, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    b = ir.Builder()
+    x = b.input()
+    g = b.build([_reduce(b, "mean", x, (-1,), True, 6)])  # ScalarType 6: float32
+    x = torch.randn(7, 1000, dtype=torch.bfloat16)
+    for (out,) in _both(g, [x]):
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, x.mean(-1, keepdim=True, dtype=torch.float32), rtol=1e-5, atol=1e-6)
+
+
+def test_autograd_runs_through_eager():
+    """A group with a reduction under autograd: eager's autograd of the fallback (the gradients are eager's)."""
+    g = _GROUPS["softmax"]
+    spec = _spec(g)
+    x = torch.randn(4, 33, dtype=torch.float64, requires_grad=True)
+    y, s = fuser.run_fusion(spec.key, [x])
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    ry, rs = e / e.sum(-1, keepdim=True), e.sum(-1, keepdim=True)
+    gy, gs = torch.randn_like(ry), torch.randn_like(rs)
+    got = torch.autograd.grad((y, s), x, (gy, gs))
+    want = torch.autograd.grad((ry, rs), x, (gy, gs))
+    torch.testing.assert_close(got, want)
+    with torch.no_grad():
+        fused = executor.run(spec, [x.detach()])
+    assert fused is not None
+    torch.testing.assert_close(fused[0], ry.detach())
+
+
+def test_the_ir_text_holds_the_dims():
+    g = _GROUPS["sum--2_-1-drop"]
+    assert "aten::sum.dim_IntList(%0, [-2, -1], false, None)" in g.text()
+
+
+@pytest.mark.parametrize("arch", (80, 90))
+def test_cuda_row_kernels_compile_with_nvrtc(arch):
+    """What the emulation runs is CUDA: NVRTC compiles each case's source (one dtype per case: the rest differ
+    only in types)."""
+    from fuser.cuda import driver
+    for case, dtype in PARAMS:
+        if dtype not in (torch.float32, torch.bfloat16):
+            continue
+        spec = _spec(_GROUPS[case.id])
+        p = rows.plan(spec, case.inputs(dtype, 5), "cuda")
+        name, source = rows.launch.source_for(spec, p)
+        driver.compile_source(source, name, driver.NvrtcOptions(arch))
+
+
+# ---------------------------------------------------------------------------------------- the TorchScript pass
+
+def _softmax_written_out(x, w):
+    y = x * w
+    e = torch.exp(y - y.amax(-1, keepdim=True))
+    return e / e.sum(-1, keepdim=True)
+
+
+def _row_sum(x):
+    return (x * 2 + 1).sum(-1)
+
+
+def _sum_over_dim0(x):
+    return (x * 2 + 1).sum(0) * 3
+
+
+def _kinds(g):
+    return [n.kind() for n in g.nodes() if n.kind() != "prim::Constant"]
+
+
+def _row_kernels_of(group_node) -> list:
+    from fuser import ts_ir
+    spec = _spec(ts_ir.lower(group_node.g("Subgraph")))
+    return [k for k in spec.kernels().values() if isinstance(k, rows.launch.RowKernel)]
+
+
+@pytest.mark.parametrize("fn", (_softmax_written_out, _row_sum), ids=("softmax", "row_sum"))
+def test_the_pass_fuses_a_trailing_reduction_with_its_prologue_and_epilogue(fn):
+    scripted = fuser.fuse(torch.jit.script(fn))
+    args = (torch.randn(8, 100), torch.randn(100))[:1 if fn is _row_sum else 2]
+    for _ in range(2):  # the profiling executor's first call records shapes
+        out = scripted(*args)
+    torch.testing.assert_close(out, fn(*args))
+    g = fuser.graph_for(scripted, *args)
+    assert _kinds(g) == ["prim::FusionGroup"]
+    assert _row_kernels_of(g.findNode("prim::FusionGroup"))  # it ran as a row kernel
+    other = [torch.randn(3, 4, 33)] + ([torch.randn(33)] if fn is not _row_sum else [])
+    torch.testing.assert_close(scripted(*other), fn(*other))  # another rank: the same group
+
+
+def test_the_pass_leaves_a_reduction_over_a_leading_dim_to_eager():
+    scripted = fuser.fuse(torch.jit.script(_sum_over_dim0))
+    x = torch.randn(9, 20)
+    for _ in range(2):
+        torch.testing.assert_close(scripted(x), _sum_over_dim0(x))
+    g = fuser.graph_for(scripted, x)
+    assert "aten::sum" in _kinds(g)
+    for node in g.findAllNodes("prim::FusionGroup"):
+        assert not any(n.kind() == "aten::sum" for n in node.g("Subgraph").nodes())
+
+
+def test_the_reduction_schemas_are_torchs():
+    from fuser import ops
+    for schema in ops.REDUCTION_DEFS:
+        assert str(ir.schema(schema.split("(", 1)[0])) == schema
+
+
+# ----------------------------------------------------------------------------------------- decompositions
+
+def _decomposed(kind: str) -> ir.Group:
+    from fuser.rows import decompose
+    b = ir.Builder()
+    x = b.input()
+    if kind == "layer_norm":
+        w, c = b.input(), b.input()
+        return b.build([decompose.layer_norm(b, x, (7, 64), w, c, 1e-5)])
+    return b.build([getattr(decompose, kind)(b, x, -1)])
+
+
+_DECOMPOSED = {k: _decomposed(k) for k in ("softmax", "log_softmax", "layer_norm")}
+
+
+def _decomposed_case(kind: str, dtype):
+    x = 2 * torch.randn(5, 7, 64, dtype=dtype)
+    if kind == "layer_norm":
+        args = [x + 1, torch.randn(7, 64, dtype=dtype), torch.randn(7, 64, dtype=dtype)]
+        return args, lambda x, w, c: torch.nn.functional.layer_norm(x, (7, 64), w, c, 1e-5)
+    return [x], lambda x: getattr(torch, kind)(x, -1)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("kind", sorted(_DECOMPOSED))
+def test_decompositions_run_as_one_row_kernel_like_eager(kind, dtype, emulated):
+    """softmax, log_softmax and layer_norm as steps of the IR: one row kernel on the CPU and emulated CUDA,
+    eager's op's result within the dtype's tolerance of eager in float64."""
+    g = _DECOMPOSED[kind]
+    assert all(n.origin == f"aten::{kind}" for n in g.nodes)
+    args, fn = _decomposed_case(kind, dtype)
+    ref, ref64 = fn(*args), fn(*[a.double() for a in args])
+    for (out,) in _both(g, args):
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        tol = TOL[dtype]
+        torch.testing.assert_close(out.double(), ref64, rtol=tol, atol=tol * max(1.0, ref64.abs().max().item()))
+
+
+# ------------------------------------------------------------------------------- random shapes and layouts
+
+def _layout_group() -> ir.Group:
+    """y = x * w + k (k a keepdim-shaped input); outputs y - amax(y), mean(y) (keepdim) and sum(y * y)."""
+    b = ir.Builder()
+    x, w, k = b.input(), b.input(), b.input()
+    y = b.call("aten::add", b.call("aten::mul", x, w), k, 1)
+    dims = (-2, -1)
+    m = _reduce(b, "amax", y, dims, True)
+    return b.build([b.call("aten::sub", y, m, 1), _reduce(b, "mean", y, dims, True),
+                    _reduce(b, "sum", b.call("aten::mul", y, y), dims, False)])
+
+
+_LAYOUT = _layout_group()
+
+
+def _random_layout_args(gen: torch.Generator) -> list:
+    """x of rank 2..4 (reduced: its last two dims), maybe a permuted view; w broadcast along some dims; k of the
+    kept shape (or with its rows broadcast too)."""
+    def pick(n):
+        return int(torch.randint(n, (), generator=gen))
+    rank = 2 + pick(3)
+    shape = [1 + pick(6) if pick(4) else 1 for _ in range(rank)]
+    shape[-1] = 1 + pick(40)
+    base = torch.randn(*shape, dtype=torch.float64, generator=gen)
+    if rank >= 3 and pick(2):  # a view whose row dims are permuted
+        perm = list(range(rank - 2))[::-1] + [rank - 2, rank - 1]
+        base = torch.randn(*[shape[p] for p in perm], dtype=torch.float64, generator=gen).permute(*perm)
+    w_shape = [s if pick(2) else 1 for s in shape][pick(rank):]
+    k_shape = [s if pick(2) else 1 for s in shape[:-2]] + [1, 1]
+    return [base, torch.randn(w_shape, dtype=torch.float64, generator=gen),
+            torch.randn(k_shape, dtype=torch.float64, generator=gen)]
+
+
+def test_random_shapes_broadcasts_and_views_match_eager(emulated):
+    """40 random shapes, broadcasts and views, through one kernel per backend: eager's results where the plan
+    takes them (most), and through the fallback (eager's results too) where it does not."""
+    spec = _spec(_LAYOUT)
+    gen = torch.Generator().manual_seed(int(torch.randint(2 ** 31, ())))
+    fused = 0
+    for _ in range(40):
+        x, w, k = args = _random_layout_args(gen)
+        y = x * w + k
+        ref = [y - y.amax((-2, -1), keepdim=True), y.mean((-2, -1), keepdim=True), (y * y).sum((-2, -1))]
+        outs = [fuser.run_fusion(spec.key, args)]
+        cpu = executor.run(spec, args)
+        fused += cpu is not None
+        outs += [o for o in (cpu, row_emulate.run(_LAYOUT, args, emulated)) if o is not None]
+        for out in outs:
+            for o, r in zip(out, ref):
+                assert o.shape == r.shape
+                torch.testing.assert_close(o, r, rtol=1e-12, atol=1e-12)
+    assert fused >= 20
+
+
+def test_cpu_row_kernels_take_vector_loops_and_scalar_ones(monkeypatch):
+    """Where the vector toolchain is there, the CPU row kernel's passes run at::vec loops (the scalar loop only
+    for a row's tail and for rows whose inputs step by more than 1); without it, scalar loops alone: both like
+    eager."""
+    from fuser import compiler
+    from fuser.cpu import templates as cpu_t
+    args = [3 * torch.randn(6, 1000)]
+    ref = torch.softmax(args[0], -1)
+    spec = _spec(_GROUPS["softmax"])
+    assert executor.run(spec, args) is not None
+    source = next(k for k in spec.kernels().values() if isinstance(k, rows.launch.RowKernel)).source
+    assert (cpu_t.VECTOR_INCLUDE in source) == compiler._cpu_vectorize()
+    monkeypatch.setattr(compiler, "_cpu_vectorize", lambda: False)
+    b = ir.Builder()  # another group (its own kernel): softmax of x * 1.0
+    x = b.call("aten::mul", b.input(), 1.0)
+    m = _reduce(b, "amax", x, (-1,), True)
+    e = b.call("aten::exp", b.call("aten::sub", x, m, 1))
+    spec = _spec(b.build([b.call("aten::div", e, _reduce(b, "sum", e, (-1,), True))]))
+    out = executor.run(spec, args)
+    assert out is not None
+    source = next(k for k in spec.kernels().values() if isinstance(k, rows.launch.RowKernel)).source
+    assert cpu_t.VECTOR_INCLUDE not in source
+    torch.testing.assert_close(out[0], ref)
