@@ -37,8 +37,10 @@ def _program(group: ir.Group) -> list:
             for a in n.args:
                 if isinstance(a, ir.Value):
                     args.append((0, a.id))
-                elif isinstance(a, tuple):
+                elif isinstance(a, tuple) and all(isinstance(x, ir.Value) for x in a):
                     args.append((1, tuple(x.id for x in a)))
+                elif isinstance(a, tuple):  # a constant int list (dims)
+                    args.append((3, list(a)))
                 elif isinstance(a, ir.TensorConst):
                     args.append((2, a))
                 else:

@@ -259,6 +259,8 @@ def _accepts(ptype: str, a, numbers_as_tensors: bool = False) -> bool:
     if isinstance(a, TensorConst):
         return t == "Tensor"
     if isinstance(a, tuple):
+        if t == "List[int]":  # a reduction's dims, a shape (the FusionDefinition frontend builds them)
+            return all(isinstance(x, int) and not isinstance(x, bool) for x in a)
         return t == "List[Tensor]" and all(isinstance(x, Value) and x.is_tensor for x in a)
     if isinstance(a, bool):
         return t in ("bool", "number")

@@ -88,8 +88,10 @@ def generate(group: ir.Group, inputs: Sequence[TensorDesc], node_types: Sequence
             body.append(f"const {rtype} v{j} = ({rtype})({tmpl.substitute(consts)});")
             vector.add(node, op, variant, nt, consts, vname, vdtype, f"v{j}")
             continue
+        if op.cast and any(a not in (None, False) for a in node.args[2:]):
+            raise NotFusable(f"{node.op} with tensor options other than dtype")
         for i, v in enumerate(node.args):
-            if i == op.variant_arg:
+            if i == op.variant_arg or (op.cast and i > 0):
                 continue
             arg = ops.ARG_NAMES[i]
             if not isinstance(v, ir.Value):
