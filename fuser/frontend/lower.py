@@ -97,6 +97,11 @@ class Lowerer:
         self._memo: dict = {}
         self._inputs: dict = {}
         self._casts: dict = {}
+        self._ranks: dict = {}  # value id -> rank (a node's out Value does not carry one)
+
+    def _mk(self, value, dtype, phys) -> LV:
+        self._ranks[value.id] = len(phys)
+        return LV(value, dtype, tuple(phys))
 
     # ---- inputs ------------------------------------------------------------------------------------------
     def _tensor_input(self, t: Tensor, view: View) -> LV:
@@ -105,7 +110,7 @@ class Lowerer:
         if got is None:
             v = self.b.input(ir.TENSOR, t.dtype.torch_dtype, view[0])
             self.in_plans.append(("tensor", self.ordinal[t.index], view))
-            got = self._inputs[key] = LV(v, t.dtype, logical(t, view))
+            got = self._inputs[key] = self._mk(v, t.dtype, logical(t, view))
         return got
 
     def _scalar_input(self, index: int, op: str, comp: DataType) -> LV:
@@ -119,7 +124,7 @@ class Lowerer:
         if got is None:
             v = self.b.input(ir.FLOAT)
             self.in_plans.append(("scalar", self.ordinal[index]))
-            got = self._inputs[key] = LV(v, None, ())
+            got = self._inputs[key] = self._mk(v, None, ())
         return got
 
     # ---- values ------------------------------------------------------------------------------------------
@@ -160,7 +165,7 @@ class Lowerer:
         if got is None:
             v = self.b.add("aten::_to_copy", lv.value, SCALAR_TYPE_CODE[dt.torch_dtype], None, None, None, False, None,
                            dtype=dt.torch_dtype)
-            got = self._casts[key] = LV(v, dt, lv.phys)
+            got = self._casts[key] = self._mk(v, dt, lv.phys)
         return got
 
     def _operand_view(self, t: Tensor, view: View, operand: Tensor) -> View:
@@ -209,7 +214,7 @@ class Lowerer:
                                     "S symbolic scalar, c constant) is not supported yet") from None
         got = self._probe(op, name, full)
         v = self.b.add(name, *full, dtype=got)
-        lv = LV(v, DataType.Bool if got == torch.bool else _dt(got), broadcast_phys([x.phys for x in lvs]))
+        lv = self._mk(v, DataType.Bool if got == torch.bool else _dt(got), broadcast_phys([x.phys for x in lvs]))
         if lv.dtype is not out_dt:
             lv = self.cast(lv, out_dt)
         return lv
@@ -221,7 +226,7 @@ class Lowerer:
         for a in args:
             if isinstance(a, ir.Value):
                 if a.is_tensor:
-                    vals.append(torch.empty((1,) * (a.rank or 0), dtype=a.dtype, device="meta"))
+                    vals.append(torch.empty((1,) * self._ranks.get(a.id, a.rank or 0), dtype=a.dtype, device="meta"))
                 else:
                     vals.append(1.0)
             elif isinstance(a, ir.TensorConst):
@@ -301,7 +306,7 @@ class Lowerer:
                 phys[n + p] = 1
             else:
                 del phys[n + p]
-        lv = LV(v, _dt(got), tuple(phys))
+        lv = self._mk(v, _dt(got), tuple(phys))
         return lv if lv.dtype is t.dtype else self.cast(lv, t.dtype)
 
     def _rand_like(self, t: Tensor, view: View, x_index: int) -> LV:
@@ -313,7 +318,7 @@ class Lowerer:
             raise LoweringError(f"fd.ops.rand_like: T{x_index} is narrower than its definition (a reduction's "
                                 "broadcast result): not supported yet")
         v = self.b.add("aten::rand_like", lv.value, None, None, None, None, None, dtype=t.dtype.torch_dtype)
-        return LV(v, t.dtype, lv.phys)
+        return self._mk(v, t.dtype, lv.phys)
 
     def _uniform(self, t: Tensor, view: View, lo, hi, ext: tuple, dt: DataType) -> LV:
         if view != canonical(identity(t.ndim)):
@@ -327,7 +332,7 @@ class Lowerer:
         lo_v, hi_v = float(lo[1]), float(hi[1])
         scaled = self.b.add("aten::mul.Scalar", r, hi_v - lo_v, dtype=dt.torch_dtype)
         out = self.b.add("aten::add.Scalar", scaled, lo_v, 1, dtype=dt.torch_dtype)
-        return LV(out, dt, ext)
+        return self._mk(out, dt, ext)
 
 
 def _dt(t: torch.dtype) -> DataType:
