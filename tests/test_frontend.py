@@ -353,6 +353,29 @@ def legacy_ranks_and_constants():
         lambda x, y: [x * 2 - y]
 
 
+@example(fused=True)
+def broadcast_outputs_and_folded_constants():
+    def define(fd, x):
+        t1 = fd.define_tensor(shape=[-1], contiguity=[True], dtype=DataType.Float)
+        fd.add_output(fd.ops.broadcast(t1, [True, False]))  # an input's view as an output: [1, N]
+        fd.add_output(fd.ops.add(fd.ops.broadcast(t1, [True, False]), fd.ops.div(7, -2)))  # constants fold: -3
+    return define, lambda d: [_rand(5, device=d)], lambda x: [x[None].clone(), x[None] + (-3)]
+
+
+@example(fused=False)
+def reductions_of_broadcasts_and_rebroadcasts():
+    def define(fd, x):
+        t0 = fd.define_tensor(shape=[-1], contiguity=[True], dtype=DataType.Float)
+        x0 = fd.define_tensor(shape=[-1, -1], contiguity=[True, True], dtype=DataType.Float)
+        y0 = fd.define_tensor(shape=[-1, -1], contiguity=[True, True], dtype=DataType.Float)
+        t2 = fd.ops.broadcast_in_dim(t0, [4, 5], [1])
+        fd.add_output(fd.ops.sum(t2, [0]))  # over a broadcast (stride-0) dim: 4 * t0
+        sb = fd.ops.broadcast_in_dim(fd.ops.sum(x0, [0]), y0.shape(), [0])  # re-broadcast at another dim
+        fd.add_output(fd.ops.add(sb, y0))
+    return define, lambda d: [_rand(5, device=d), _rand(3, 4, device=d), _rand(4, 6, device=d)], \
+        lambda t, x, y: [t.expand(4, 5).sum(0), x.sum(0)[:, None] + y]
+
+
 def _run_example(name, device):
     build, fused = EXAMPLES[name]
     define, make, eager = build()

@@ -267,13 +267,21 @@ class FusionDefinition:
         from ..kernel_cache import STORE
         low = Lowerer(self._handles, self._producers, list(self._inputs))
         lvs = [low.tensor(t.index) for t in self._outputs]
-        group = low.b.build([lv.value for lv in lvs])
+        # an output that is a group input (an input, or a view of one) is copied at execute, not computed by the
+        # group: a kernel's outputs are fresh tensors, so it would send the whole group to the fallback
+        position = {v.id: j for j, v in enumerate(low.b.inputs)}
+        computed = [lv.value for lv in lvs if lv.value.id not in position]
+        group = low.b.build(computed)
         key = STORE.register(group)
-        outs = []
-        for k, (t, lv) in enumerate(zip(self._outputs, lvs)):
+        outs, k = [], 0
+        for t, lv in zip(self._outputs, lvs):
             phys = (1,) * (t.ndim - len(lv.phys)) + tuple(lv.phys)
-            narrower = any(p == 1 and e != 1 for p, e in zip(phys, t.extents))
-            outs.append((k, t.extents if narrower else None, group.is_input(lv.value)))
+            narrower = len(lv.phys) != t.ndim or any(p == 1 and e != 1 for p, e in zip(phys, t.extents))
+            if lv.value.id in position:
+                outs.append((None, t.extents if narrower else None, position[lv.value.id]))
+            else:
+                outs.append((k, t.extents if narrower else None, None))
+                k += 1
         return Fusion(fusion_id, tuple(self._records), group, key, list(self._inputs), dict(self._specs),
                       low.in_plans, outs, list(self._constraints))
 

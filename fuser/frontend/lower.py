@@ -212,14 +212,16 @@ class Lowerer:
             except TypeError:
                 raise LoweringError(f"fd.ops.{op} with these operand kinds ({', '.join(s[0] for s in specs)}: T tensor, "
                                     "S symbolic scalar, c constant) is not supported yet") from None
-        got = self._probe(op, name, full)
+        operands = ", ".join(f"{s[0]}{s[1]}" + (f" ({self.h[s[1]].dtype})" if s[0] in "TS" else "")
+                             for s in specs if s[0] != "c")
+        got = self._probe(op, name, full, f" for {operands}")
         v = self.b.add(name, *full, dtype=got)
         lv = self._mk(v, DataType.Bool if got == torch.bool else _dt(got), broadcast_phys([x.phys for x in lvs]))
         if lv.dtype is not out_dt:
             lv = self.cast(lv, out_dt)
         return lv
 
-    def _probe(self, op: str, name: str, args: tuple) -> torch.dtype:
+    def _probe(self, op: str, name: str, args: tuple, what: str = "") -> torch.dtype:
         """The dtype eager gives ``name(*args)`` (run on meta tensors); eager's error names the op otherwise."""
         fn, kw, n_pos = _overload(name)
         vals = []
@@ -238,7 +240,7 @@ class Lowerer:
         try:
             out = fn(*vals[:n_pos], **dict(zip(kw, vals[n_pos:])))
         except Exception as e:  # noqa: BLE001 - eager's own message, for the user
-            raise TypeError(f"fd.ops.{op}: eager PyTorch rejects {name} on these dtypes: {e}") from None
+            raise TypeError(f"fd.ops.{op}: eager PyTorch rejects {name}{what}: {e}") from None
         return out.dtype
 
     def _bcast(self, t: Tensor, view: View, x_index: int, ext: tuple, bdims: tuple) -> LV:

@@ -32,7 +32,7 @@ _COMPARE = {"eq": "eq", "ne": "ne", "lt": "gt", "le": "ge", "gt": "lt", "ge": "l
 # nvFuser ops this frontend does not have yet: a clear error instead of an AttributeError
 NOT_YET = ("cat", "reshape", "permute", "squeeze", "slice", "pad", "gather", "index_select", "take_along_axis",
            "welford", "batch_norm", "cumsum", "argsort", "topk", "matmul", "linear", "iota", "full", "normal",
-           "randn_like", "prod", "max", "min", "triu", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
+           "randn_like", "prod", "triu", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
            "logical_and", "logical_or", "logical_not", "real", "imag", "isfinite", "isinf", "isnan", "stride_order",
            "segment_set", "sign", "signbit", "exp2", "erfinv", "erfcinv", "acosh", "asinh", "atanh", "gcd",
            "nextafter", "add_alpha", "sub_alpha", "bitwise_left_shift", "bitwise_right_shift")
@@ -142,7 +142,7 @@ class Operators:
         tensors = [v for v in vals if isinstance(v, Tensor)]
         scalars = [_scalar_dtype(v) for v in vals if not isinstance(v, Tensor)]
         if not tensors:
-            return self._scalar_op(op, aten, vals, float_op, compare)
+            return self._scalar_op(op, aten, vals, float_op, compare, extra)
         common = promote([t.dtype for t in tensors], scalars)
         comp = compute_dtype(common, float_op, half_to_float)
         out_dtype = DataType.Bool if compare else comp
@@ -154,7 +154,7 @@ class Operators:
         plan = ("node", aten, tuple(_spec(v) for v in vals), comp, out_dtype, swapped, raw)
         return fd._record(op, tuple(vals) + (tuple(extra) if shown else ()), (), [("T", out_dtype, extents)], plan)[0]
 
-    def _scalar_op(self, op, aten, vals, float_op, compare):
+    def _scalar_op(self, op, aten, vals, float_op, compare, extra):
         fd = self._fd
         if any(isinstance(v, Scalar) and v.symbolic for v in vals):
             raise _fail(fd, NotImplementedError(f"fd.ops.{op} of symbolic scalars only: not supported yet (give it "
@@ -162,11 +162,16 @@ class Operators:
         dts = [_scalar_dtype(v) for v in vals]
         common = promote([], dts)
         comp = compute_dtype(common, float_op, False)
-        ts = [torch.tensor(v.value if isinstance(v, Scalar) else v, dtype=comp.torch_dtype) for v in vals]
-        got = ir.resolve(aten, ts)
+        if any(isinstance(e, Scalar) for e in extra):
+            raise _fail(fd, NotImplementedError(f"fd.ops.{op} of constants with Scalar arguments: not supported yet"))
+        # folded now, by eager's own op on 0-dim tensors of the compute dtype
+        consts = [ir.TensorConst.of(torch.tensor(v.value if isinstance(v, Scalar) else v, dtype=comp.torch_dtype))
+                  for v in vals]
+        name, full = ir.resolve(aten, consts + list(extra))
         from ..fallback import _overload
-        res = _overload(got[0])[0](*got[1])
-        value = res.item()
+        fn, kw, n_pos = _overload(name)
+        args = [a.tensor() if isinstance(a, ir.TensorConst) else a for a in full]
+        value = fn(*args[:n_pos], **dict(zip(kw, args[n_pos:]))).item()
         dt = DataType.Bool if compare else comp
         return fd.define_scalar(value, dtype=dt)
 
@@ -348,6 +353,21 @@ class Operators:
     def amin(self, x, dims=None, keepdim: bool = False):
         """Minimum over ``dims``."""
         return self._reduce("amin", "aten::amin", x, dims, keepdim, None)[0]
+
+    def max(self, x, dims=None, keepdim: bool = False, dtype=None):  # noqa: A003 - nvFuser's name
+        """nvFuser's max reduction: ``amax`` over ``dims``."""
+        return self._minmax("max", "aten::amax", x, dims, keepdim, dtype)
+
+    def min(self, x, dims=None, keepdim: bool = False, dtype=None):  # noqa: A003 - nvFuser's name
+        """nvFuser's min reduction: ``amin`` over ``dims``."""
+        return self._minmax("min", "aten::amin", x, dims, keepdim, dtype)
+
+    def _minmax(self, op, aten, x, dims, keepdim, dtype):
+        dt = _null(dtype)
+        if dt is not None and isinstance(x, Tensor) and as_datatype(dt, f"fd.ops.{op}: dtype") is not x.dtype:
+            raise _fail(self._fd, NotImplementedError(f"fd.ops.{op} with a dtype other than the input's: not "
+                                                      "supported yet (cast the result)"))
+        return self._reduce(op, aten, x, dims, keepdim, None)[0]
 
     def var(self, x, dims=None, correction=1, keepdim: bool = False):
         """Variance over ``dims`` with ``correction`` (1: Bessel's)."""

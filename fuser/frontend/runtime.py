@@ -40,7 +40,7 @@ class Fusion:
     inputs: list  # handles in execute order (Tensor or Scalar)
     specs: dict  # tensor index -> InputSpec
     in_plans: list
-    outputs: list  # per output: (group output index, logical extents to expand to or None, clone)
+    outputs: list  # per output: (group output index or None, extents to expand to or None, group input to copy)
     constraints: list  # (extent, extent, where): run-time sizes that must be equal
     last: dict = field(default_factory=dict)
 
@@ -121,8 +121,8 @@ class Fusion:
                 out.append(x)
             else:  # a shape carrier for uniform: only its shape, dtype and device are read
                 _, ext, dt = plan
-                if device is None:
-                    raise InputError("execute: a definition without tensor inputs needs execute(device=...)")
+                if device is None:  # no tensor input says where: nvFuser's default device, else the CPU
+                    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
                 out.append(torch.empty([self._size(e, inputs) for e in ext], dtype=dt.torch_dtype, device=device))
         return out
 
@@ -130,15 +130,13 @@ class Fusion:
         dev = self.check(inputs, device)
         spec = self.spec
         args = self.args(inputs, dev)
-        results = autodiff.run(spec, args)
+        results = autodiff.run(spec, args) if self.group.outputs else []
         # what a later last_cuda_code() needs to plan the same launch: the arguments' layouts, not the tensors
         self.last = {"args": [a if not isinstance(a, torch.Tensor) else
                               (tuple(a.shape), a.stride(), a.dtype, a.device) for a in args]}
         outs = []
-        for k, expand, clone in self.outputs:
-            o = results[k]
-            if clone:
-                o = o.clone()
+        for k, expand, copied in self.outputs:
+            o = results[k] if k is not None else args[copied].clone()
             if expand is not None:
                 o = o.expand([self._size(e, inputs) for e in expand])
             outs.append(o)
@@ -147,8 +145,8 @@ class Fusion:
     def fused(self) -> Optional[bool]:
         """Whether the last execute ran a compiled kernel (None: never executed)."""
         plan = self._last_plan()
-        if plan is None:
-            return None
+        if plan is None or not self.group.outputs:  # every output a copy of an input: no group ran
+            return None if plan is None else False
         return not isinstance(plan, str) and executor.kernel_for(self.spec, plan) is not None
 
     def _last_plan(self):
