@@ -43,6 +43,7 @@ class Fusion:
     outputs: list  # per output: (group output index or None, extents to expand to or None, group input to copy)
     constraints: list  # (extent, extent, where): run-time sizes that must be equal
     last: dict = field(default_factory=dict)
+    checked: dict = field(default_factory=dict)  # input signature -> device, for inputs already checked
 
     @property
     def spec(self):
@@ -50,6 +51,23 @@ class Fusion:
 
     # ---- checking --------------------------------------------------------------------------------------
     def check(self, inputs, device=None) -> Optional[torch.device]:
+        """The inputs' device, after checking them against the definition (once per input signature)."""
+        try:
+            sig = (device, tuple((x.shape, x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor) else type(x)
+                                 for x in inputs))
+        except (TypeError, RuntimeError):
+            sig = None
+        got = self.checked.get(sig, _UNCHECKED) if sig is not None else _UNCHECKED
+        if got is not _UNCHECKED:
+            return got
+        dev = self._check(inputs, device)
+        if sig is not None:
+            if len(self.checked) >= 256:
+                self.checked.clear()
+            self.checked[sig] = dev
+        return dev
+
+    def _check(self, inputs, device=None) -> Optional[torch.device]:
         if not isinstance(inputs, (list, tuple)):
             raise InputError(f"execute takes a list of inputs, got {type(inputs).__name__}")
         if len(inputs) != len(self.inputs):
@@ -176,6 +194,9 @@ class Fusion:
     def unfused_ops(self) -> set:
         from .. import ops
         return {n.op for n in self.group.nodes if ops.of(n.op) is None}
+
+
+_UNCHECKED = object()
 
 
 def _declared(spec: InputSpec) -> str:
