@@ -376,6 +376,20 @@ def reductions_of_broadcasts_and_rebroadcasts():
         lambda t, x, y: [t.expand(4, 5).sum(0), x.sum(0)[:, None] + y]
 
 
+@example(fused=False)
+def logical_bitwise_and_alpha_ops():
+    def define(fd, x):
+        t0 = fd.define_tensor(shape=[-1], contiguity=[True], dtype=DataType.Float)
+        t1 = fd.define_tensor(shape=[-1], contiguity=[True], dtype=DataType.Int32)
+        nan = fd.ops.isnan(fd.ops.log(t0))
+        fd.add_output(fd.ops.logical_and(nan, fd.ops.logical_not(fd.ops.isinf(t0))))
+        fd.add_output(fd.ops.bitwise_xor(t1, 5))
+        fd.add_output(fd.ops.sign(t0))
+        fd.add_output(fd.ops.add_alpha(t0, t0, 2.0))
+    return define, lambda d: [_rand(12, device=d), torch.randint(-9, 10, (12,), dtype=torch.int32, device=d)], \
+        lambda x, i: [torch.isnan(torch.log(x)) & ~torch.isinf(x), i ^ 5, torch.sign(x), torch.add(x, x, alpha=2.0)]
+
+
 def _run_example(name, device):
     build, fused = EXAMPLES[name]
     define, make, eager = build()
@@ -616,7 +630,7 @@ def _t(fd, shape, dtype=DataType.Float):
     (lambda fd: fd.ops.broadcast_in_dim(_t(fd, [2]), [3, 4], [1]), ValueError, "size 2 and cannot broadcast"),
     (lambda fd: fd.ops.sum(_t(fd, [-1, -1]), dims=[2]), IndexError, "out of range for T0"),
     (lambda fd: fd.ops.mean(_t(fd, [-1], DataType.Int), dims=[0]), TypeError, "T0 .* must be a floating-point"),
-    (lambda fd: fd.ops.exp(_t(fd, [-1], DataType.Bool)) and fd.ops.bitwise_xor, NotImplementedError, "does not support"),
+    (lambda fd: fd.ops.exp(_t(fd, [-1], DataType.Bool)) and fd.ops.gcd, NotImplementedError, "does not support"),
     (lambda fd: fd.ops.no_such_op, AttributeError, "no op 'no_such_op'"),
     (lambda fd: fd.add_output(_def_a_tensor()), ValueError, "never defined in this definition"),
     (lambda fd: _t(fd, [-1]), RuntimeError, "no outputs"),
@@ -624,7 +638,7 @@ def _t(fd, shape, dtype=DataType.Float):
     (lambda fd: fd.define_tensor(shape=[-1, -2]), ValueError, "value -2 at index 1"),
     (lambda fd: fd.add_output(fd.ops.broadcast_in_dim(fd.ops.rand_like(_t(fd, [-1])), [3, 4], [1])),
      NotImplementedError, "broadcast random"),
-    (lambda fd: fd.add_output(fd.ops.bitwise_and), NotImplementedError, "bitwise_and"),
+    (lambda fd: fd.add_output(fd.ops.cat), NotImplementedError, "fd.ops.cat is an nvFuser op"),
 ])
 def test_definition_errors_name_the_argument_and_cache_nothing(build, exc, match):
     _definition_error(lambda fd: build(fd), exc, match)

@@ -32,10 +32,9 @@ _COMPARE = {"eq": "eq", "ne": "ne", "lt": "gt", "le": "ge", "gt": "lt", "ge": "l
 # nvFuser ops this frontend does not have yet: a clear error instead of an AttributeError
 NOT_YET = ("cat", "reshape", "permute", "squeeze", "slice", "pad", "gather", "index_select", "take_along_axis",
            "welford", "batch_norm", "cumsum", "argsort", "topk", "matmul", "linear", "iota", "full", "normal",
-           "randn_like", "prod", "triu", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
-           "logical_and", "logical_or", "logical_not", "real", "imag", "isfinite", "isinf", "isnan", "stride_order",
-           "segment_set", "sign", "signbit", "exp2", "erfinv", "erfcinv", "acosh", "asinh", "atanh", "gcd",
-           "nextafter", "add_alpha", "sub_alpha", "bitwise_left_shift", "bitwise_right_shift")
+           "randn_like", "prod", "triu", "real", "imag", "stride_order", "segment_set", "signbit", "exp2", "erfinv",
+           "erfcinv", "acosh", "asinh", "atanh", "gcd", "nextafter", "bitwise_left_shift", "bitwise_right_shift",
+           "logical_right_shift", "isneginf", "isposinf", "isreal", "set")
 
 
 def _fail(fd, exc: Exception):
@@ -489,6 +488,42 @@ def _make_table_op(op: op_table.OpDef):
     return f
 
 
+# nvFuser ops outside the op table: ATen nodes of the group IR, which the fallback runs (eager's results) until the
+# table takes them; fd.ops name -> (ATen op, arity, Bool result, commutes)
+_OUTSIDE = {
+    "logical_and": ("aten::logical_and", 2, True, True), "logical_or": ("aten::logical_or", 2, True, True),
+    "logical_not": ("aten::logical_not", 1, True, False), "isnan": ("aten::isnan", 1, True, False),
+    "isinf": ("aten::isinf", 1, True, False), "isfinite": ("aten::isfinite", 1, True, False),
+    "sign": ("aten::sign", 1, False, False), "bitwise_and": ("aten::bitwise_and", 2, False, True),
+    "bitwise_or": ("aten::bitwise_or", 2, False, True), "bitwise_xor": ("aten::bitwise_xor", 2, False, True),
+    "bitwise_not": ("aten::bitwise_not", 1, False, False),
+}
+
+
+def _make_outside(name: str, aten: str, arity: int, boolean: bool, commutes: bool):
+    def f(self, *args):
+        if len(args) != arity:
+            raise TypeError(f"fd.ops.{name} takes {arity} argument{'s' if arity > 1 else ''}, got {len(args)}")
+        return self._pointwise(name, aten, args, compare=boolean, half_to_float=not name.startswith("bitwise"),
+                               swapped=aten if commutes else None)
+    f.__name__ = name
+    f.__doc__ = (f"{name}({', '.join('abc'[:arity])}): elementwise {aten}" + (", a Bool tensor" if boolean else "")
+                 + " (outside fuser's op table: runs through the fallback).")
+    return f
+
+
+def _alpha(name: str, aten: str):
+    def f(self, a, b, alpha):
+        return self._pointwise(name, aten, (a, b), extra=(alpha,))
+    f.__name__ = name
+    f.__doc__ = f"{name}(a, b, alpha): {aten} with b scaled by alpha (a Scalar or a number)."
+    return f
+
+
+for _name, _e in _OUTSIDE.items():
+    setattr(Operators, _name, _make_outside(_name, *_e))
+Operators.add_alpha = _alpha("add_alpha", "aten::add")
+Operators.sub_alpha = _alpha("sub_alpha", "aten::sub")
 for _name, (_aten, _float, _swap) in _BINARY.items():
     setattr(Operators, _name, _make_binary(_name, _aten, _float, _swap))
 for _name, _sw in _COMPARE.items():
