@@ -4,7 +4,7 @@ A :class:`Group` is a straight-line program of pointwise ATen ops. It has inputs
 :class:`Node`s that each name one ATen overload (``"aten::add.Tensor"``, ``"aten::gelu"``) with one positional
 argument per schema argument, and outputs. An argument is a :class:`Value` of the group, a constant (None, bool,
 int, float, str, or a :class:`TensorConst`: the 0-dim tensors tracing makes of Python numbers), or a tuple of
-values (``cat``'s list). Everything is a frozen dataclass: a group never changes once built (a
+values (``cat``'s list) or of ints (a ``List[int]`` argument: a reduction's dims). Everything is a frozen dataclass: a group never changes once built (a
 :class:`Builder` builds it).
 
 ``Group.text()`` is the canonical printed form: values renumbered in order, constants typed, so two groups have

@@ -412,10 +412,9 @@ def test_example_matches_eager(name, device):
     else:
         with pytest.raises(RuntimeError, match="fallback"):
             fd.last_cuda_code()
-    # fresh inputs of other sizes: the same fusion, no new definition
+    # fresh values through the same fusion (the checked input signature is reused)
     again = EXAMPLES[name][0]()[1](device)
-    if all(not isinstance(a, torch.Tensor) or a.shape == b.shape for a, b in zip(again, inputs)):
-        close(fd.execute(again), EXAMPLES[name][0]()[2](*again))
+    close(fd.execute(again), EXAMPLES[name][0]()[2](*again))
 
 
 def test_there_are_twenty_examples():
