@@ -1,5 +1,6 @@
 """``python -m fuser demo``: script an LSTM cell and a GELU block, show the fused graphs and a generated
-kernel, check against eager and time eager vs fused (CUDA when a GPU is usable, else the CPU backend)."""
+kernel, check against eager and time eager vs fused (CUDA when a GPU is usable, else the CPU backend); then one
+FusionDefinition (nvFuser's frontend) and its repro script."""
 from __future__ import annotations
 
 import argparse
@@ -106,6 +107,8 @@ def demo(device_name: str | None = None) -> int:
         ok = _show("GELU block", gelu, gelu_block, gargs, device, 50 if big else 200) and ok
     finally:
         fuser.uninstall()
+    from .frontend import demo as frontend_demo
+    ok = frontend_demo.show(device) and ok
     print(f"\nkernels compiled: {fuser.n_compiled_kernels()}, kernel specs: {fuser.n_cached_kernel_specs()}")
     return 0 if ok else 1
 

@@ -355,6 +355,7 @@ DERIVATIVES: dict[str, Callable] = {
     "pow_scalar": _pow_scalar,
     "where": _where,
     "type_as": lambda g, x, y: [op("aten::type_as", g, x[0]), None],  # back in self's dtype
+    "cast": lambda g, x, y: [op("aten::type_as", g, x[0])] + [None] * (len(x) - 1),  # back in self's dtype
     "clamp": _clamp,
     "clamp_tensor": _clamp,
     "clamp_min": _clamp_min,

@@ -67,6 +67,7 @@ class OpDef:
     otherwise bound by arithmetic, not memory. (``__expf`` flushes results below 2^-126 to zero; ``__fdividef``
     returns 0 for divisors above 2^126, which ``fz_fdividef`` scales around, because a bfloat16 result of 6e-39
     and one of 0 differ without bound downstream: lgamma of them is 88 or inf.)
+    cast: the op converts its first argument to the result dtype (``aten::_to_copy`` with only ``dtype`` given).
     random: the op draws random numbers (``rand_like``, see ``fuser/rng.py``): ``$r`` is its ordinal among
     the group's random ops, ``$bits`` the random bits its result dtype holds, ``@IDX@`` the element's index in
     the map; its arguments after ``self`` are constant tensor options, of which only ``dtype`` may be given.
@@ -92,6 +93,7 @@ class OpDef:
     fast: Mapping[Optional[str], str] = field(default_factory=dict)
     random: bool = False
     concat: bool = False
+    cast: bool = False  # converts ``self`` to the dtype argument; the arguments after it are tensor options
     targets: Mapping[str, Mapping[Optional[str], Exprs]] = field(default_factory=dict)
     reduction: Optional["Reduction"] = None  # a reduction (see Reduction): no expression, a row kernel runs it
 
@@ -326,6 +328,10 @@ _OPS: list[OpDef] = [
           {None: Exprs("fz_uniform_f(fz_rs, $r, @IDX@, $bits)", "fz_uniform_d(fz_rs, $r, @IDX@)",
                        v="fz_vuniform($T(), fz_rs, $r, @IDX@, $bits)")}, random=True),
     OpDef("cat", ("aten::cat(Tensor[] tensors, int dim=0) -> Tensor",), {}, concat=True),
+    # a dtype conversion (the FusionDefinition frontend's cast): eager's C conversion of the value
+    OpDef("cast", ("aten::_to_copy(Tensor self, *, ScalarType? dtype=None, Layout? layout=None, Device? device=None, "
+                   "bool? pin_memory=None, bool non_blocking=False, MemoryFormat? memory_format=None) -> Tensor",),
+          {None: Exprs("$a", "$a", "$a")}, cast=True),
     OpDef("addcmul", ("aten::addcmul(Tensor self, Tensor tensor1, Tensor tensor2, *, Scalar value=1) -> Tensor",),
           # CPU eager: fma(value * tensor1, tensor2, self); CUDA eager: fma(tensor1, tensor2, self) for value 1, else
           # fma(value, tensor1 * tensor2, self) (the product first: inf * 0 is NaN there; with value 1 there is no

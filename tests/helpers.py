@@ -81,6 +81,9 @@ def build(case: Case) -> Built:
             # rand_like's tensor options (dtype, layout, device...): not a number's place
             consts.append(f"  %{a.name} : NoneType = prim::Constant()")
             call[a.name] = ("const", None)
+        elif t == "bool":  # the cast's non_blocking
+            consts.append(f"  %{a.name} : bool = prim::Constant[value=0]()")
+            call[a.name] = ("const", False)
         elif case.scalars_as_inputs:
             floats.append(a.name)
             call[a.name] = ("float", a.name)

@@ -132,8 +132,10 @@ def node_statement(group: ir.Group, node: ir.Node, op: ops.OpDef, nt: NodeTypes,
                          f"{variant!r})")
     rounding = target in op.round_operands and nt.compute in REDUCED  # scalars, on this target
     round_values = op.discrete and nt.compute in REDUCED  # computed operands, on every target
+    if op.cast and any(a not in (None, False) for a in node.args[2:]):
+        raise NotFusable(f"{node.op} with tensor options other than dtype")
     for i, v in enumerate(node.args):
-        if i == op.variant_arg:
+        if i == op.variant_arg or (op.cast and i > 0):
             continue
         arg = ops.ARG_NAMES[i]
         if not isinstance(v, ir.Value):
