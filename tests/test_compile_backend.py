@@ -195,7 +195,19 @@ def _check_training(kind, device="cpu", **kw):
     assert group_calls(backward[1]) >= 1  # the backward is fused too
     specs = [s for *_, specs in graphs for s in specs]
     assert_ran_fused(specs, device)
+    assert_every_compute_node_is_explained(graphs)
     return graphs
+
+
+def assert_every_compute_node_is_explained(graphs):
+    """Each compute node of each ATen graph is in a group or left out with a reason (fuser.explain's records)."""
+    from fuser.dynamo.support import is_compute
+    for name, _, part, _ in graphs:
+        grouped = {n for r in part.regions for n in r.nodes}
+        graph = next(iter(grouped or part.left_out)).graph
+        for n in graph.nodes:
+            if is_compute(n) and n.target is not torch.ops.aten.scalar_tensor.default:
+                assert n in grouped or part.left_out.get(n), (name, n.format_node())
 
 
 def test_a_transformer_block_trains_with_eagers_losses():
@@ -224,6 +236,20 @@ def test_a_cnn_block_with_inference_batch_norm_trains_with_eagers_losses():
     # batch norm with running statistics becomes pointwise ops, fused with the ReLU
     names = [n.target.name() for r in forward.regions for n in r.nodes]
     assert "aten::relu" in names and "aten::mul.Tensor" in names
+
+
+def test_training_batch_norm_stays_one_op_and_updates_its_running_statistics():
+    model = ConvBlock().train()
+    batches = _batches("conv", steps=3)
+    eager_model, fused_model = copy.deepcopy(model), copy.deepcopy(model)
+    eager = train(eager_model, batches, compiled=False)
+    with recording() as graphs:
+        fused = train(fused_model, batches, compiled=True)
+    torch.testing.assert_close(torch.tensor(fused), torch.tensor(eager), rtol=2e-5, atol=1e-6)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(fused_model.bn, name), getattr(eager_model.bn, name))
+    ops = {n.target for n in graphs[0][1].graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten._native_batch_norm_legit_functional.default in ops  # not decomposed in training
 
 
 @pytest.mark.gpu

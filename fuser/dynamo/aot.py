@@ -44,11 +44,12 @@ def _warn_once(kind: str, e: BaseException) -> None:
 def decompositions() -> dict:
     """Core ATen's decompositions less those of ops fuser fuses whole, and of attention; plus inference batch
     norm's."""
-    from torch._decomp import core_aten_decompositions, remove_decompositions
-    table = core_aten_decompositions()
+    from torch._decomp import core_aten_decompositions
+    table = dict(core_aten_decompositions().items())  # a plain dict: the same on every torch version
     keep_whole = [op for op in list(table.keys()) if isinstance(op, torch._ops.OpOverload) and (
         ops.of(op.name()) is not None or "scaled_dot_product" in op.name())]
-    remove_decompositions(table, keep_whole)
+    for op in keep_whole:
+        del table[op]
     # inference batch norm (a model in eval mode) into its pointwise ops, as the TorchScript door's prepare.py
     # does: they fuse with what follows (a ReLU)
     from torch._decomp import decomposition_table

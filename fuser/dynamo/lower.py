@@ -24,7 +24,7 @@ import torch.fx
 from .. import autodiff, ir
 from ..kernel_cache import STORE, KernelSpec
 from .partition import Region
-from .support import full_args, overload_name, tensor_constant
+from .support import full_args, is_barrier, overload_name, tensor_constant
 
 # fuser.explain sets this while it runs: called with (spec, args) on each group call, to see run-time fallbacks
 observer: Optional[Callable] = None
@@ -91,6 +91,23 @@ def rewrite(gm: torch.fx.GraphModule, regions: list[Region]) -> tuple[torch.fx.G
             if src != it:
                 deps[it].add(src)
                 users.setdefault(src, set()).add(it)
+    # side effects keep their order against everything: each one after every item before it, every item after it
+    # after it (regions never span one, so these edges close no cycle)
+    last, since = None, []
+    for n in nodes:
+        it = item(n)
+        if is_barrier(n):
+            for before in since + ([last] if last is not None else []):
+                if before != it:
+                    deps[it].add(before)
+                    users[before].add(it)
+            last, since = it, []
+        else:
+            if last is not None and first[it] == pos[n] and it != last:
+                deps[it].add(last)
+                users[last].add(it)
+            if first[it] == pos[n]:
+                since.append(it)
     waiting = {it: len(d) for it, d in deps.items()}
     ready = [(first[it], it) for it, c in waiting.items() if c == 0]
     heapq.heapify(ready)

@@ -3,6 +3,7 @@
 Consumers pull in their producers, in graph order, as the TorchScript pass does (``fuser/graph_fuser.py``, whose
 limits it shares): a node joins when :mod:`.support` takes it and the merged region
 
+* spans no side effect (a mutation, a random op: see ``support.is_barrier``), whose order stays eager's;
 * closes no cycle: no path leaves the region and comes back (each region runs as one call, so a node that needs
   one of its values and feeds another of its nodes could run neither before nor after it);
 * keeps every output at the region's one broadcast shape, and contiguous as eager lays it out (a group's kernel
@@ -15,6 +16,7 @@ shapes are compared as symbols, never made concrete (that would install a guard 
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -22,7 +24,7 @@ import torch
 import torch.fx
 
 from ..graph_fuser import MAX_GROUP_ARGS, MIN_GROUP_KERNELS
-from .support import Support, fake, tensor_constant
+from .support import Support, fake, is_barrier, tensor_constant
 
 
 @dataclass
@@ -95,6 +97,7 @@ class _Partitioner:
     def __init__(self, graph: torch.fx.Graph, support: Support):
         self.nodes = list(graph.nodes)
         self.pos = {n: i for i, n in enumerate(self.nodes)}
+        self.barriers = [i for i, n in enumerate(self.nodes) if is_barrier(n)]
         self.support = support
         self.group_of: dict = {}
         self.refused: dict = {}  # node -> the last reason a merge with it was refused
@@ -144,6 +147,11 @@ class _Partitioner:
     def refusal(self, consumer: _Group, producer: _Group) -> Optional[str]:
         merged = consumer.members | producer.members
         ordered = sorted(merged, key=self.pos.__getitem__)
+        lo, hi = self.pos[ordered[0]], self.pos[ordered[-1]]
+        k = bisect.bisect_right(self.barriers, lo)
+        if k < len(self.barriers) and self.barriers[k] < hi:
+            b = self.nodes[self.barriers[k]]
+            return f"a side effect between its ops ({b.name}: {getattr(b.target, '__name__', b.target)})"
         outs = self.outputs(ordered)
         n_args = len(self.inputs(ordered)) + len(outs)
         if n_args > MAX_GROUP_ARGS:

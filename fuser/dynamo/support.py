@@ -37,6 +37,19 @@ def is_compute(node: torch.fx.Node) -> bool:
     return node.op in ("call_function", "call_module", "call_method") and node.target is not operator.getitem
 
 
+def is_barrier(node: torch.fx.Node) -> bool:
+    """Whether ``node`` has an effect besides its result (a mutation such as the ``copy_`` that writes an input
+    back, a print) or draws random numbers: its order against every other node is kept, and no group spans it
+    (as no group crosses a side effect in the TorchScript pass)."""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload) and (
+            t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags):
+        return True
+    return node.is_impure()
+
+
 def fake(x) -> Optional[torch.Tensor]:
     """The fake tensor of a node (its ``meta["val"]``), or None where the node is not a tensor."""
     if isinstance(x, torch.fx.Node):
