@@ -132,7 +132,10 @@ def reason(node: torch.fx.Node) -> Optional[str]:
                 continue
             v = fake(a)
             if v is None:
-                return f"{name}: argument {p.name} is a symbolic value, not a tensor (a size: left to ATen)"
+                val = a.meta.get("val")
+                what = (f"the symbolic value {val}" if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool))
+                        else "a value the graph does not describe as a tensor")
+                return f"{name}: argument {p.name} is {what}, not a tensor a group takes"
             if v.dtype not in DTYPES:
                 return f"{name}: argument {p.name} has dtype {_dtype(v.dtype)}, which fuser's kernels do not hold"
             if v.device != device:
