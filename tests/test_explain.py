@@ -143,3 +143,31 @@ def test_fusion_debug_explain_prints_once_per_compiled_graph(monkeypatch, capsys
     out = capsys.readouterr().out
     assert out.count("group(s),") == 2 and out.count("inference  group") == 2, out
     assert "tanh, mul.Tensor" in out and "sigmoid, add.Tensor" in out
+
+
+def _mixed(x, i, buf):
+    y = torch.sigmoid(x) * 2 + 1
+    z = torch.cumsum(y, 1)
+    buf.mul_(0.5)
+    j = i.remainder(3)
+    return z.tanh() * j
+
+
+def test_explain_follows_the_torchscript_pass_too():
+    x, i = torch.randn(4, 8), torch.randint(-5, 6, (4, 8))
+    buf, buf_ref = torch.rand(8), None
+    buf_ref = buf.clone()
+    ref = _mixed(x, i, buf_ref)
+    scripted = torch.jit.script(_mixed)
+    e = fuser.explain(scripted, x, i, buf.clone())  # runs it more than once (the profiling executor's runs)
+    assert torch.equal(scripted(x, i, buf), ref) and torch.equal(buf, buf_ref)
+    assert {r.graph for r in e} == {"torchscript"}
+    assert sorted(r.ops for r in e.groups) == [("aten::remainder.Scalar", "aten::tanh", "aten::mul.Tensor"),
+                                               ("aten::sigmoid", "aten::mul.Scalar", "aten::add.Scalar")]
+    reasons = _by_op(e)
+    assert reasons["aten::cumsum"] == "aten::cumsum is not in fuser's op table"
+    assert "side effect" in reasons["aten::mul_.Scalar"]
+    # the pass has no dtypes: the integer remainder joined a group, which falls back when it runs on int64
+    [fb] = e.fallbacks
+    assert fb.ops[0] == "aten::remainder.Scalar" and "no form for these inputs" in fb.reason
+    assert "1 run-time fallback(s)" in str(e)
