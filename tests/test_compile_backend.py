@@ -280,6 +280,26 @@ def test_no_grad_and_inference_mode_run_the_inference_graph_fused(mode):
     assert_ran_fused(specs)
 
 
+def test_autocast_bfloat16_fuses_the_lower_precision_ops():
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(approximate="tanh"), nn.Linear(32, 16))
+    x = torch.randn(6, 16)
+
+    def f(t):
+        h = model(t)
+        return t + torch.sigmoid(h) * h  # after the bfloat16 linear: bfloat16 values, a float32 residual
+
+    with recording() as graphs, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(f, backend="fuser", dynamic=False)(x)
+        ref = f(x)
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1.6e-2)
+    [(_, gm, part, specs)] = graphs
+    assert any(len(r.nodes) >= 3 for r in part.regions)
+    assert_ran_fused(specs)
+    kernels = [k for s in specs for k in s.kernels().values() if k is not None]
+    assert any(d.dtype == torch.bfloat16 for k in kernels for d in k.arg_spec.inputs)
+
+
 def test_a_graph_break_gives_two_fused_graphs():
     def f(x):
         y = torch.tanh(x) * 2 - 1
