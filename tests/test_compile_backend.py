@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import fuser
 import fuser.dynamo  # registers backend="fuser" (an installed fuser needs no import: the entry point)
-from fuser import executor, settings
+from fuser import settings
 from fuser.dynamo import aot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,9 +16,9 @@ GROUP, LEFT_OUT, FALLS_BACK, VIEW = "group", "left out", "falls back", "view"
 @dataclass(frozen=True)
 class Record:
     """``kind``: "group" (fused), "left out" (a node no group took), "view" (a view or alias left out: it
-    launches no kernel) or "falls back" (a group that ran through the interpreter at run time). ``ops``: the overload names involved; ``nodes``: the FX node names;
-    ``reason``: why ("" for a group); ``graph``: which compiled graph ("graph 1 forward"); ``key``: the group's
-    kernel store key (None for a node)."""
+    launches no kernel) or "falls back" (a group that ran through the interpreter at run time). ``ops``: the
+    overload names involved; ``nodes``: the FX node names; ``reason``: why ("" for a group); ``graph``: which
+    compiled graph ("graph 1 forward", "torchscript"); ``key``: the group's kernel store key (None for a node)."""
 
     graph: str
     kind: str
@@ -108,11 +108,10 @@ class Explanation(list):
         widths[2] = min(widths[2], 60)
         lines = []
         for j, row in enumerate(rows):
-            cells = [row[c][:widths[c]] if c == 2 and len(row[c]) > widths[c] and j else row[c] for c in range(3)]
-            if j and len(row[2]) > widths[2]:
-                cells[2] = row[2][:widths[2] - 3] + "..."
-            lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)) + "  " + row[3])
+            ops = row[2] if len(row[2]) <= widths[2] else row[2][:widths[2] - 3] + "..."
+            lines.append("  ".join(c.ljust(w) for c, w in zip((row[0], row[1], ops), widths)) + "  " + row[3])
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 6)
+        lines = [ln.rstrip() for ln in lines]
         lines.append(f"{n_groups} group(s), {n_left} op(s) left out, {len(self.fallbacks)} run-time fallback(s)")
         return "\n".join(lines)
