@@ -89,10 +89,17 @@ def tensor_constant(node) -> Optional[ir.TensorConst]:
     if set(node.kwargs) - {"dtype", "device", "layout", "pin_memory"} or node.kwargs.get("layout") not in (
             None, torch.strided) or node.kwargs.get("pin_memory"):
         return None
+    # a constant is a CPU tensor: on another device only ops whose eager kernels take a CPU scalar may read it
+    # (the interpreter calls the eager op with it when a group falls back)
+    if v.device.type != "cpu" and not all(overload_name(u) in _TAKE_CPU_SCALARS for u in node.users):
+        return None
     return ir.TensorConst(v.dtype, (), (value,))
 
 
 _SCALAR_TENSOR = torch.ops.aten.scalar_tensor.default
+_TAKE_CPU_SCALARS = frozenset(["aten::where.self", "aten::add.Tensor", "aten::sub.Tensor", "aten::mul.Tensor",
+                               "aten::div.Tensor", "aten::maximum", "aten::minimum"] + [
+    f"aten::{c}.Tensor" for c in ("eq", "ne", "lt", "le", "gt", "ge")])
 
 
 def _dtype(d: torch.dtype) -> str:
