@@ -5,6 +5,7 @@ inference mode, graph breaks, dynamic shapes without recompiles or new kernels, 
 and the backend's registration (by import and through setup.py's entry point)."""
 import contextlib
 import copy
+import operator
 import os
 import subprocess
 import sys
@@ -258,6 +259,34 @@ def test_models_train_with_eagers_losses_cuda(kind):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     _check_training(kind, device="cuda")
+
+
+def test_values_saved_for_the_backward_come_out_of_forward_groups_with_eagers_gradients():
+    def f(x, w):
+        s = torch.sigmoid(x * w + 0.25)
+        return s * torch.tanh(x) - s.square()
+
+    x = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    with recording() as graphs:
+        out = torch.compile(f, backend="fuser", dynamic=False)(x, w)
+        go = torch.randn_like(out)
+        first = torch.autograd.grad(out, (x, w), go, retain_graph=True)
+        again = torch.autograd.grad(out, (x, w), go)
+    ref = f(x, w)
+    want = torch.autograd.grad(ref, (x, w), go)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for a, b, e in zip(first, again, want):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+        assert torch.equal(a, b)  # the saved tensors were not overwritten by the first backward
+    (fw_name, fw, fw_part, _), (bw_name, bw, bw_part, _) = graphs
+    assert fw_name.endswith("forward") and bw_name.endswith("backward")
+    # the forward's group also returns what the backward reads (AOTAutograd's saved tensors)
+    [region] = fw_part.regions
+    assert len(region.outputs) >= 2
+    saved = [a for a in fw.graph.output_node().args[0][1:] if isinstance(a, torch.fx.Node)]
+    assert any(a.target is operator.getitem and hasattr(a.args[0].target, "fuser_spec") for a in saved)
+    assert group_calls(bw) >= 1
 
 
 # ---- modes, graph breaks, dynamic shapes ----------------------------------------------------------------------
