@@ -101,6 +101,7 @@ class _Partitioner:
         self.support = support
         self.group_of: dict = {}
         self.refused: dict = {}  # node -> the last reason a merge with it was refused
+        self.spans: dict = {}  # id of a group of several nodes -> (its first position, its last, the group)
 
     def group(self, node) -> _Group:
         g = self.group_of.get(node)
@@ -123,11 +124,25 @@ class _Partitioner:
         members = set(ordered)
         return [m for m in ordered if any(u not in members for u in m.users)]
 
+    def _bound(self, consumer: _Group) -> int:
+        """A position no path into ``consumer`` passes at or after: walking such a path backwards, each step
+        goes to an earlier position, except a jump inside a group, which stays below that group's last
+        position; and a group it jumps in starts before the bound so far."""
+        bound = max(self.pos[m] for m in consumer.members)
+        grown = True
+        while grown:
+            grown = False
+            for lo, hi, _ in self.spans.values():
+                if lo < bound < hi:
+                    bound, grown = hi, True
+        return bound + 1
+
     def _closes_cycle(self, consumer: _Group, producer: _Group, merged: set) -> bool:
         """Whether a path leaves ``producer`` and reaches ``consumer`` through nodes outside both (other
         regions count as one node: their members run together)."""
         stack = [u for m in producer.members for u in m.users if u not in merged]
         seen = set()
+        bound = self._bound(consumer)
         while stack:
             x = stack.pop()
             if x in seen:
@@ -138,7 +153,14 @@ class _Partitioner:
             if x in producer.members:
                 continue
             g = self.group_of.get(x)
-            members = g.members if g is not None and len(g.members) > 1 else (x,)
+            if g is not None and len(g.members) > 1:
+                if self.spans[id(g)][0] >= bound:
+                    continue
+                members = g.members
+            elif self.pos[x] >= bound:
+                continue
+            else:
+                members = (x,)
             for m in members:
                 seen.add(m)
                 stack.extend(u for u in m.users if u not in seen)
@@ -186,6 +208,9 @@ class _Partitioner:
                     g.members |= other.members
                     for m in other.members:
                         self.group_of[m] = g
+                    self.spans.pop(id(other), None)
+                    positions = [self.pos[m] for m in g.members]
+                    self.spans[id(g)] = (min(positions), max(positions), g)
                 else:
                     self.refused[n] = self.refused[p] = why
         regions, left_out, seen = [], {}, set()
