@@ -289,6 +289,35 @@ def test_values_saved_for_the_backward_come_out_of_forward_groups_with_eagers_gr
     assert group_calls(bw) >= 1
 
 
+def test_the_doors_groups_run_as_cuda_kernels_in_the_host_emulation():
+    """The groups this door makes (Python numbers in Tensor slots, scalar_tensor constants in a where, decomposed
+    backward ops) through their CUDA source, emulated on the host (fuser/cuda/emulate.py), against eager's ops."""
+    from fuser import fallback
+    from fuser.cuda import emulate
+
+    def f(x, w, b):
+        h = F.gelu(x * w + b, approximate="tanh")
+        return F.relu(h) * torch.sigmoid(1.0 - h)
+
+    args = [torch.randn(5, 24, requires_grad=True), torch.randn(24, requires_grad=True), torch.randn(24)]
+    with recording() as graphs:
+        out = torch.compile(f, backend="fuser", dynamic=False)(*args)
+        out.backward(torch.randn_like(out))
+    checked = 0
+    for _, _, part, specs in graphs:
+        for region, spec in zip(part.regions, specs):
+            inputs = [torch.randn(tuple(n.meta["val"].shape), dtype=n.meta["val"].dtype)
+                      if n.meta["val"].is_floating_point() else torch.rand(tuple(n.meta["val"].shape)) > 0.5
+                      for n in region.inputs]
+            got = emulate.run_graph(spec.group, inputs)
+            assert got is not None, spec.text
+            for o, r in zip(got, fallback.evaluate(spec.group, inputs)):
+                torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+            checked += 1
+    texts = "\n".join(s.text for *_, specs in graphs for s in specs)
+    assert checked >= 2 and "tensor(float32, [], [0.0])" in texts and "aten::rsub" in texts
+
+
 # ---- modes, graph breaks, dynamic shapes ----------------------------------------------------------------------
 
 def _act(x, w):

@@ -93,7 +93,8 @@ def tensor_constant(node) -> Optional[ir.TensorConst]:
     # (the interpreter calls the eager op with it when a group falls back)
     if v.device.type != "cpu" and not all(overload_name(u) in _TAKE_CPU_SCALARS for u in node.users):
         return None
-    return ir.TensorConst(v.dtype, (), (value,))
+    # the value as the tensor holds it (0 in a float32 tensor is 0.0): one canonical text per constant
+    return ir.TensorConst(v.dtype, (), (torch.tensor(value, dtype=v.dtype).item(),))
 
 
 _SCALAR_TENSOR = torch.ops.aten.scalar_tensor.default
