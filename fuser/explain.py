@@ -23,8 +23,11 @@ if TYPE_CHECKING:
 
 
 def _tensors(x) -> list:
+    """The tensors in ``x`` (nested lists, tuples, dicts), a module's parameters included."""
     if isinstance(x, torch.Tensor):
         return [x]
+    if isinstance(x, torch.nn.Module):
+        return list(x.parameters())
     if isinstance(x, (list, tuple)):
         return [t for item in x for t in _tensors(item)]
     if isinstance(x, dict):
@@ -50,6 +53,7 @@ def explain(fn: Callable, *inputs, **kwargs) -> "Explanation":
             current[s.key] = graph
 
     observe = _run_time_observer(records, current)
+
     def fresh_backend(gm, example_inputs, **kw):  # a new backend object: Dynamo compiles anew for it
         return aot.backend(gm, example_inputs, **kw)
 
@@ -60,9 +64,7 @@ def explain(fn: Callable, *inputs, **kwargs) -> "Explanation":
         out = compiled(*inputs, **kwargs)
         outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
         if outs and torch.is_grad_enabled():
-            leaves = [t for t in _tensors(inputs) + _tensors(kwargs) if t.requires_grad]
-            if isinstance(fn, torch.nn.Module):
-                leaves += [p for p in fn.parameters() if p.requires_grad]
+            leaves = list({id(t): t for t in _tensors([fn, inputs, kwargs]) if t.requires_grad}.values())
             if leaves:
                 torch.autograd.grad(outs, leaves, [torch.ones_like(t) for t in outs], allow_unused=True)
     finally:
