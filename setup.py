@@ -11,5 +11,7 @@ setup(
         "cuda-python>=12.6",  # cuda.bindings: NVRTC and the driver API
         "nvidia-cuda-nvrtc",  # the NVRTC library itself, so kernels compile even on machines without a GPU
     ],
+    # torch.compile(model, backend="fuser") with no import: Dynamo looks its backends up in this group
+    entry_points={"torch_dynamo_backends": ["fuser = fuser.dynamo:backend"]},
     extras_require={"test": ["pytest>=7", "numpy", "transformers"], "bench": ["matplotlib"]},
 )

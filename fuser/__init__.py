@@ -4,6 +4,7 @@ from .interface import (can_fuse_on_cpu, can_fuse_on_gpu, debug_get_fused_kernel
                         graph_for, install, is_installed, n_cached_kernel_specs, n_compiled_kernels,
                         override_can_fuse_on_cpu, override_can_fuse_on_gpu, register_fusion, run_fusion,
                         uninstall)
+from .explain import explain
 
 __version__ = "0.1.0"
 
@@ -11,4 +12,5 @@ __all__ = [
     "install", "uninstall", "is_installed", "fuse", "graph_for", "register_fusion", "run_fusion",
     "debug_launch_graph", "debug_get_fused_kernel_code", "can_fuse_on_cpu", "can_fuse_on_gpu",
     "override_can_fuse_on_cpu", "override_can_fuse_on_gpu", "n_compiled_kernels", "n_cached_kernel_specs",
+    "explain",
 ]

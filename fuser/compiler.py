@@ -150,7 +150,7 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
     backend, compiled = load(source, name, arg_spec, n_strided, kernel_dtypes, n_slots, vec)
     if compiled:
         _count_compile()
-    if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
+    if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0", "explain"):  # explain: fuser.explain's tables
         print(f"fuser: compiled {name} for {arg_spec}\n{source}", file=sys.stderr)
     return CompiledKernel(name, arg_spec, out_dtypes, source, strided, vec, backend,
                           (time.perf_counter() - t0) * 1e3, _scalar_limits(spec, types), spec.random)

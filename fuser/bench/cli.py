@@ -16,7 +16,7 @@ import torch
 import fuser
 
 from .cpu import CPU, CPU_DTYPES, cpu_name, cpu_systems
-from .report import _versions, draw_chart, format_table, fuser_first_calls
+from .report import _versions, draw_chart, first_call_table, format_table, fuser_first_calls
 from .rows import SIZES, run_row
 from .systems import SYSTEMS
 from .timing import FULL, QUICK, measure_copy_rate
@@ -93,6 +93,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             builds = ", ".join(f"{ms:.1f}" for ms in v["kernel_build_ms"]) or "-"
             print(f"  {key:<22} {v['ms']:8.1f} ms  ({v['kernels_compiled']} kernels compiled, {v['size']}; "
                   f"kernel build ms: {builds})")
+    compiles = first_call_table(rows, args.systems)
+    if compiles:
+        print("\n" + compiles)
     print(f"\ntotal {elapsed:.1f}s")
 
     result = {

@@ -37,7 +37,7 @@ def cpu_name() -> str:
 def cpu_systems() -> tuple[str, ...]:
     """TorchScript's NNC only where torch was built with LLVM (else it is the interpreter), and not the legacy
     fuser (it fuses on CUDA only)."""
-    return ("eager", *(("ts_nnc",) if torch._C._llvm_enabled() else ()), "compile", "fuser")
+    return ("eager", *(("ts_nnc",) if torch._C._llvm_enabled() else ()), "compile", "fuser", "compile_fuser")
 
 
 def cpu_cell_text(row: dict, cell: dict, flag: str) -> str:

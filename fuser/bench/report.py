@@ -61,6 +61,26 @@ def fuser_first_calls(rows: list[dict]) -> dict:
     return result
 
 
+COMPILING = ("compile", "compile_fuser", "fuser")  # systems whose first call compiles
+
+
+def first_call_table(rows: list[dict], systems: Sequence[str]) -> str:
+    """Per 'workload/dtype', the first call's wall time (ms, compile included) of each compiling system, from the
+    first row that ran it; empty when fewer than two compiling systems ran."""
+    shown = [s for s in COMPILING if s in systems]
+    if len(shown) < 2:
+        return ""
+    seen, lines = set(), ["first call ms (compile included): " + ", ".join(shown)]
+    for r in rows:
+        key = f"{r['workload']}/{r['dtype']}"
+        if key in seen:
+            continue
+        seen.add(key)
+        cells = [r["cells"].get(s, {}).get("first_call_ms") for s in shown]
+        lines.append(f"  {key:<24} " + "  ".join("-".rjust(9) if ms is None else f"{ms:9.1f}" for ms in cells))
+    return "\n".join(lines)
+
+
 def draw_chart(rows: list[dict], systems: Sequence[str], path: str, title: str) -> Optional[str]:
     """Grouped bars of the large rows' fraction of floor; returns why it was skipped, or None."""
     try:

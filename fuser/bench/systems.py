@@ -18,7 +18,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-SYSTEMS = ("eager", "ts_nnc", "ts_legacy", "compile", "fuser")
+SYSTEMS = ("eager", "ts_nnc", "ts_legacy", "compile", "fuser", "compile_fuser")
 
 
 @contextlib.contextmanager
@@ -66,5 +66,16 @@ def _fuser(wl: Workload) -> Iterator[Callable]:
         fuser.uninstall()
 
 
+@contextlib.contextmanager
+def _compile_fuser(wl: Workload) -> Iterator[Callable]:
+    """torch.compile with fuser's backend (the torch.compile door, fuser/dynamo/); first_call_ms is its compile."""
+    import fuser.dynamo  # noqa: F401  (registers backend="fuser" where fuser is not installed)
+    torch._dynamo.reset()
+    try:
+        yield torch.compile(_python_function(wl), backend="fuser")
+    finally:
+        torch._dynamo.reset()
+
+
 SYSTEM_CONTEXTS = {"eager": _eager, "ts_nnc": _ts_nnc, "ts_legacy": _ts_legacy, "compile": _compile,
-                   "fuser": _fuser}
+                   "fuser": _fuser, "compile_fuser": _compile_fuser}

@@ -1,0 +1,130 @@
+"""The Dynamo backend: ``torch.compile(model, backend="fuser")``.
+
+Dynamo hands over a torch-level FX graph; AOTAutograd (``aot_autograd``) turns it into ATen graphs: an inference
+graph, or a forward and (at the first ``.backward()``) a backward graph. Each ATen graph is partitioned
+(:mod:`.partition`), each region lowered to the group IR and registered (:mod:`.lower`), and the graph runs with
+one call per group; everything else stays ATen, run by the graph as eager would run it.
+
+Decompositions: core ATen's table, less every op that fuser's table fuses whole (``silu``, ``addcmul``, ...:
+core ATen would split them) and attention (left to ATen's kernels). It splits the ``*_backward`` ops (GELU's,
+layer norm's, dropout's) into pointwise ATen ops that the groups take. Inference batch norm is split too, into
+pointwise ops that fuse with the activation after it.
+
+Nothing raised while compiling reaches the user: the graph then runs unfused, with one warning per process.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from .. import ops, settings
+from .lower import rewrite
+from .partition import Partition, partition
+from .support import Support
+
+# called with (kind, graph module, Partition, specs) for every ATen graph compiled; fuser.explain listens here
+listeners: list[Callable] = []
+_warned = False
+_n_graphs = 0  # Dynamo graphs compiled by this process: labels for fuser.explain and PYTORCH_FUSION_DEBUG=explain
+
+
+def _warn_once(kind: str, e: BaseException) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"fuser: compiling a {kind} graph failed ({type(e).__name__}: {e}); it runs unfused "
+                      "(later failures are not reported)", RuntimeWarning, stacklevel=3)
+
+
+@functools.lru_cache(maxsize=None)
+def decompositions() -> dict:
+    """Core ATen's decompositions less those of ops fuser fuses whole, and of attention; plus inference batch
+    norm's."""
+    from torch._decomp import core_aten_decompositions
+    table = dict(core_aten_decompositions().items())  # a plain dict: the same on every torch version
+    keep_whole = [op for op in list(table.keys()) if isinstance(op, torch._ops.OpOverload) and (
+        ops.of(op.name()) is not None or "scaled_dot_product" in op.name())]
+    for op in keep_whole:
+        del table[op]
+    # inference batch norm (a model in eval mode) into its pointwise ops, as the TorchScript door's prepare.py
+    # does: they fuse with what follows (a ReLU)
+    from torch._decomp import decomposition_table
+    aten = torch.ops.aten
+    table[aten._native_batch_norm_legit_no_training.default] = decomposition_table[
+        aten._native_batch_norm_legit_no_training.default]  # calls _native_batch_norm_legit(training=False)
+    legit = decomposition_table[aten._native_batch_norm_legit.default]
+
+    def batch_norm_inference_only(input, weight, bias, running_mean, running_var, training, momentum, eps):
+        if training:
+            return NotImplemented  # training batch norm stays one ATen op
+        return legit(input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+    table[aten._native_batch_norm_legit.default] = batch_norm_inference_only
+    return table
+
+
+def _boxed(fn: Callable) -> Callable:
+    from functorch.compile import make_boxed_func
+    return make_boxed_func(fn)
+
+
+def fuse_graph(gm: torch.fx.GraphModule, kind: str = "inference") -> tuple[torch.fx.GraphModule, Partition, list]:
+    """``gm`` (an ATen graph) with its regions as group calls, the partition, and the groups' specs."""
+    part = partition(gm.graph, Support())
+    new_gm, specs = rewrite(gm, part.regions) if part.regions else (gm, [])
+    return new_gm, part, specs
+
+
+def compiler(kind: str, label: str = "") -> Callable:
+    """An AOTAutograd compiler for ``kind`` graphs ("forward", "backward", "inference") of the Dynamo graph
+    ``label``."""
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs) -> Callable:
+        try:
+            new_gm, part, specs = fuse_graph(gm, kind)
+            name = f"{label} {kind}".strip()
+            for listen in list(listeners):
+                listen(name, new_gm, part, specs)
+            if os.environ.get("PYTORCH_FUSION_DEBUG", "") == "explain":
+                from .report import Explanation, graph_records
+                print(Explanation(graph_records(name, part, specs)), flush=True)
+            return _boxed(new_gm.forward)
+        except Exception as e:  # never BackendCompilerFailed: the graph runs as AOTAutograd traced it
+            if settings.strict_pass:
+                raise
+            _warn_once(kind, e)
+            return _boxed(gm.forward)
+
+    compile_graph.__name__ = f"fuser_{kind}_compiler"
+    return compile_graph
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs) -> Callable:
+    """The ``fuser`` Dynamo backend (``torch.compile(fn, backend="fuser")``); ``mode``/``options`` are ignored."""
+    global _n_graphs
+    _n_graphs += 1
+    label = f"graph {_n_graphs}"
+    try:
+        from torch._dynamo.backends.common import aot_autograd
+        return aot_autograd(fw_compiler=compiler("forward", label), bw_compiler=compiler("backward", label),
+                            inference_compiler=compiler("inference", label), decompositions=decompositions(),
+                            keep_inference_input_mutations=True)(gm, example_inputs)
+    except Exception as e:
+        if settings.strict_pass:
+            raise
+        _warn_once("Dynamo", e)
+        return gm.forward
+
+
+def register(name: str = "fuser") -> Optional[Callable]:
+    """Register :func:`backend` under ``name`` unless that name is taken (by this backend through its entry
+    point, or by another): registering twice is an error in Dynamo."""
+    from torch._dynamo.backends import registry
+    registry._lazy_import()  # discovers the entry points: ours may already be there
+    if name in registry._BACKENDS or name in registry._COMPILER_FNS:
+        return None
+    return registry.register_backend(compiler_fn=backend, name=name)

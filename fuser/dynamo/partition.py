@@ -1,0 +1,245 @@
+"""An ATen FX graph cut into regions, each one group: the torch.compile door's fusion pass.
+
+Consumers pull in their producers, in graph order, as the TorchScript pass does (``fuser/graph_fuser.py``, whose
+limits it shares): a node joins when :mod:`.support` takes it and the merged region
+
+* spans no side effect (a mutation, a random op: see ``support.is_barrier``), whose order stays eager's;
+* closes no cycle: no path leaves the region and comes back (each region runs as one call, so a node that needs
+  one of its values and feeds another of its nodes could run neither before nor after it);
+* keeps every output at the region's one broadcast shape, and contiguous as eager lays it out (a group's kernel
+  writes each output over the whole map, densely; an output of another shape would make every call fall back);
+* stays within the group's limit of inputs plus outputs.
+
+Regions of fewer than ``MIN_GROUP_KERNELS`` ops are dropped (one op saves no launch). Every node left out keeps
+its reason, for ``fuser.explain``. Regions are the same shape-free groups the executor specializes per call;
+shapes are compared as symbols, never made concrete (that would install a guard and recompile per size).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx
+
+from ..graph_fuser import MAX_GROUP_ARGS, MIN_GROUP_KERNELS
+from .support import Support, fake, is_barrier, tensor_constant
+
+
+@dataclass
+class Region:
+    """Nodes that run as one group: ``nodes`` in graph order, the ``inputs`` (nodes outside, in first-use order)
+    and the ``outputs`` (nodes inside that something outside reads)."""
+
+    nodes: list
+    inputs: list
+    outputs: list
+
+
+@dataclass
+class Partition:
+    regions: list[Region]
+    left_out: dict = field(default_factory=dict)  # compute node -> why it is in no region
+
+
+class _Group:
+    __slots__ = ("members",)
+
+    def __init__(self, node):
+        self.members = {node}
+
+
+def _dim(x):
+    """A size or stride as something comparable without a guard: the int, or the symbol's expression."""
+    if isinstance(x, int):
+        return x
+    node = getattr(x, "node", None)
+    expr = getattr(node, "expr", None)
+    if expr is not None:
+        try:
+            return int(expr)  # a symbolic int that is a number (no guard: it is one already)
+        except TypeError:
+            return expr
+    return x
+
+
+def _shape(node) -> Optional[tuple]:
+    v = fake(node)
+    return None if v is None else tuple(_dim(s) for s in v.shape)
+
+
+def broadcast(shapes) -> Optional[tuple]:
+    """The broadcast of shapes given as :func:`_dim` tuples; None where it is not known without a guard."""
+    nd = max((len(s) for s in shapes), default=0)
+    out = []
+    for d in range(nd):
+        sizes = {s[len(s) - nd + d] for s in shapes if len(s) - nd + d >= 0}
+        sizes.discard(1)
+        if len(sizes) > 1:
+            return None
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+def _contiguous(node) -> bool:
+    v = fake(node)
+    shape, strides = [_dim(s) for s in v.shape], [_dim(s) for s in v.stride()]
+    expect = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and stride != expect:
+            return False
+        expect = expect * size
+    return True
+
+
+class _Partitioner:
+    def __init__(self, graph: torch.fx.Graph, support: Support):
+        self.nodes = list(graph.nodes)
+        self.pos = {n: i for i, n in enumerate(self.nodes)}
+        self.barriers = [i for i, n in enumerate(self.nodes) if is_barrier(n)]
+        self.support = support
+        self.group_of: dict = {}
+        self.refused: dict = {}  # node -> the last reason a merge with it was refused
+        self.spans: dict = {}  # id of a group of several nodes -> (its first position, its last, the group)
+
+    def group(self, node) -> _Group:
+        g = self.group_of.get(node)
+        if g is None:
+            g = self.group_of[node] = _Group(node)
+        return g
+
+    @staticmethod
+    def inputs(ordered: list) -> list:
+        members, seen, out = set(ordered), set(), []
+        for m in ordered:
+            for a in m.all_input_nodes:
+                if a not in members and a not in seen and tensor_constant(a) is None:
+                    seen.add(a)
+                    out.append(a)
+        return out
+
+    @staticmethod
+    def outputs(ordered: list) -> list:
+        members = set(ordered)
+        return [m for m in ordered if any(u not in members for u in m.users)]
+
+    def _bound(self, consumer: _Group) -> int:
+        """A position no path into ``consumer`` passes at or after: walking such a path backwards, each step
+        goes to an earlier position, except a jump inside a group, which stays below that group's last
+        position; and a group it jumps in starts before the bound so far."""
+        bound = max(self.pos[m] for m in consumer.members)
+        grown = True
+        while grown:
+            grown = False
+            for lo, hi, _ in self.spans.values():
+                if lo < bound < hi:
+                    bound, grown = hi, True
+        return bound + 1
+
+    def _closes_cycle(self, consumer: _Group, producer: _Group, merged: set) -> bool:
+        """Whether a path leaves ``producer`` and reaches ``consumer`` through nodes outside both (other
+        regions count as one node: their members run together)."""
+        stack = [u for m in producer.members for u in m.users if u not in merged]
+        seen = set()
+        bound = self._bound(consumer)
+        while stack:
+            x = stack.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            if x in consumer.members:
+                return True
+            if x in producer.members:
+                continue
+            g = self.group_of.get(x)
+            if g is not None and len(g.members) > 1:
+                if self.spans[id(g)][0] >= bound:
+                    continue
+                members = g.members
+            elif self.pos[x] >= bound:
+                continue
+            else:
+                members = (x,)
+            for m in members:
+                seen.add(m)
+                stack.extend(u for u in m.users if u not in seen)
+        return False
+
+    def refusal(self, consumer: _Group, producer: _Group) -> Optional[str]:
+        merged = consumer.members | producer.members
+        ordered = sorted(merged, key=self.pos.__getitem__)
+        lo, hi = self.pos[ordered[0]], self.pos[ordered[-1]]
+        k = bisect.bisect_right(self.barriers, lo)
+        if k < len(self.barriers) and self.barriers[k] < hi:
+            b = self.nodes[self.barriers[k]]
+            return f"a side effect between its ops ({b.name}: {getattr(b.target, '__name__', b.target)})"
+        outs = self.outputs(ordered)
+        n_args = len(self.inputs(ordered)) + len(outs)
+        if n_args > MAX_GROUP_ARGS:
+            return f"the input/output limit: joining would make {n_args} inputs and outputs (at most {MAX_GROUP_ARGS})"
+        shapes = [_shape(n) for n in ordered]
+        full = broadcast(shapes)
+        if full is None:
+            return "shapes that do not broadcast to one known shape without fixing a size"
+        for o in outs:
+            if _shape(o) != full:
+                return (f"its value {o.name} of shape {_pretty(_shape(o))} is needed outside, and a group's outputs "
+                        f"have the group's shape {_pretty(full)}")
+            if not _contiguous(o):
+                return f"its value {o.name} is not contiguous in eager, and a group writes its outputs densely"
+        if self._closes_cycle(consumer, producer, merged):
+            return "a cycle: a node outside the group both needs a group value and feeds the group"
+        return None
+
+    def run(self) -> Partition:
+        takes = self.support.takes
+        for n in self.nodes:
+            if not takes(n):
+                continue
+            for p in n.all_input_nodes:
+                if not takes(p):
+                    continue
+                g, other = self.group(n), self.group(p)
+                if g is other:
+                    continue
+                why = self.refusal(g, other)
+                if why is None:
+                    g.members |= other.members
+                    for m in other.members:
+                        self.group_of[m] = g
+                    self.spans.pop(id(other), None)
+                    positions = [self.pos[m] for m in g.members]
+                    self.spans[id(g)] = (min(positions), max(positions), g)
+                else:
+                    self.refused[n] = self.refused[p] = why
+        regions, left_out, seen = [], {}, set()
+        for n in self.nodes:
+            why = self.support.reason(n)
+            if why == "not a compute node":
+                continue
+            if why is not None:
+                if tensor_constant(n) is None or any(not self.support.takes(u) for u in n.users):
+                    left_out[n] = why
+                continue
+            g = self.group(n)
+            if id(g) in seen:
+                continue
+            seen.add(id(g))
+            ordered = sorted(g.members, key=self.pos.__getitem__)
+            if len(ordered) < MIN_GROUP_KERNELS:
+                for m in ordered:
+                    left_out[m] = ("alone: " + self.refused[m]) if m in self.refused else (
+                        "alone: no fusable op next to it (a group of one op saves no launch)")
+                continue
+            regions.append(Region(ordered, self.inputs(ordered), self.outputs(ordered)))
+        return Partition(regions, left_out)
+
+
+def _pretty(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def partition(graph: torch.fx.Graph, support: Optional[Support] = None) -> Partition:
+    """The regions of ``graph`` (an ATen graph from AOTAutograd) and the reasons for the nodes left out."""
+    return _Partitioner(graph, support or Support()).run()

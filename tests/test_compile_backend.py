@@ -1,0 +1,474 @@
+"""The torch.compile door (fuser/dynamo/): ``torch.compile(fn, backend="fuser")`` against eager PyTorch, on the
+CPU backend (CUDA twins marked gpu): pointwise functions fused into compiled kernels, models trained step by step
+with eager's losses (a transformer block, an LSTM cell, a CNN block with inference batch norm), no_grad and
+inference mode, graph breaks, dynamic shapes without recompiles or new kernels, the fallback on a backend error,
+and the backend's registration (by import and through setup.py's entry point)."""
+import contextlib
+import copy
+import operator
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fuser
+import fuser.dynamo  # registers backend="fuser" (an installed fuser needs no import: the entry point)
+from fuser import settings
+from fuser.dynamo import aot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def recording():
+    """The ATen graphs the backend compiles: (name, rewritten graph module, partition, specs) each."""
+    got = []
+
+    def listen(name, gm, part, specs):
+        got.append((name, gm, part, specs))
+
+    aot.listeners.append(listen)
+    try:
+        yield got
+    finally:
+        aot.listeners.remove(listen)
+
+
+def group_calls(gm) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and hasattr(n.target, "fuser_spec"))
+
+
+def assert_ran_fused(specs, device_type="cpu"):
+    """Every group has a kernel compiled by fuser's backend for ``device_type`` (built only when the executor
+    planned the inputs: a group that fell back has none)."""
+    assert specs
+    for s in specs:
+        kernels = [k for k in s.kernels().values() if k is not None]
+        assert kernels, f"group {s.key} never ran as a kernel:\n{s.text}"
+        assert all(k.arg_spec.device_type == device_type for k in kernels)
+
+
+def pointwise(x, b):
+    """Python scalars in Tensor slots (1.0 - t is rsub, 0.5 * t a mul by a wrapped number), a broadcast row."""
+    a = torch.sigmoid(x * b + 1.0)
+    return (1.0 - a) * torch.tanh(x) + F.silu(b) * 0.5, a.relu()
+
+
+def _check_pointwise(device, dtype):
+    x = torch.randn(33, 65, device=device, dtype=dtype)
+    b = torch.randn(65, device=device, dtype=dtype)
+    compiled = torch.compile(pointwise, backend="fuser", dynamic=False)
+    with recording() as graphs:
+        out = compiled(x, b)
+    ref = pointwise(x, b)
+    ref64 = pointwise(x.double(), b.double())
+    for o, r, r64 in zip(out, ref, ref64):
+        assert o.dtype == r.dtype and o.shape == r.shape and o.device == r.device
+        # as close to float64's answer as eager itself is (a fused kernel rounds less, not more)
+        err, eager_err = (o.double() - r64).abs().max().item(), (r.double() - r64).abs().max().item()
+        assert err <= 4 * eager_err + torch.finfo(dtype).eps * 4, (err, eager_err)
+    [(name, gm, part, specs)] = graphs
+    assert name.endswith("inference")
+    assert len(part.regions) == 1 and group_calls(gm) == 1  # one launch for all 9 pointwise ops
+    assert len(part.regions[0].nodes) >= 8
+    assert_ran_fused(specs, device)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
+def test_a_pointwise_function_runs_as_one_compiled_kernel(dtype):
+    _check_pointwise("cpu", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=str)
+def test_a_pointwise_function_runs_as_one_compiled_kernel_cuda(dtype):
+    _check_pointwise("cuda", dtype)
+
+
+# ---- models trained step by step against eager -------------------------------------------------------------
+
+class Block(nn.Module):
+    """A pre-norm transformer block: attention through scaled_dot_product_attention, an MLP with GELU and dropout."""
+
+    def __init__(self, d=16, heads=2, p=0.0):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(p)
+        self.heads = heads
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, 2)
+        q, k, v = [t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v)]
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(a)
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh")))
+
+
+class LSTMCell(nn.Module):
+    def __init__(self, n_in=8, hidden=16):
+        super().__init__()
+        self.ih, self.hh = nn.Linear(n_in, 4 * hidden), nn.Linear(hidden, 4 * hidden)
+
+    def forward(self, x, h, c):
+        i, f, g, o = (self.ih(x) + self.hh(h)).chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+
+
+class ConvBlock(nn.Module):
+    """Conv, BatchNorm (eval: running statistics), ReLU, pooled into a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(8, 4)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 2.0)
+            self.bn.weight.uniform_(0.5, 1.5)
+            self.bn.bias.uniform_(-0.5, 0.5)
+        self.eval()
+
+    def forward(self, x):
+        return self.head(F.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def train(model, batches, compiled, steps=20, device="cpu"):
+    """Losses of ``steps`` SGD steps, the random state reset the same way for eager and compiled runs."""
+    model = model.to(device)
+    torch.manual_seed(1234)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    fn = torch.compile(model, backend="fuser", dynamic=False) if compiled else model
+    losses = []
+    for args, target in batches:
+        out = fn(*[a.to(device) for a in args])
+        out = out if isinstance(out, tuple) else (out,)
+        loss = sum(F.mse_loss(o, t.to(device)) for o, t in zip(out, target))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _batches(kind, steps=20):
+    out = []
+    for _ in range(steps):
+        if kind == "block":
+            out.append(((torch.randn(2, 5, 16),), (torch.randn(2, 5, 16),)))
+        elif kind == "lstm":
+            out.append(((torch.randn(3, 8), torch.randn(3, 16), torch.randn(3, 16)),
+                        (torch.randn(3, 16), torch.randn(3, 16))))
+        else:
+            out.append(((torch.randn(2, 3, 6, 6),), (torch.randn(2, 4),)))
+    return out
+
+
+_MODELS = {"block": Block, "lstm": LSTMCell, "conv": ConvBlock}
+
+
+def _check_training(kind, device="cpu", **kw):
+    model = _MODELS[kind](**kw)
+    batches = _batches(kind)
+    eager = train(copy.deepcopy(model), batches, compiled=False, device=device)
+    with recording() as graphs:
+        fused = train(copy.deepcopy(model), batches, compiled=True, device=device)
+    # step by step: every step's loss is eager's, so every gradient and update was eager's too
+    torch.testing.assert_close(torch.tensor(fused), torch.tensor(eager), rtol=2e-5, atol=1e-6)
+    kinds = [name.split()[-1] for name, *_ in graphs]
+    assert kinds == ["forward", "backward"], kinds  # one graph, compiled once: no recompile over 20 steps
+    backward = graphs[1]
+    assert group_calls(backward[1]) >= 1  # the backward is fused too
+    specs = [s for *_, specs in graphs for s in specs]
+    assert_ran_fused(specs, device)
+    assert_every_compute_node_is_explained(graphs)
+    return graphs
+
+
+def assert_every_compute_node_is_explained(graphs):
+    """Each compute node of each ATen graph is in a group or left out with a reason (fuser.explain's records)."""
+    from fuser.dynamo.support import is_compute
+    for name, _, part, _ in graphs:
+        grouped = {n for r in part.regions for n in r.nodes}
+        graph = next(iter(grouped or part.left_out)).graph
+        for n in graph.nodes:
+            if is_compute(n) and n.target is not torch.ops.aten.scalar_tensor.default:
+                assert n in grouped or part.left_out.get(n), (name, n.format_node())
+
+
+def test_a_transformer_block_trains_with_eagers_losses():
+    graphs = _check_training("block")
+    backward_ops = [len(r.nodes) for r in graphs[1][2].regions]
+    assert max(backward_ops) >= 10  # GELU's backward (decomposed) is one group
+
+
+def test_a_transformer_block_with_dropout_trains_fused_with_eagers_random_stream():
+    # native_dropout stays ATen: the random stream, and so every loss, is eager's
+    graphs = _check_training("block", p=0.25)
+    left = [r for *_, part, _ in graphs for r in part.left_out.values()]
+    assert any("native_dropout" in r for r in left)
+
+
+def test_an_lstm_cell_trains_with_eagers_losses():
+    graphs = _check_training("lstm")
+    forward = graphs[0][2]
+    # the gates' sigmoids and tanhs and the cell update: one group over the chunks
+    assert len(forward.regions) == 1 and len(forward.regions[0].nodes) >= 8
+
+
+def test_a_cnn_block_with_inference_batch_norm_trains_with_eagers_losses():
+    graphs = _check_training("conv")
+    forward = graphs[0][2]
+    # batch norm with running statistics becomes pointwise ops, fused with the ReLU
+    names = [n.target.name() for r in forward.regions for n in r.nodes]
+    assert "aten::relu" in names and "aten::mul.Tensor" in names
+
+
+def test_training_batch_norm_stays_one_op_and_updates_its_running_statistics():
+    model = ConvBlock().train()
+    batches = _batches("conv", steps=3)
+    eager_model, fused_model = copy.deepcopy(model), copy.deepcopy(model)
+    eager = train(eager_model, batches, compiled=False)
+    with recording() as graphs:
+        fused = train(fused_model, batches, compiled=True)
+    torch.testing.assert_close(torch.tensor(fused), torch.tensor(eager), rtol=2e-5, atol=1e-6)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(fused_model.bn, name), getattr(eager_model.bn, name))
+    ops = {n.target for n in graphs[0][1].graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten._native_batch_norm_legit_functional.default in ops  # not decomposed in training
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(_MODELS))
+def test_models_train_with_eagers_losses_cuda(kind):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):  # one conv algorithm
+        _check_training(kind, device="cuda")
+
+
+def test_values_saved_for_the_backward_come_out_of_forward_groups_with_eagers_gradients():
+    def f(x, w):
+        s = torch.sigmoid(x * w + 0.25)
+        return s * torch.tanh(x) - s.square()
+
+    x = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    with recording() as graphs:
+        out = torch.compile(f, backend="fuser", dynamic=False)(x, w)
+        go = torch.randn_like(out)
+        first = torch.autograd.grad(out, (x, w), go, retain_graph=True)
+        again = torch.autograd.grad(out, (x, w), go)
+    ref = f(x, w)
+    want = torch.autograd.grad(ref, (x, w), go)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for a, b, e in zip(first, again, want):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+        assert torch.equal(a, b)  # the saved tensors were not overwritten by the first backward
+    (fw_name, fw, fw_part, _), (bw_name, bw, bw_part, _) = graphs
+    assert fw_name.endswith("forward") and bw_name.endswith("backward")
+    # the forward's group also returns what the backward reads (AOTAutograd's saved tensors)
+    [region] = fw_part.regions
+    assert len(region.outputs) >= 2
+    output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+    saved = [a for a in output.args[0][1:] if isinstance(a, torch.fx.Node)]
+    assert any(a.target is operator.getitem and hasattr(a.args[0].target, "fuser_spec") for a in saved)
+    assert group_calls(bw) >= 1
+
+
+def test_the_doors_groups_run_as_cuda_kernels_in_the_host_emulation():
+    """The groups this door makes (Python numbers in Tensor slots, scalar_tensor constants in a where, decomposed
+    backward ops) through their CUDA source, emulated on the host (fuser/cuda/emulate.py), against eager's ops."""
+    from fuser import fallback
+    from fuser.cuda import emulate
+
+    def f(x, w, b):
+        h = F.gelu(x * w + b, approximate="tanh")
+        return F.relu(h) * torch.sigmoid(1.0 - h)
+
+    args = [torch.randn(5, 24, requires_grad=True), torch.randn(24, requires_grad=True), torch.randn(24)]
+    with recording() as graphs:
+        out = torch.compile(f, backend="fuser", dynamic=False)(*args)
+        out.backward(torch.randn_like(out))
+    checked = 0
+    for _, _, part, specs in graphs:
+        for region, spec in zip(part.regions, specs):
+            inputs = [torch.randn(tuple(n.meta["val"].shape), dtype=n.meta["val"].dtype)
+                      if n.meta["val"].is_floating_point() else torch.rand(tuple(n.meta["val"].shape)) > 0.5
+                      for n in region.inputs]
+            got = emulate.run_graph(spec.group, inputs)
+            assert got is not None, spec.text
+            for o, r in zip(got, fallback.evaluate(spec.group, inputs)):
+                torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+            checked += 1
+    texts = "\n".join(s.text for *_, specs in graphs for s in specs)
+    assert checked >= 2 and "tensor(float32, [], [0.0])" in texts and "aten::rsub" in texts
+
+
+# ---- modes, graph breaks, dynamic shapes ----------------------------------------------------------------------
+
+def _act(x, w):
+    return F.gelu(x * w + 0.5, approximate="tanh") * torch.sigmoid(w)
+
+
+@pytest.mark.parametrize("mode", ("no_grad", "inference_mode"))
+def test_no_grad_and_inference_mode_run_the_inference_graph_fused(mode):
+    x, w = torch.randn(9, 17), torch.randn(17, requires_grad=True)
+    ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with recording() as graphs, ctx:
+        out = torch.compile(_act, backend="fuser", dynamic=False)(x, w)
+        ref = _act(x, w)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert not out.requires_grad
+    [(name, gm, part, specs)] = graphs
+    assert name.endswith("inference") and group_calls(gm) == 1
+    assert_ran_fused(specs)
+
+
+def test_autocast_bfloat16_fuses_the_lower_precision_ops():
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(approximate="tanh"), nn.Linear(32, 16))
+    x = torch.randn(6, 16)
+
+    def f(t):
+        h = model(t)
+        return t + torch.sigmoid(h) * h  # after the bfloat16 linear: bfloat16 values, a float32 residual
+
+    with recording() as graphs, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(f, backend="fuser", dynamic=False)(x)
+        ref = f(x)
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1.6e-2)
+    [(_, gm, part, specs)] = graphs
+    assert any(len(r.nodes) >= 3 for r in part.regions)
+    assert_ran_fused(specs)
+    kernels = [k for s in specs for k in s.kernels().values() if k is not None]
+    assert any(d.dtype == torch.bfloat16 for k in kernels for d in k.arg_spec.inputs)
+
+
+def test_a_graph_break_gives_two_fused_graphs():
+    def f(x):
+        y = torch.tanh(x) * 2 - 1
+        torch._dynamo.graph_break()
+        return torch.sigmoid(y) * y + 1
+
+    x = torch.randn(7, 5)
+    with recording() as graphs:
+        out = torch.compile(f, backend="fuser", dynamic=False)(x)
+    torch.testing.assert_close(out, f(x), rtol=1e-5, atol=1e-6)
+    assert len(graphs) == 2 and all(group_calls(gm) == 1 for _, gm, _, _ in graphs)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_dynamic_shapes_compile_once_and_reuse_one_kernel_per_signature():
+    def f(x, b):
+        return torch.sigmoid(x * b + 1.0) * x - b
+
+    b = torch.randn(6)
+    compiled = torch.compile(f, backend="fuser", dynamic=True)
+    with recording() as graphs, torch._dynamo.config.patch(error_on_recompile=True):
+        compiled(torch.randn(2, 6), b)
+        before = fuser.n_compiled_kernels()
+        for batch in (3, 5, 8, 13):
+            x = torch.randn(batch, 6)
+            torch.testing.assert_close(compiled(x, b), f(x, b), rtol=1e-5, atol=1e-6)
+    assert len(graphs) == 1 and group_calls(graphs[0][1]) == 1
+    assert fuser.n_compiled_kernels() == before  # the executor specializes on dtypes and layouts, not sizes
+    [spec] = graphs[0][3]
+    assert len([k for k in spec.kernels().values() if k is not None]) == 1
+    # a new dtype is a new signature: a new kernel, still no recompile of the graph
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        x64 = torch.randn(4, 6, dtype=torch.float64)
+        torch.testing.assert_close(torch.compile(f, backend="fuser", dynamic=True)(x64, b.double()),
+                                   f(x64, b.double()))
+
+
+def test_integer_and_mixed_dtypes_follow_eagers_promotion():
+    def f(i, x):
+        return (i * 3 + 1) * x + (i > 0)
+
+    i, x = torch.randint(-4, 5, (5, 6)), torch.randn(5, 6, dtype=torch.float64)
+    with recording() as graphs:
+        out = torch.compile(f, backend="fuser", dynamic=False)(i, x)
+    ref = f(i, x)
+    assert out.dtype == ref.dtype == torch.float64
+    torch.testing.assert_close(out, ref)
+    assert group_calls(graphs[0][1]) == 1
+
+
+# ---- errors, fallback, registration -------------------------------------------------------------------------
+
+def test_an_error_inside_the_backend_runs_the_graph_unfused_and_warns_once(monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("partitioner exploded")
+
+    monkeypatch.setattr(aot, "partition", broken)
+    monkeypatch.setattr(settings, "strict_pass", False)
+    monkeypatch.setattr(aot, "_warned", False)
+    x = torch.randn(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = torch.compile(lambda t: (t * 2).sin(), backend="fuser")(x)
+        b = torch.compile(lambda t: (t + 1).cos(), backend="fuser")(x)
+    torch.testing.assert_close(a, (x * 2).sin())
+    torch.testing.assert_close(b, (x + 1).cos())
+    ours = [w for w in caught if "fuser: compiling" in str(w.message)]
+    assert len(ours) == 1 and "partitioner exploded" in str(ours[0].message)
+
+
+def test_errors_are_torch_compiles_own_not_the_backends():
+    """Bad input raises what torch.compile raises with Dynamo's own eager backend, never BackendCompilerFailed."""
+    x, y = torch.randn(3, 4), torch.randn(5)
+    errors = []
+    for backend in ("fuser", "eager"):
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as e:
+            torch.compile(lambda a, b: (a * b).exp(), backend=backend, dynamic=False)(x, y)
+        errors.append(e.value)
+    assert type(errors[0]) is type(errors[1]) and str(errors[0]) == str(errors[1])
+    assert not isinstance(errors[0], torch._dynamo.exc.BackendCompilerFailed)
+
+
+def test_the_backend_is_registered_once():
+    assert "fuser" in torch._dynamo.list_backends(exclude_tags=())
+    assert fuser.dynamo.register() is None  # a second registration is skipped, not an error
+
+
+def test_setup_py_entry_point_finds_the_backend_without_an_import(tmp_path):
+    # the metadata setup.py writes (egg-info) is what importlib.metadata reads for an installed package
+    r = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    code = ("import sys, torch\n"
+            "x = torch.randn(8)\n"
+            "out = torch.compile(lambda t: (t * 2).sin() + 1, backend='fuser')(x)\n"
+            "assert torch.allclose(out, (x * 2).sin() + 1)\n"
+            "print('fuser.dynamo' in sys.modules)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "True"  # loaded by Dynamo through the entry point
+
+
+def test_the_decomposition_table_keeps_the_ops_fuser_fuses_whole():
+    from fuser import ops
+    table = fuser.dynamo.decompositions()
+    split = [op.name() for op in table if isinstance(op, torch._ops.OpOverload) and ops.of(op.name())]
+    assert split == []
+    names = {op.name() for op in table if isinstance(op, torch._ops.OpOverload)}
+    assert "aten::gelu_backward" in names and "aten::native_layer_norm_backward" in names
+    assert not any("scaled_dot_product" in n for n in names)
