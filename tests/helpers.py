@@ -405,9 +405,11 @@ STEPS_IR = """graph(%x : Tensor):
 
 def chain_tolerance(x, y, z, w) -> torch.Tensor:
     """Per element, what CHAIN_IR may differ from eager by when only its sigmoid may be one unit of the dtype off:
-    a unit of the sigmoid's product (the subtraction after it may cancel), nothing of the exact arithmetic."""
+    a unit of the sigmoid's product (the subtraction after it may cancel) and a unit of the result (that unit may
+    flip the subtraction's rounding), nothing of the exact arithmetic."""
     d = torch.sigmoid(x * y + z) * w
-    return 2 * torch.finfo(x.dtype).eps * d.float().abs()
+    f = d - x / y
+    return 2 * torch.finfo(x.dtype).eps * (d.float().abs() + f.float().abs())
 
 
 # CHAIN_IR without its sigmoid: IEEE-exact in float before each rounding, so eager's bits on every device
