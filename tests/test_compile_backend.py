@@ -453,10 +453,12 @@ def test_setup_py_entry_point_finds_the_backend_without_an_import(tmp_path):
     r = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    # fixed inputs (CI is deterministic); sin(2x) + 1 cancels near sin = -1, so the bound is absolute
     code = ("import sys, torch\n"
+            "torch.manual_seed(0)\n"
             "x = torch.randn(8)\n"
             "out = torch.compile(lambda t: (t * 2).sin() + 1, backend='fuser')(x)\n"
-            "assert torch.allclose(out, (x * 2).sin() + 1)\n"
+            "torch.testing.assert_close(out, (x * 2).sin() + 1, rtol=1e-6, atol=1e-6)\n"
             "print('fuser.dynamo' in sys.modules)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(tmp_path))
