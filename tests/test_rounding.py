@@ -95,3 +95,31 @@ def test_by_default_intermediates_are_held_in_float():
     torch.testing.assert_close(out[0], ((x.double() * 1024.0) * 0.0009765625).half(), rtol=0, atol=0)
     assert math.isinf(interpret(g, [x])[0][0].item())
     assert emulate.run_graph(g, [x])[0][0].item() == 100.0
+
+
+def test_row_kernels_follow_the_setting(monkeypatch):
+    """A row kernel's pointwise nodes round as the setting says: sum((x * 2^k) * 2^-k) of float16 100s is inf
+    rounded (102400 is inf in float16), 100 per element unrounded."""
+    text = """graph(%x : Tensor):
+  %k : float = prim::Constant[value=K]()
+  %m : float = prim::Constant[value=M]()
+  %dims : int[] = prim::Constant[value=[-1]]()
+  %keep : bool = prim::Constant[value=0]()
+  %none : NoneType = prim::Constant()
+  %a : Tensor = aten::mul(%x, %k)
+  %b : Tensor = aten::mul(%a, %m)
+  %s : Tensor = aten::sum(%b, %dims, %keep, %none)
+  return (%s)"""
+    x = torch.full((3, 4), 100.0, dtype=torch.float16)
+    # one group per setting: the setting is read when a kernel is built
+    for on, k in ((False, 1024.0), (True, 2048.0)):
+        monkeypatch.setattr(settings, "round_reduced", on)
+        g = torch.parse_ir(text.replace("K]", f"{k}]").replace("M]", f"{1 / k}]"))
+        spec = STORE.get(STORE.register(lower(g)))
+        out = executor.run(spec, [x])
+        assert out is not None and spec.has_reduction
+        if on:
+            torch.testing.assert_close(out[0], interpret(g, [x])[0])  # eager: inf
+            assert math.isinf(out[0][0].item())
+        else:
+            torch.testing.assert_close(out[0], torch.full((3,), 400.0, dtype=torch.float16))

@@ -35,10 +35,12 @@ def accumulator_type(red: ops.Reduction, nt: NodeTypes, target: str) -> str:
 
 
 def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
-             name: str, n_scalar_slots: int, vectorize: bool = False) -> str:
+             name: str, n_scalar_slots: int, vectorize: bool = False, round_reduced: bool = False) -> str:
     """Source of the row kernel ``name``; ``inputs``: the tensor inputs' dtypes. Raises NotFusable where an op
     has no expression for its types (the executor falls back). ``vectorize``: the CPU kernel's passes get
-    at::vec loops (see :class:`_Vector`) where every node has a vector form."""
+    at::vec loops (see :class:`_Vector`) where every node has a vector form. ``round_reduced``: as
+    ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
+    always: once per row, it costs nothing)."""
     rows_v = row_level(group)
     vname: dict[int, str] = {}
     vtype: dict[int, str] = {}
@@ -59,7 +61,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     # the values holding a number of their float16/bfloat16 dtype exactly (see codegen.body.generate)
     exact: set = {v.id for v in group.inputs}
     reductions = []  # (node, position, reduction, node types)
-    options = KernelOptions(index32=False, vectorize=False)
+    options = KernelOptions(index32=False, vectorize=False, round_reduced=round_reduced)
     for pos, (n, nt) in enumerate(zip(group.nodes, node_types)):
         red = ops.reduction(n.op)
         if red is not None:
@@ -197,7 +199,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             shared="\n".join(f"  __shared__ {a} fz_sh_{a}[{t.BLOCK_SIZE}];" for a in sorted(shared)),
             offsets=offsets, phases="\n".join(phases))
     if vector is not None and not vector.on:  # some pass has no vector form: scalar loops throughout
-        return generate(group, inputs, node_types, target, name, n_scalar_slots, vectorize=False)
+        return generate(group, inputs, node_types, target, name, n_scalar_slots, vectorize=False,
+                        round_reduced=round_reduced)
     work = 1 + len(statement) + len(reductions)
     vectorized = vector is not None
     if vectorized:

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .. import codegen
+from .. import codegen, settings
 from . import codegen as row_codegen
 from . import templates as t
 from .plan import RowPlan
@@ -40,7 +40,8 @@ def source_for(spec, p: RowPlan) -> tuple[str, str]:
     name = kernel_name(spec.text, p.key)
     from .. import compiler
     source = row_codegen.generate(spec.group, [dt for dt, _ in p.key.inputs], p.types, p.key.target, name,
-                                  len(p.scalars), vectorize=p.key.target == "cpu" and compiler._cpu_vectorize())
+                                  len(p.scalars), vectorize=p.key.target == "cpu" and compiler._cpu_vectorize(),
+                                  round_reduced=settings.round_reduced)
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: row kernel {name} for {p.key}\n{source}", file=sys.stderr)
     return name, source
@@ -76,12 +77,14 @@ class CpuArgs:
         flat = [x for st in p.strides for x in st]
         self.strides = (ctypes.c_int64 * max(1, len(flat)))(*flat)
         self.addresses = ctypes.addressof(self.sizes), ctypes.addressof(self.strides)
+        # the per-call array types, made once per geometry (as executor.Geometry does)
+        self.ptr_array = ctypes.c_void_p * max(1, len(p.tensors) + len(p.out_shapes))
+        self.scalar_array = ctypes.c_double * max(1, len(p.scalars))
 
 
 def launch_cpu(kernel: RowKernel, args: CpuArgs, tensors, scalars, outputs) -> None:
-    ptrs = (ctypes.c_void_p * max(1, len(tensors) + len(outputs)))(*[x.data_ptr() for x in (*tensors, *outputs)])
-    values = (ctypes.c_double * max(1, len(scalars)))(*scalars)
-    kernel.backend.launch(args.rows, args.rank, *args.addresses, ptrs, values)
+    ptrs = args.ptr_array(*[t.data_ptr() for t in tensors], *[o.data_ptr() for o in outputs])
+    kernel.backend.launch(args.rows, args.rank, *args.addresses, ptrs, args.scalar_array(*scalars))
 
 
 # ---- CUDA
