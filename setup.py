@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="A JIT fusion compiler for PyTorch's pointwise ops (TorchScript graph fuser rebuilt in Python)",
     packages=find_packages(include=["fuser", "fuser.*"]),
+    package_data={"fuser.native": ["hotpath.cpp"]},  # compiled on first use (fuser/native/build.py)
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.11",

@@ -261,6 +261,13 @@ _NOT_FUSABLE = object()
 MAX_SIGNATURES = 256  # per spec; past it, old signatures are dropped (a bounded cache, not a leak)
 
 
+def signature(tensors: Sequence[torch.Tensor]) -> tuple:
+    """The key of a geometry: what a plan depends on. The neg bit and zero tensors change what data_ptr() means:
+    part of the signature, planned away. Raises for what is not a strided tensor."""
+    return tuple([(t.dtype, t.device, t.shape, t.stride(), t.requires_grad, t.is_neg(), t._is_zerotensor())
+                  for t in tensors])
+
+
 def run(spec: KernelSpec, args: Sequence, rng_state: Optional[list] = None) -> Optional[list[torch.Tensor]]:
     """Outputs of the fused kernel for ``args``, or None when the caller must fall back.
 
@@ -286,9 +293,7 @@ def run(spec: KernelSpec, args: Sequence, rng_state: Optional[list] = None) -> O
     if _forward_ad._current_level >= 0 or _functorch_stack() is not None:
         return None  # dual tensors and functorch transforms need the ops themselves: the interpreter runs them
     try:
-        # the neg bit and zero tensors change what data_ptr() means: part of the signature, planned away
-        sig = tuple([(t.dtype, t.device, t.shape, t.stride(), t.requires_grad, t.is_neg(), t._is_zerotensor())
-                     for t in tensors])
+        sig = signature(tensors)
     except (AttributeError, RuntimeError, TypeError):  # not tensors, or layouts without strides
         return None
     geo = spec.geometries.get(sig)

@@ -19,6 +19,8 @@ strict_pass: bool = os.environ.get("FUSER_STRICT_PASS", "") == "1"
 round_reduced: bool = os.environ.get("FUSER_ROUND_REDUCED", "") == "1"
 # device type -> fusion on; filled lazily, cleared by the overrides. The executor reads it on every call.
 enabled: dict[str, bool] = {}
+# called after an override changes what fuses (the native hot path forgets its prepared launches)
+on_change: list = []
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,9 +62,13 @@ def override_can_fuse_on_cpu(value: Optional[bool]) -> None:
     global _override_cpu
     _override_cpu = None if value is None else bool(value)
     enabled.clear()
+    for listener in on_change:
+        listener()
 
 
 def override_can_fuse_on_gpu(value: Optional[bool]) -> None:
     global _override_gpu
     _override_gpu = None if value is None else bool(value)
     enabled.clear()
+    for listener in on_change:
+        listener()

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from . import autodiff, ts_ir
+from . import autodiff, native, ts_ir
 from .kernel_cache import STORE
 
 _SPECS = STORE._specs  # key -> spec; read without a lock on the hot path (a plain dict read under the GIL)
@@ -41,15 +41,35 @@ def _spec_for(key: int, digest: str, ir: str):
     return spec
 
 
-def _fusion_group(inputs: list[torch.Tensor], scalars: list[float], key: int, digest: str,
-                  ir: str) -> list[torch.Tensor]:
+def _run_group(inputs: list[torch.Tensor], scalars: list[float], key: int, digest: str, ir: str):
     spec = _spec_for(key, digest, ir)
     if spec.all_tensors:
         args = inputs
     else:
         tensors, floats = iter(inputs), iter(scalars)
         args = [next(tensors) if is_t else next(floats) for is_t in spec.input_is_tensor]
-    return autodiff.run(spec, args)
+    return spec, autodiff.run(spec, args)
+
+
+_native_started = []
+
+
+def _fusion_group(inputs: list[torch.Tensor], scalars: list[float], key: int, digest: str,
+                  ir: str) -> list[torch.Tensor]:
+    if not _native_started:  # the first fused call: load the native hot path, or start building it
+        _native_started.append(True)
+        native.ensure()
+    return _run_group(inputs, scalars, key, digest, ir)[1]
+
+
+def _fusion_group_py(inputs: list[torch.Tensor], scalars: list[float], key: int, digest: str, ir: str,
+                     offer: bool) -> list[torch.Tensor]:
+    """What the native hot path (fuser/native) hands over: the group run here; with ``offer``, a plain call whose
+    signature it has not seen, which is then prepared for it."""
+    spec, out = _run_group(inputs, scalars, key, digest, ir)
+    if offer:
+        native.offer(key, digest, spec, inputs, scalars, out)
+    return out
 
 
 # CompositeImplicitAutograd: the function runs above autograd. When an input requires grad, autodiff wraps
@@ -58,6 +78,11 @@ _lib.impl("fusion_group", _fusion_group, "CompositeImplicitAutograd")
 # vmap: without a kernel for the batched key functorch has no rule for the op; with one, the executor sees a
 # transform in progress and the interpreter runs the group op by op, each op with its own batching rule
 _lib.impl("fusion_group", _fusion_group, "FuncTorchBatched")
+# the native hot path's hand-over (fuser/native/hotpath.cpp): its kernels for CPU and CUDA take precedence over the
+# Python one above for those keys once the library is loaded
+_lib.define("fusion_group_py(Tensor[] inputs, float[] scalars, int key, str digest, str ir, bool offer) -> Tensor[]")
+_lib.impl("fusion_group_py", _fusion_group_py, "CompositeImplicitAutograd")
+_lib.impl("fusion_group_py", lambda *a: _run_group(*a[:5])[1], "FuncTorchBatched")
 
 
 _lib.define("broadcasting_chunk(Tensor[] inputs, int chunks, int dim, int n) -> Tensor[]")

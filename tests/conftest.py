@@ -27,10 +27,15 @@ SEED = int(os.environ.get("FUSER_TEST_SEED", str(int.from_bytes(os.urandom(4), "
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    # the native hot path serves every test's repeated calls (built here once per session; FUSER_NATIVE=0: off)
+    from fuser import native
+    native.ensure(block=True)
 
 
 def pytest_report_header(config):
-    return f"fuser test seed: FUSER_TEST_SEED={SEED} (fresh random inputs each run; set it to replay one)"
+    from fuser import native
+    return (f"fuser test seed: FUSER_TEST_SEED={SEED} (fresh random inputs each run; set it to replay one); "
+            f"native hot path: {native.status()}")
 
 
 @pytest.fixture(autouse=True)

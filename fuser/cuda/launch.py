@@ -128,6 +128,11 @@ def _primary_context(device_index: int):
     return ctx
 
 
+def primary_context_handle(device_index: int) -> int:
+    """The address of torch's primary context of the device (made current on this thread)."""
+    return int(_primary_context(device_index))
+
+
 class CudaKernel:
     """A loaded kernel of one arg spec; :meth:`launch` runs it for a :class:`fuser.executor.Plan`."""
 
@@ -163,8 +168,7 @@ class CudaKernel:
         vec_ok = loc.fill(geo, tensors, scalars, outputs)
         grid = geo.grid_vec if vec_ok else geo.grid_scalar
         if grid is None:
-            work = geo.numel // self.vec if vec_ok else geo.numel
-            grid = min(self.max_blocks, max(1, (work + BLOCK_SIZE - 1) // BLOCK_SIZE))
+            grid = self.grid(geo.numel, vec_ok)
             if vec_ok:
                 geo.grid_vec = grid
             else:
@@ -176,6 +180,11 @@ class CudaKernel:
                 self._do_launch(loc, grid, stream)
         else:
             self._do_launch(loc, grid, stream)
+
+    def grid(self, numel: int, vec_ok: bool) -> int:
+        """Blocks to launch for ``numel`` elements, on the vector path or not."""
+        work = numel // self.vec if vec_ok else numel
+        return min(self.max_blocks, max(1, (work + BLOCK_SIZE - 1) // BLOCK_SIZE))
 
     def _do_launch(self, loc, grid: int, stream: int) -> None:
         if not loc.context_ready:  # this thread's first launch: it may have no current context yet

@@ -1,0 +1,115 @@
+"""The native hot path of the TorchScript door: ``fuser::fusion_group`` served in C++ for prepared signatures.
+
+A fused call in Python costs the dispatcher's crossing into Python and the executor's checks, some 30-60 us a
+call; eager's op costs 10-20. Once loaded, ``hotpath.cpp`` is the operator's kernel for CPU and CUDA tensors: it
+matches the inputs against the signatures Python prepared (:func:`offer`, from what the executor planned and the
+outputs it returned), allocates the outputs and launches, and hands every other call to the Python operator
+``fuser::fusion_group_py``. Nothing is decided twice: the record replays a plan the executor made.
+
+Loading: the first fused call loads the library from the disk cache, or starts building it in a background
+thread (calls meanwhile run in Python); ``FUSER_NATIVE=0`` turns it off. :func:`ensure` with ``block=True``
+waits for it (the tests and the benchmark do).
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Optional, Sequence
+
+import torch
+
+from .. import settings
+from . import build, record
+
+_lock = threading.Lock()
+_state: dict = {}  # "built": build.Built once loaded; "error": why it is off; "thread": a build under way
+_kept: dict = {}  # fn address -> the kernel object that owns it, while the library's table may use it
+MAX_KEPT = 4096
+
+
+def loaded() -> bool:
+    return "built" in _state
+
+
+def ensure(block: bool = False) -> bool:
+    """Load the library, or start building it; whether it is loaded now. ``block``: wait for a build."""
+    if "built" in _state:
+        return True
+    if "error" in _state:
+        return False
+    with _lock:
+        if "built" in _state or "error" in _state:
+            return "built" in _state
+        if not build.wanted():
+            _state["error"] = "off (FUSER_NATIVE=0, or no disk cache without FUSER_NATIVE=1)"
+            return False
+        thread = _state.get("thread")
+        if thread is None:
+            thread = _state["thread"] = threading.Thread(target=_build, name="fuser-native-build", daemon=True)
+            thread.start()
+    if block:
+        thread.join()
+    return "built" in _state
+
+
+def _build() -> None:
+    try:
+        built = build.build_and_load()
+    except Exception as e:  # no compiler, headers of another torch, a link error: the Python path stays
+        _state["error"] = f"{type(e).__name__}: {e}"
+        warnings.warn(f"fuser: the native hot path could not be built; fused calls run in Python ({e})",
+                      RuntimeWarning, stacklevel=2)
+        return
+    _state["built"] = built
+
+
+def status() -> str:
+    if "built" in _state:
+        b = _state["built"]
+        return f"loaded ({'built' if b.compiled else 'from the disk cache'} in {b.seconds:.1f} s)"
+    return _state.get("error", "building" if "thread" in _state else "not started")
+
+
+def offer(key: int, digest: str, spec, tensors: Sequence[torch.Tensor], scalars: Sequence[float],
+          outputs: Sequence[torch.Tensor]) -> None:
+    """Prepare the signature of a call the hot path handed over unprepared (from the executor's geometry of
+    these inputs and the outputs Python returned), or mark it as one for Python."""
+    if "built" not in _state:
+        return
+    from .. import executor
+    try:
+        sig = executor.signature(tensors)
+    except (AttributeError, RuntimeError, TypeError):
+        return
+    geo = spec.geometries.get(sig)
+    kernel = getattr(geo, "kernel", None)  # None: the executor found no kernel for these inputs
+    got = None if kernel is None or spec.has_reduction or not settings.fusion_enabled(geo.device.type) else \
+        record.launch_record(geo, tensors, scalars, outputs)
+    if got is None:
+        rec, floats = record.PYTHON, []
+    else:
+        rec, floats, owner = got
+        with _lock:
+            if len(_kept) >= MAX_KEPT:
+                clear()
+            _kept[id(owner)] = owner
+    torch.ops.fuser._native_put(key, digest, record.signature(tensors, len(scalars)), rec, floats)
+
+
+def clear() -> None:
+    """Forget every prepared signature (the device switches changed, or the table is full)."""
+    if "built" in _state:
+        torch.ops.fuser._native_clear()
+    _kept.clear()
+
+
+def stats() -> Optional[dict]:
+    """Counters of the loaded library: calls served, calls handed over to prepare, calls handed over for Python,
+    prepared signatures; None when it is not loaded."""
+    if "built" not in _state:
+        return None
+    hits, misses, handed, launches = torch.ops.fuser._native_stats()
+    return {"hits": hits, "misses": misses, "handed": handed, "signatures": launches}
+
+
+settings.on_change.append(clear)

@@ -1,0 +1,80 @@
+"""A prepared launch for the native hot path, written as the flat integer record ``hotpath.cpp`` reads.
+
+From what a Python call just did (the executor's geometry for the inputs' signature, and the outputs it
+returned), the record holds: the signature to match (per tensor: dtype, device, sizes, strides), the outputs to
+allocate (dtype, sizes, strides: the Python path's own), the float arguments' limits, and the launch: the CPU
+kernel's function and its sizes/strides arrays, or the CUDA function, grids, context and the by-value argument
+struct's bytes with the offsets of what changes per call. A signature this path must not take (a random or row
+kernel, a cat, a group that falls back) gets a record of kind "python", so the hot path hands it over without
+asking again.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional, Sequence
+
+import torch
+
+KIND_CPU, KIND_CUDA, KIND_PYTHON = 0, 1, 2
+PYTHON = [KIND_PYTHON]
+
+_codes: dict = {}
+
+
+def scalar_type(dtype: torch.dtype) -> int:
+    """c10::ScalarType's number of ``dtype`` (asked of the library once per dtype)."""
+    code = _codes.get(dtype)
+    if code is None:
+        code = _codes[dtype] = int(torch.ops.fuser._native_scalar_type(dtype))
+    return code
+
+
+def _device(d: torch.device) -> tuple[int, int]:
+    return (0 if d.type == "cpu" else 1), (-1 if d.index is None else d.index)
+
+
+def signature(tensors: Sequence[torch.Tensor], n_scalars: int) -> list[int]:
+    """[tensors, scalars, then per tensor: dtype, device type, device index, dim, sizes, strides]."""
+    out = [len(tensors), n_scalars]
+    for t in tensors:
+        dev_type, dev_index = _device(t.device)
+        out += [scalar_type(t.dtype), dev_type, dev_index, t.dim(), *t.shape, *t.stride()]
+    return out
+
+
+def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float],
+                  outputs: Sequence[torch.Tensor]) -> Optional[tuple[list[int], list[float], object]]:
+    """(record, floats, what must stay alive while it is used) for an ``executor.Geometry``, or None where the hot
+    path must hand such calls over."""
+    kernel = getattr(geo, "kernel", None)
+    if kernel is None or getattr(geo, "concat", True) is not None or kernel.random or len(outputs) != len(
+            kernel.out_dtypes):
+        return None
+    device = geo.device
+    if device.type not in ("cpu", "cuda") or any(t.device != device for t in (*tensors, *outputs)):
+        return None
+    rec = [KIND_CPU if device.type == "cpu" else KIND_CUDA, geo.numel, len(outputs)]
+    for o in outputs:
+        rec += [scalar_type(o.dtype), o.dim(), *o.shape, *o.stride()]
+    limits = kernel.scalar_limits or ()
+    rec.append(len(limits))
+    floats: list[float] = []
+    for j, lo, hi, nonfinite in limits:
+        rec += [j, int(bool(nonfinite))]
+        floats += [float(lo), float(hi)]
+    backend = kernel.backend
+    if device.type == "cpu":
+        fn = ctypes.cast(backend._fn, ctypes.c_void_p).value
+        flat = [x for st in geo.strides for x in st]
+        rec += [fn, len(geo.sizes), *geo.sizes, len(flat), *flat]
+        return rec, floats, backend
+    from ..cuda import launch as cuda_launch
+    loc = cuda_launch.LaunchArgs(backend._struct, backend.vec_align)
+    loc.fill(geo, tensors, scalars, outputs)
+    struct = type(loc.args)
+    raw = ctypes.string_at(ctypes.addressof(loc.args), ctypes.sizeof(loc.args))
+    ctx = cuda_launch.primary_context_handle(backend.device_index)
+    rec += [backend._function_ptr, cuda_launch.BLOCK_SIZE, backend.grid(geo.numel, True), backend.grid(geo.numel, False),
+            int(bool(geo.vec_shape)), ctx, struct.ptrs.offset, struct.vec.offset, struct.scalars.offset,
+            len(backend.vec_align), *backend.vec_align, len(raw), *raw]
+    return rec, floats, backend

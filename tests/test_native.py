@@ -1,0 +1,235 @@
+"""The native hot path (fuser/native): repeated calls of a fused TorchScript function served in C++, every call
+equal to eager's, and every call it must not take handed to Python (autograd, forward AD, vmap, lazy tensor bits,
+the device switches, float arguments eager would reject)."""
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from helpers import assert_same
+
+import fuser
+from fuser import native
+
+pytestmark = pytest.mark.skipif(not native.loaded(), reason=f"native hot path: {native.status()}")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _gelu_bias(x, b):
+    y = x + b
+    return 0.5 * y * (1 + torch.tanh(0.7978845608 * (y + 0.044715 * y * y * y)))
+
+
+def _scaled(x, y, s: float):
+    return torch.sigmoid(x * s + y) - 0.25, x * y
+
+
+def _mixed(x, i):
+    return (x * i + 1).relu(), i * 3
+
+
+def _two(x, y):
+    return (x * y).sin() + y
+
+
+def _stats():
+    return native.stats()
+
+
+def _served(fn, *args, calls=4):
+    """Call ``fn`` ``calls`` times under no_grad; the hits the hot path counted, and the last result."""
+    before = _stats()["hits"]
+    with torch.no_grad():
+        for _ in range(calls):
+            out = fn(*args)
+    return _stats()["hits"] - before, out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_repeated_calls_are_served_natively_and_equal_eager(device, dtype):
+    ff = fuser.fuse(torch.jit.script(_gelu_bias))
+    for shape in [(64, 96), (3, 5, 7), (1, 1), (257,)]:
+        x = torch.randn(shape, dtype=dtype, device=device)
+        b = torch.randn(shape[-1:], dtype=dtype, device=device)
+        hits, out = _served(ff, x, b)
+        assert hits >= 2  # the first call (or two: the profiling executor) prepares, the rest are served
+        assert_same(out, _gelu_bias(x, b))
+        # fresh values through the same prepared signature
+        x2, b2 = torch.randn_like(x), torch.randn_like(b)
+        with torch.no_grad():
+            assert_same(ff(x2, b2), _gelu_bias(x2, b2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layouts_scalars_mixed_dtypes_and_empty(device):
+    ff = fuser.fuse(torch.jit.script(_scaled))
+    base = torch.randn(40, 30, device=device)
+    cases = [
+        (base.t(), torch.randn(30, 40, device=device)),  # a transposed input
+        (base[::2, 1::3], torch.randn(10, device=device)),  # sliced, broadcast row
+        (torch.randn(7, 1, device=device), torch.randn(1, 5, device=device)),  # outer product
+        (torch.tensor(0.5, device=device), torch.randn(6, device=device)),  # 0-dim
+        (torch.empty(0, 4, device=device), torch.empty(0, 4, device=device)),  # no elements
+    ]
+    for x, y in cases:
+        for s in (0.25, -3.0):
+            hits, out = _served(ff, x, y, s)
+            ref = _scaled(x, y, s)
+            for o, r in zip(out, ref):
+                assert o.shape == r.shape and o.dtype == r.dtype
+                assert_same(o, r)
+    fm = fuser.fuse(torch.jit.script(_mixed))
+    x = torch.randn(33, 17, device=device)
+    i = torch.randint(-5, 5, (33, 17), device=device, dtype=torch.int32)
+    hits, out = _served(fm, x, i)
+    assert hits >= 2
+    for o, r in zip(out, _mixed(x, i)):
+        assert o.dtype == r.dtype
+        assert_same(o, r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inference_mode_is_served(device):
+    ff = fuser.fuse(torch.jit.script(_two))
+    x, y = torch.randn(100, device=device), torch.randn(100, device=device)
+    before = _stats()["hits"]
+    with torch.inference_mode():
+        for _ in range(4):
+            out = ff(x, y)
+    assert _stats()["hits"] - before >= 2
+    assert_same(out, _two(x, y))
+
+
+def test_autograd_calls_go_to_python_and_get_eager_gradients():
+    ff = fuser.fuse(torch.jit.script(_two))
+    x = torch.randn(50, requires_grad=True)
+    y = torch.randn(50)
+    _served(ff, x.detach(), y)  # prepared for plain calls first
+    for _ in range(3):
+        before = _stats()
+        out = ff(x, y)
+        after = _stats()
+        assert after["hits"] == before["hits"]
+        assert out.requires_grad
+        (gx,) = torch.autograd.grad(out.sum(), x)
+        xr = x.detach().requires_grad_()
+        (gr,) = torch.autograd.grad(_two(xr, y).sum(), xr)
+        assert_same(gx, gr)
+    # an input requiring grad under no_grad: a plain call, served
+    hits, out = _served(ff, x, y)
+    assert hits >= 2 and not out.requires_grad
+    assert_same(out, _two(x.detach(), y))
+
+
+def test_forward_ad_vmap_and_lazy_bits_go_to_python():
+    import torch.autograd.forward_ad as fwAD
+    ff = fuser.fuse(torch.jit.script(_two))
+    x, y, t = torch.randn(6), torch.randn(6), torch.randn(6)
+    _served(ff, x, y)
+    with fwAD.dual_level():
+        out = fwAD.unpack_dual(ff(fwAD.make_dual(x, t), y))
+        ref = fwAD.unpack_dual(_two(fwAD.make_dual(x, t), y))
+    assert out.tangent is not None
+    assert_same(out.tangent, ref.tangent)
+    xb, yb = torch.randn(3, 6), torch.randn(3, 6)
+    assert_same(torch.vmap(ff)(xb, yb), _two(xb, yb))
+    xi = torch.randn(6, dtype=torch.complex64).conj().imag  # the neg bit: memory is not the values
+    assert xi.is_neg()
+    for _ in range(3):
+        assert_same(ff(xi, y), _two(xi, y))
+    z = torch._efficientzerotensor((6,))
+    for _ in range(3):
+        assert_same(ff(z, y), _two(z, y))
+
+
+def test_device_switch_and_signature_changes():
+    ff = fuser.fuse(torch.jit.script(_two))
+    x, y = torch.randn(64), torch.randn(64)
+    hits, _ = _served(ff, x, y)
+    assert hits >= 2
+    fuser.override_can_fuse_on_cpu(False)  # forgets every prepared launch; Python decides again
+    assert _stats()["signatures"] == 0
+    before = fuser.n_compiled_kernels()
+    hits, out = _served(ff, x, y)
+    assert hits == 0
+    assert_same(out, _two(x, y))
+    fuser.override_can_fuse_on_cpu(None)
+    hits, out = _served(ff, x, y)
+    assert hits >= 2
+    assert fuser.n_compiled_kernels() == before  # the kernel was kept: nothing recompiled
+    # another shape, then the first again: both prepared, both served
+    x2, y2 = torch.randn(8, 8), torch.randn(8)
+    for a, b in [(x2, y2), (x, y), (x2, y2)]:
+        with torch.no_grad():
+            assert_same(ff(a, b), _two(a, b))
+
+
+def _int_add(x, s: float):
+    return (x + s) * 2
+
+
+def test_float_arguments_eager_rejects_are_handed_over():
+    """A float argument outside what the kernel's dtype holds: eager's result or error, as from Python."""
+    ff = fuser.fuse(torch.jit.script(_int_add))
+    x = torch.randint(-100, 100, (16,), dtype=torch.int8)
+    for s in (1.0, 2.0, 1.0):
+        with torch.no_grad():
+            out = ff(x, s)
+        assert_same(out, _int_add(x, s))
+    for s in (1e300, float("nan"), float("inf")):
+        try:
+            ref = _int_add(x, s)
+        except RuntimeError as e:
+            with pytest.raises(RuntimeError):
+                ff(x, s)
+            continue
+        with torch.no_grad():
+            assert_same(ff(x, s), ref)
+
+
+def test_threads_share_prepared_launches():
+    ff = fuser.fuse(torch.jit.script(_gelu_bias))
+    shapes = [(16, 32), (5, 7), (64, 8), (3, 32)]
+    errors = []
+
+    def work(k):
+        try:
+            g = torch.Generator().manual_seed(k)
+            for j in range(40):
+                shape = shapes[(k + j) % len(shapes)]
+                x = torch.randn(shape, generator=g)
+                b = torch.randn(shape[-1:], generator=g)
+                with torch.no_grad():
+                    out = ff(x, b)
+                torch.testing.assert_close(out, _gelu_bias(x, b))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_off_switch_runs_python_with_equal_results(tmp_path):
+    script = tmp_path / "off.py"
+    script.write_text(
+        "import torch, fuser\n"
+        "from fuser import native\n"
+        "def f(x, y):\n    return (x * y).sin() + y\n"
+        "ff = fuser.fuse(torch.jit.script(f))\n"
+        "x, y = torch.linspace(-2, 2, 9), torch.linspace(0, 1, 9)\n"
+        "with torch.no_grad():\n"
+        "    outs = [ff(x, y) for _ in range(4)]\n"
+        "assert all(torch.equal(o, f(x, y)) for o in outs)\n"
+        "print(native.loaded(), native.stats())\n")
+    env = dict(os.environ, FUSER_NATIVE="0", PYTHONPATH=os.path.dirname(os.path.dirname(fuser.__file__)))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "None"]
