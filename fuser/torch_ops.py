@@ -117,6 +117,9 @@ def _broadcasting_chunk(inputs: list[torch.Tensor], chunks: int, dim: int, n: in
 
 
 _lib.impl("broadcasting_chunk", _broadcasting_chunk, "CompositeImplicitAutograd")
+# the native hot path's hand-over for what its own broadcasting_chunk does not take (eager's errors)
+_lib.define("broadcasting_chunk_py(Tensor[] inputs, int chunks, int dim, int n) -> Tensor[]")
+_lib.impl("broadcasting_chunk_py", _broadcasting_chunk, "CompositeImplicitAutograd")
 
 
 _lib.define("batch_norm_params(Tensor input, Tensor? weight, Tensor? bias, Tensor running_mean, "
@@ -155,6 +158,9 @@ def _batch_norm_params(input: torch.Tensor, weight: Optional[torch.Tensor], bias
 
 
 _lib.impl("batch_norm_params", _batch_norm_params, "CompositeImplicitAutograd")
+_lib.define("batch_norm_params_py(Tensor input, Tensor? weight, Tensor? bias, Tensor running_mean, "
+            "Tensor running_var) -> Tensor[]")
+_lib.impl("batch_norm_params_py", _batch_norm_params, "CompositeImplicitAutograd")
 
 
 def register_graph(graph: torch._C.Graph) -> int:

@@ -233,3 +233,86 @@ def test_off_switch_runs_python_with_equal_results(tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False", "None"]
+
+
+def _lstm_cell(gates, cx):
+    i, f, g, o = gates.chunk(4, 1)
+    cy = torch.sigmoid(f) * cx + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(cy), cy
+
+
+def test_chunk_motion_forward_and_gradients_through_the_native_chunk():
+    ff = fuser.fuse(torch.jit.script(_lstm_cell))
+    for batch, hidden in [(3, 2), (5, 7), (1, 1)]:
+        gates = torch.randn(batch, 4 * hidden, dtype=torch.float64)
+        cx = torch.randn(batch, hidden, dtype=torch.float64)
+        hits, out = _served(ff, gates, cx)
+        for o, r in zip(out, _lstm_cell(gates, cx)):
+            assert_same(o, r)
+        g1, c1 = gates.clone().requires_grad_(), cx.clone().requires_grad_()
+        g2, c2 = gates.clone().requires_grad_(), cx.clone().requires_grad_()
+        for _ in range(2):
+            hy, cy = ff(g1, c1)
+            grads = torch.autograd.grad((hy * 2 + cy).sum(), (g1, c1))
+        hy2, cy2 = _lstm_cell(g2, c2)
+        ref = torch.autograd.grad((hy2 * 2 + cy2).sum(), (g2, c2))
+        for a, b in zip(grads, ref):
+            assert_same(a, b)
+    # a gates tensor that does not split into 4: eager's error
+    with pytest.raises(RuntimeError):
+        ff(torch.randn(3, 2), torch.randn(3, 2))
+
+
+def _same_views(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.shape == y.shape and x.stride() == y.stride() and x.dtype == y.dtype
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_native_broadcasting_chunk_equals_the_python_operator(case):
+    chunks, dim, shapes = [(4, 1, [(3, 8), (3, 1)]), (2, 0, [(6, 5), (5,)]), (3, -1, [(2, 7), (1, 7), ()]),
+                           (4, 1, [(3, 2)]), (2, 2, [(4, 4)]), (2, 0, [(0, 3)])][case]
+    inputs = [torch.randn(s) for s in shapes]
+    full = torch.broadcast_shapes(*shapes)
+    try:
+        n = len(torch.empty(full).chunk(chunks, dim))
+    except (RuntimeError, IndexError):
+        n = 2
+    args = (inputs, chunks, dim, n)
+    try:
+        ref = torch.ops.fuser.broadcasting_chunk_py(*args)
+    except Exception as e:
+        with pytest.raises(type(e)):
+            torch.ops.fuser.broadcasting_chunk(*args)
+        return
+    _same_views(torch.ops.fuser.broadcasting_chunk(*args), ref)
+    # each chunk of the broadcast result is what the pieces compute
+    pieces = torch.broadcast_tensors(*inputs)[0].chunk(chunks, dim)
+    got = torch.ops.fuser.broadcasting_chunk(*args)
+    for k, p in enumerate(pieces):
+        assert torch.broadcast_shapes(*(got[j * n + k].shape for j in range(len(inputs)))) == p.shape
+    # a wrong count: eager's error
+    with pytest.raises(RuntimeError):
+        torch.ops.fuser.broadcasting_chunk(inputs, chunks, dim, n + 1)
+
+
+@pytest.mark.parametrize("dtype,vec_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                             (torch.float16, torch.float16), (torch.float64, torch.float64)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_native_batch_norm_params_equal_the_python_operator(dtype, vec_dtype, affine):
+    x = torch.randn(2, 5, 3, 4).to(dtype)
+    w, b = (torch.randn(5).to(vec_dtype), torch.randn(5).to(vec_dtype)) if affine else (None, None)
+    mean, var = torch.randn(5).to(vec_dtype), torch.rand(5).to(vec_dtype) + 0.5
+    for args in [(x, w, b, mean, var), (x[:, :, 0], w, b, mean, var), (x, w, b, mean[::1], var)]:
+        try:
+            ref = torch.ops.fuser.batch_norm_params_py(*args)
+        except RuntimeError:
+            with pytest.raises(RuntimeError):
+                torch.ops.fuser.batch_norm_params(*args)
+            continue
+        _same_views(torch.ops.fuser.batch_norm_params(*args), ref)
+    # a vector of the wrong length: eager's error
+    with pytest.raises(RuntimeError):
+        torch.ops.fuser.batch_norm_params(x, w, b, torch.randn(4).to(vec_dtype), var)

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <string>
 #include <unordered_map>
@@ -232,6 +233,109 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
   return outs;
 }
 
+// fuser::broadcasting_chunk (chunk motion, fuser/torch_ops.py): chunk k of every input as the chunked broadcast
+// result would see it. The common case here; an empty or out-of-range dim, a chunk count eager would not give, or
+// anything but plain tensors go to the Python operator, which raises eager's errors.
+std::vector<at::Tensor> broadcasting_chunk(at::TensorList inputs, int64_t chunks, int64_t dim, int64_t n) {
+  static auto py = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fuser::broadcasting_chunk_py", "")
+                       .typed<std::vector<at::Tensor>(at::TensorList, int64_t, int64_t, int64_t)>();
+  bool plain = !inputs.empty() && chunks > 0 && n > 0;
+  std::vector<int64_t> shape;
+  for (const at::Tensor& t : inputs) {
+    if (!plain) break;
+    if (!t.defined()) {
+      plain = false;
+      break;
+    }
+    const c10::DispatchKeySet rest = t.key_set() - kIgnored;
+    if (rest != kPlainCpu && rest != kPlainCuda) {
+      plain = false;
+      break;
+    }
+    // broadcast, as torch.broadcast_shapes; a mismatch goes to Python for eager's error
+    const auto sizes = t.sizes();
+    if (sizes.size() > shape.size()) shape.insert(shape.begin(), sizes.size() - shape.size(), 1);
+    const size_t off = shape.size() - sizes.size();
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      int64_t& s = shape[off + d];
+      if (s == sizes[d] || sizes[d] == 1) continue;
+      if (s == 1)
+        s = sizes[d];
+      else
+        plain = false;
+    }
+  }
+  const int64_t nd = static_cast<int64_t>(shape.size());
+  if (!plain || dim < -nd || dim >= nd) return py.call(inputs, chunks, dim, n);
+  const int64_t d = dim < 0 ? dim + nd : dim;
+  const int64_t size = shape[d];
+  if (size <= 0) return py.call(inputs, chunks, dim, n);
+  const int64_t split = (size + chunks - 1) / chunks;  // eager's chunk: pieces of ceil(size / chunks)
+  std::vector<int64_t> sizes;
+  for (int64_t at = 0; at < size; at += split) sizes.push_back(std::min(split, size - at));
+  if (static_cast<int64_t>(sizes.size()) != n) return py.call(inputs, chunks, dim, n);
+  std::vector<at::Tensor> out;
+  out.reserve(inputs.size() * n);
+  for (const at::Tensor& t : inputs) {
+    const int64_t td = d - (nd - t.dim());
+    if (td < 0 || (t.size(td) == 1 && size != 1)) {
+      for (int64_t k = 0; k < n; ++k) out.push_back(t);
+    } else {
+      for (auto& piece : t.split_with_sizes(sizes, td)) out.push_back(std::move(piece));
+    }
+  }
+  return out;
+}
+
+// fuser::batch_norm_params (the inference batch norm decomposition, fuser/torch_ops.py): the per-channel vectors
+// shaped to broadcast along dim 1, in the dtype eager's kernel computes in. The common case here; everything else
+// (eager's errors, other shapes or dtypes) goes to the Python operator.
+std::vector<at::Tensor> batch_norm_params(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                                          const std::optional<at::Tensor>& bias, const at::Tensor& running_mean,
+                                          const at::Tensor& running_var) {
+  static auto py = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fuser::batch_norm_params_py", "")
+                       .typed<std::vector<at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&,
+                                                      const std::optional<at::Tensor>&, const at::Tensor&,
+                                                      const at::Tensor&)>();
+  std::vector<at::Tensor> vecs;
+  if (weight.has_value() && weight->defined()) vecs.push_back(*weight);
+  if (bias.has_value() && bias->defined()) vecs.push_back(*bias);
+  vecs.push_back(running_mean);
+  vecs.push_back(running_var);
+  const int64_t nd = input.dim();
+  bool plain = input.defined() && nd >= 2 && input.numel() > 0;
+  const c10::ScalarType in_type = plain ? input.scalar_type() : c10::ScalarType::Float;
+  const bool reduced = in_type == c10::ScalarType::Half || in_type == c10::ScalarType::BFloat16;
+  const int64_t channels = plain ? input.size(1) : 0;
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  for (size_t k = 0; plain && k < vecs.size(); ++k) {
+    const at::Tensor& t = vecs[k];
+    if (!t.defined() || t.dim() != 1 || t.size(0) != channels || t.device() != input.device()) {
+      plain = false;
+      break;
+    }
+    if (k == 0) dtype = t.scalar_type();
+    if (t.scalar_type() != dtype) plain = false;
+  }
+  if (plain && !(dtype == in_type || (dtype == c10::ScalarType::Float && reduced))) plain = false;
+  if (!plain) return py.call(input, weight, bias, running_mean, running_var);
+  const bool grad = c10::GradMode::is_enabled();
+  std::vector<int64_t> shape(nd - 1, 1), strides(nd - 1, 1);
+  shape[0] = channels;
+  for (at::Tensor& t : vecs) {
+    if (dtype == c10::ScalarType::Half || dtype == c10::ScalarType::BFloat16) t = t.to(c10::ScalarType::Float);
+    if (grad && t.requires_grad()) {
+      t = t.view(shape);
+    } else {
+      strides[0] = t.stride(0);
+      t = t.as_strided(shape, strides);
+    }
+  }
+  return vecs;
+}
+
 // Reads the flat integer record that fuser/native/record.py writes.
 struct Reader {
   const std::vector<int64_t>& v;
@@ -345,7 +449,11 @@ TORCH_LIBRARY_FRAGMENT(fuser, m) {
 
 // CPU and CUDA for calls without autograd keys (inference mode), their Autograd keys for the others: a kernel
 // registered here takes precedence over the Python CompositeImplicitAutograd one for these keys only
-TORCH_LIBRARY_IMPL(fuser, CPU, m) { m.impl("fusion_group", &fusion_group); }
-TORCH_LIBRARY_IMPL(fuser, CUDA, m) { m.impl("fusion_group", &fusion_group); }
-TORCH_LIBRARY_IMPL(fuser, AutogradCPU, m) { m.impl("fusion_group", &fusion_group); }
-TORCH_LIBRARY_IMPL(fuser, AutogradCUDA, m) { m.impl("fusion_group", &fusion_group); }
+#define FUSER_NATIVE_IMPLS(m)                            \
+  m.impl("fusion_group", &fusion_group);                 \
+  m.impl("broadcasting_chunk", &broadcasting_chunk);     \
+  m.impl("batch_norm_params", &batch_norm_params)
+TORCH_LIBRARY_IMPL(fuser, CPU, m) { FUSER_NATIVE_IMPLS(m); }
+TORCH_LIBRARY_IMPL(fuser, CUDA, m) { FUSER_NATIVE_IMPLS(m); }
+TORCH_LIBRARY_IMPL(fuser, AutogradCPU, m) { FUSER_NATIVE_IMPLS(m); }
+TORCH_LIBRARY_IMPL(fuser, AutogradCUDA, m) { FUSER_NATIVE_IMPLS(m); }
