@@ -134,39 +134,48 @@ class _FusedGroup(torch.autograd.Function):
         ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
         ctx.save_for_backward(*[t if keep else None for t, keep in zip(tensors, call.saved)])
         # outputs no wanted gradient reaches do not require grad, as in eager
-        ctx.mark_non_differentiable(*[o for o, c in zip(out, call.carried) if not (c and o.is_floating_point())])
+        ctx.mark_non_differentiable(*[o for o, d in zip(out, differentiable_outputs(call, out)) if not d])
         ctx.set_materialize_grads(False)
         return tuple(out)
 
     @staticmethod
     def backward(ctx, *grads):
-        call: _Call = ctx.call
-        spec = call.spec
-        saved = ctx.saved_tensors
-        n_t = len(saved)
-        defined = tuple(gr is not None for gr in grads)
-        result: list = [None] * n_t
-        if not any(defined):
-            return (None, *result)
-        bw = backward_for(spec, call.needs, defined, call.sig)
-        # group input index -> tensor index
-        t_index, k = {}, 0
-        for j, is_t in enumerate(spec.input_is_tensor):
-            if is_t:
-                t_index[j] = k
-                k += 1
-        fwd_args = call.args(saved)
-        if bw.spec is not None:
-            args = [fwd_args[j] for j in bw.fwd_inputs] + [_grad_arg(spec, grads, k, j) for k, j in bw.grad_outputs]
-            outs = run(bw.spec, args, call.rng_state)
-            for j, r in zip(bw.grad_inputs, outs):
-                shape, dtype, _ = ctx.meta[t_index[j]]
-                r = r if r.shape == shape else r.sum_to_size(shape)
-                result[t_index[j]] = r if r.dtype == dtype else r.to(dtype)
-        for j in bw.zero_inputs:
-            shape, dtype, device = ctx.meta[t_index[j]]
-            result[t_index[j]] = torch.zeros(shape, dtype=dtype, device=device)
-        return (None, *result)
+        return (None, *input_grads(ctx.call, ctx.saved_tensors, ctx.meta, grads))
+
+
+def tensor_index(spec: KernelSpec) -> dict:
+    """Group input index -> index among the tensor inputs."""
+    t_index, k = {}, 0
+    for j, is_t in enumerate(spec.input_is_tensor):
+        if is_t:
+            t_index[j] = k
+            k += 1
+    return t_index
+
+
+def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence) -> list:
+    """The gradients of the tensor inputs (None where none is wanted) from the outputs' gradients (None where
+    none arrived): the backward group of this pattern run as a group. ``saved``: per tensor input, the saved
+    tensor or None; ``meta``: per tensor input, (shape, dtype, device)."""
+    spec = call.spec
+    defined = tuple(gr is not None for gr in grads)
+    result: list = [None] * len(saved)
+    if not any(defined):
+        return result
+    bw = backward_for(spec, call.needs, defined, call.sig)
+    t_index = tensor_index(spec)
+    fwd_args = call.args(saved)
+    if bw.spec is not None:
+        args = [fwd_args[j] for j in bw.fwd_inputs] + [_grad_arg(spec, grads, k, j) for k, j in bw.grad_outputs]
+        outs = run(bw.spec, args, call.rng_state)
+        for j, r in zip(bw.grad_inputs, outs):
+            shape, dtype, _ = meta[t_index[j]]
+            r = r if r.shape == shape else r.sum_to_size(shape)
+            result[t_index[j]] = r if r.dtype == dtype else r.to(dtype)
+    for j in bw.zero_inputs:
+        shape, dtype, device = meta[t_index[j]]
+        result[t_index[j]] = torch.zeros(shape, dtype=dtype, device=device)
+    return result
 
 
 def _grad_arg(spec: KernelSpec, grads: tuple, k: int, piece: Optional[int]) -> torch.Tensor:
@@ -193,6 +202,13 @@ def differentiable(spec: KernelSpec, args: list, rng_state: Optional[list] = Non
     its backward kernel then reuses: Philox numbers depend only on (seed, offset, op, element), so the
     backward recomputes exactly the forward's mask. If the forward kernel cannot run, the interpreter does
     (eager's autograd then records eager's own draw)."""
+    call = prepare_call(spec, args, rng_state)
+    return None if call is None else list(_FusedGroup.apply(call, *[a for a in args if isinstance(a, torch.Tensor)]))
+
+
+def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None) -> Optional[_Call]:
+    """What :func:`differentiable` runs as an autograd Function (a random group's forward outputs computed), or
+    None where it cannot."""
     if not torch.is_grad_enabled() or spec.has_reduction:  # no derivatives of reductions yet: eager's autograd
         return None
     if _forward_ad._current_level >= 0 or _functorch_stack() is not None:
@@ -235,4 +251,9 @@ def differentiable(spec: KernelSpec, args: list, rng_state: Optional[list] = Non
             call.outputs = executor.run(spec, args, call.rng_state)
         if call.outputs is None:
             return None
-    return list(_FusedGroup.apply(call, *tensors))
+    return call
+
+
+def differentiable_outputs(call: _Call, outputs: Sequence[torch.Tensor]) -> tuple[bool, ...]:
+    """Per output, whether a gradient reaches it (the others are marked non-differentiable, as in eager)."""
+    return tuple(bool(c and o.is_floating_point()) for o, c in zip(outputs, call.carried))

@@ -48,7 +48,7 @@ def _run_group(inputs: list[torch.Tensor], scalars: list[float], key: int, diges
     else:
         tensors, floats = iter(inputs), iter(scalars)
         args = [next(tensors) if is_t else next(floats) for is_t in spec.input_is_tensor]
-    return spec, autodiff.run(spec, args)
+    return spec, args, autodiff.run(spec, args)
 
 
 _native_started = []
@@ -59,17 +59,23 @@ def _fusion_group(inputs: list[torch.Tensor], scalars: list[float], key: int, di
     if not _native_started:  # the first fused call: load the native hot path, or start building it
         _native_started.append(True)
         native.ensure()
-    return _run_group(inputs, scalars, key, digest, ir)[1]
+    return _run_group(inputs, scalars, key, digest, ir)[2]
 
 
 def _fusion_group_py(inputs: list[torch.Tensor], scalars: list[float], key: int, digest: str, ir: str,
                      offer: bool) -> list[torch.Tensor]:
     """What the native hot path (fuser/native) hands over: the group run here; with ``offer``, a plain call whose
     signature it has not seen, which is then prepared for it."""
-    spec, out = _run_group(inputs, scalars, key, digest, ir)
+    spec, args, out = _run_group(inputs, scalars, key, digest, ir)
     if offer:
-        native.offer(key, digest, spec, inputs, scalars, out)
+        native.offer(key, digest, spec, args, inputs, scalars, out)
     return out
+
+
+def _fusion_group_backward_py(key: int, digest: str, saved: list, scalars: list[float], meta: list[int],
+                              grads: list) -> list:
+    """The native hot path's recorded call, backward, for an output-gradient pattern it has no group for."""
+    return native.python_backward(_spec_for(key, digest, ""), saved, scalars, meta, grads)
 
 
 # CompositeImplicitAutograd: the function runs above autograd. When an input requires grad, autodiff wraps
@@ -82,7 +88,10 @@ _lib.impl("fusion_group", _fusion_group, "FuncTorchBatched")
 # Python one above for those keys once the library is loaded
 _lib.define("fusion_group_py(Tensor[] inputs, float[] scalars, int key, str digest, str ir, bool offer) -> Tensor[]")
 _lib.impl("fusion_group_py", _fusion_group_py, "CompositeImplicitAutograd")
-_lib.impl("fusion_group_py", lambda *a: _run_group(*a[:5])[1], "FuncTorchBatched")
+_lib.impl("fusion_group_py", lambda *a: _run_group(*a[:5])[2], "FuncTorchBatched")
+_lib.define("fusion_group_backward_py(int key, str digest, Tensor?[] saved, float[] scalars, int[] meta, "
+            "Tensor?[] grads) -> Tensor?[]")
+_lib.impl("fusion_group_backward_py", _fusion_group_backward_py, "CompositeImplicitAutograd")
 
 
 _lib.define("broadcasting_chunk(Tensor[] inputs, int chunks, int dim, int n) -> Tensor[]")

@@ -39,6 +39,10 @@ class Case:
         return "-".join(parts)
 
 
+# grad_fn.name() of a fused group's backward: the Python autograd Function's, or the native hot path's node
+FUSED_BACKWARD = ("_FusedGroupBackward", "FusedGroupBackward")
+
+
 def cases() -> list[Case]:
     out = []
     for op in ops._OPS:

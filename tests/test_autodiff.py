@@ -3,7 +3,7 @@ float64 for every op of the table, broadcast, chunked and mixed-dtype groups, do
 training run whose losses match eager's step by step."""
 import pytest
 import torch
-from helpers import assert_same, build, cases, eager, tolerances
+from helpers import FUSED_BACKWARD, assert_same, build, cases, eager, tolerances
 
 import fuser
 from fuser import autodiff, derivatives, executor, ops
@@ -40,7 +40,7 @@ def _inputs(case, b, shape=(4, 3), dtype=torch.float64):
 
 
 def _fused_backward(outputs) -> bool:
-    return any(type(o.grad_fn).__name__ == "_FusedGroupBackward" for o in outputs if o.grad_fn is not None)
+    return any(o.grad_fn.name() in FUSED_BACKWARD for o in outputs if o.grad_fn is not None)
 
 
 def _supported(case) -> bool:

@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from helpers import FUSED_BACKWARD
 
 import fuser
 from fuser import autodiff
@@ -165,7 +166,7 @@ def _grad_outputs(gmode, dtype, shape, gen):
 
 
 def _fused_backward(outs) -> bool:
-    return any(type(o.grad_fn).__name__ == "_FusedGroupBackward" for o in outs if o.grad_fn is not None)
+    return any(o.grad_fn.name() in FUSED_BACKWARD for o in outs if o.grad_fn is not None)
 
 
 def _differentiable_alone(case: Case, dtype) -> bool:

@@ -3,7 +3,7 @@ decisions, every dim and layout against torch.cat, dtype promotion, the fallback
 source through NVRTC."""
 import pytest
 import torch
-from helpers import assert_same, fused_graph
+from helpers import FUSED_BACKWARD, assert_same, fused_graph
 
 import fuser
 from fuser import codegen, compiler, executor
@@ -177,7 +177,7 @@ def test_gradients_through_a_cat_group():
     x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
     y = torch.randn(3, dtype=torch.float64, requires_grad=True)
     c, a = fuser.run_fusion(key, [x, y])
-    assert type(c.grad_fn).__name__ == "_FusedGroupBackward"
+    assert c.grad_fn.name() in FUSED_BACKWARD
     assert torch.autograd.gradcheck(lambda x, y: fuser.run_fusion(key, [x, y]), (x, y))
     # only the cat's gradient, as a non-contiguous view
     g = torch.randn(6, 5, dtype=torch.float64).t()

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 import torch
-from helpers import (interpret, ARITH_IR, chain_tolerance, CHAIN_IR, EDGE_IRS, STEPS_IR, NAN_SELF_NE_IR, POW_MINUS_TWO_IR, FMA_OPS, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR, SIGMOID_GT_IR as IR, assert_op_result, assert_same, assert_same_comparison, build, cases,
+from helpers import (FUSED_BACKWARD, interpret, ARITH_IR, chain_tolerance, CHAIN_IR, EDGE_IRS, STEPS_IR, NAN_SELF_NE_IR, POW_MINUS_TWO_IR, FMA_OPS, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR, SIGMOID_GT_IR as IR, assert_op_result, assert_same, assert_same_comparison, build, cases,
                      check_fused_multiply_adds, check_scalar_rounding, eager, expect_fused, make_args, random_tensor,
                      sigmoid_gt_reference as reference)
 
@@ -282,7 +282,7 @@ def test_fused_multiply_adds_match_eager_bitwise(op, dtype):
 
 
 def _fused_backward(outputs) -> bool:
-    return any(type(o.grad_fn).__name__ == "_FusedGroupBackward" for o in outputs if o.grad_fn is not None)
+    return any(o.grad_fn.name() in FUSED_BACKWARD for o in outputs if o.grad_fn is not None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

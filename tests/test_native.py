@@ -104,25 +104,76 @@ def test_inference_mode_is_served(device):
     assert_same(out, _two(x, y))
 
 
-def test_autograd_calls_go_to_python_and_get_eager_gradients():
-    ff = fuser.fuse(torch.jit.script(_two))
-    x = torch.randn(50, requires_grad=True)
-    y = torch.randn(50)
-    _served(ff, x.detach(), y)  # prepared for plain calls first
+def _grads(fn, inputs, weights, create_graph=False):
+    """Gradients of sum(w_k * out_k) over the outputs given a weight (None: that output unused)."""
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    loss = sum((o * w).sum() for o, w in zip(outs, weights) if w is not None)
+    wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    return outs, torch.autograd.grad(loss, wanted, create_graph=create_graph)
+
+
+def _fresh(inputs):
+    return [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+            for t in inputs]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_calls_are_recorded_natively_with_eager_gradients(device):
+    """After a first call prepares it, a call autograd records runs its forward here and records a node whose
+    backward runs the backward group (or Python's backward for another output-gradient pattern)."""
+    ff = fuser.fuse(torch.jit.script(_scaled))
+    x = torch.randn(6, 5, dtype=torch.float64, device=device, requires_grad=True)
+    y = torch.randn(5, dtype=torch.float64, device=device, requires_grad=True)  # broadcast: summed to its shape
+    for weights in [(1.0, 2.0), (None, 1.5), (0.5, None), (1.0, 2.0)]:
+        for _ in range(3):
+            wt = [None if w is None else torch.full((6, 5), w, dtype=torch.float64, device=device) for w in weights]
+            before = _stats()["hits"]
+            outs, grads = _grads(ff, [x, y, 0.75], wt)
+            served = _stats()["hits"] > before
+            ref_outs, ref = _grads(_scaled, _fresh([x, y, 0.75]), wt)
+            for o, r in zip(outs, ref_outs):
+                assert_same(o, r)
+            for g, r in zip(grads, ref):
+                assert_same(g, r)
+        assert served  # the third call of each pattern at least
+        assert outs[0].grad_fn.name() == "FusedGroupBackward"
+    # only one input requires grad; a float16 input whose gradient is cast back to its dtype
+    xh = torch.randn(6, 5, device=device).half().requires_grad_()
+    yf = torch.randn(5, device=device)
     for _ in range(3):
-        before = _stats()
-        out = ff(x, y)
-        after = _stats()
-        assert after["hits"] == before["hits"]
-        assert out.requires_grad
-        (gx,) = torch.autograd.grad(out.sum(), x)
-        xr = x.detach().requires_grad_()
-        (gr,) = torch.autograd.grad(_two(xr, y).sum(), xr)
-        assert_same(gx, gr)
-    # an input requiring grad under no_grad: a plain call, served
-    hits, out = _served(ff, x, y)
-    assert hits >= 2 and not out.requires_grad
-    assert_same(out, _two(x.detach(), y))
+        wt = [torch.ones(6, 5, device=device), torch.ones(6, 5, device=device)]
+        outs, (g,) = _grads(ff, [xh, yf, 2.0], wt)
+        ref_outs, (r,) = _grads(_scaled, _fresh([xh, yf, 2.0]), wt)
+        assert g.dtype == torch.float16 and g.shape == xh.shape
+        assert_same(g, r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_double_backward_through_a_native_node(device):
+    ff = fuser.fuse(torch.jit.script(_two))
+    x = torch.randn(20, dtype=torch.float64, device=device, requires_grad=True)
+    y = torch.randn(20, dtype=torch.float64, device=device, requires_grad=True)
+    for _ in range(3):
+        _, (gx, gy) = _grads(ff, [x, y], [torch.ones(20, dtype=torch.float64, device=device)], create_graph=True)
+        (ggx,) = torch.autograd.grad((gx * gy).sum(), x)
+        xr, yr = _fresh([x, y])
+        _, (rx, ry) = _grads(_two, [xr, yr], [torch.ones(20, dtype=torch.float64, device=device)], create_graph=True)
+        (rgx,) = torch.autograd.grad((rx * ry).sum(), xr)
+        assert_same(ggx, rgx)
+
+
+def test_saved_inputs_modified_in_place_raise_as_in_eager():
+    ff = fuser.fuse(torch.jit.script(_two))
+    x, y = torch.randn(8, requires_grad=True), torch.randn(8)
+    for _ in range(3):
+        ff(x, y).sum().backward()
+    yy = y.clone()
+    out = ff(x, yy)
+    assert out.grad_fn.name() == "FusedGroupBackward"
+    yy.mul_(2)  # saved for the backward (the sine's argument needs it)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
 
 
 def test_forward_ad_vmap_and_lazy_bits_go_to_python():

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.fx
 
-from .. import autodiff, ir
+from .. import autodiff, ir, native, torch_ops  # noqa: F401 (torch_ops defines fuser::fusion_group)
 from ..kernel_cache import STORE, KernelSpec
 from .partition import Region
 from .support import full_args, is_barrier, overload_name, tensor_constant
@@ -54,12 +54,19 @@ def lower(region: Region) -> ir.Group:
 
 
 def group_call(spec: KernelSpec) -> Callable:
-    """The function a rewritten graph calls for ``spec``: its outputs as a list."""
+    """The function a rewritten graph calls for ``spec``: its outputs as a list. A group of tensor inputs calls
+    the TorchScript door's operator, so that the native hot path (fuser/native) serves its repeated calls once
+    loaded; its Python kernel is ``autodiff.run``, as here otherwise."""
     run = autodiff.run
+    op = torch.ops.fuser.fusion_group.default
+    key, digest = spec.key, spec.digest
+    native.ensure()  # load it, or start building it (calls run in Python meanwhile)
 
     def call(*args):
         if observer is not None:
             observer(spec, args)
+        elif spec.all_tensors and native.loaded():
+            return op(list(args), [], key, digest, "")
         return run(spec, list(args))
 
     call.__name__ = call.__qualname__ = f"fuser_group_{spec.key}"

@@ -70,21 +70,24 @@ def status() -> str:
     return _state.get("error", "building" if "thread" in _state else "not started")
 
 
-def offer(key: int, digest: str, spec, tensors: Sequence[torch.Tensor], scalars: Sequence[float],
+def offer(key: int, digest: str, spec, args: Sequence, tensors: Sequence[torch.Tensor], scalars: Sequence[float],
           outputs: Sequence[torch.Tensor]) -> None:
     """Prepare the signature of a call the hot path handed over unprepared (from the executor's geometry of
-    these inputs and the outputs Python returned), or mark it as one for Python."""
+    these inputs and the outputs Python returned), or mark it as one for Python. A call autograd records gets
+    its backward prepared too."""
     if "built" not in _state:
         return
-    from .. import executor
+    from .. import autodiff, executor
     try:
         sig = executor.signature(tensors)
     except (AttributeError, RuntimeError, TypeError):
         return
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    call = autodiff.prepare_call(spec, list(args)) if grad and not spec.random else None
     geo = spec.geometries.get(sig)
     kernel = getattr(geo, "kernel", None)  # None: the executor found no kernel for these inputs
-    got = None if kernel is None or spec.has_reduction or not settings.fusion_enabled(geo.device.type) else \
-        record.launch_record(geo, tensors, scalars, outputs)
+    got = None if kernel is None or spec.has_reduction or not settings.fusion_enabled(geo.device.type) or (
+        grad and call is None) else record.launch_record(geo, tensors, scalars, outputs)
     if got is None:
         rec, floats = record.PYTHON, []
     else:
@@ -93,7 +96,28 @@ def offer(key: int, digest: str, spec, tensors: Sequence[torch.Tensor], scalars:
             if len(_kept) >= MAX_KEPT:
                 clear()
             _kept[id(owner)] = owner
-    torch.ops.fuser._native_put(key, digest, record.signature(tensors, len(scalars)), rec, floats)
+    signature = record.signature(tensors, len(scalars))
+    if not grad:
+        torch.ops.fuser._native_put(key, digest, signature, rec, floats)
+        return
+    requires = [int(t.requires_grad) for t in tensors]
+    if got is None:
+        torch.ops.fuser._native_put_train(key, digest, signature, rec, floats, requires, [], "", [])
+        return
+    bw_rec, bw_digest = record.train_record(spec, call, got, outputs, len(tensors))
+    torch.ops.fuser._native_put_train(key, digest, signature, rec, floats, requires, bw_rec, bw_digest,
+                                      record.backward_meta(call, tensors))
+
+
+def python_backward(spec, saved: Sequence, scalars: Sequence[float], meta: Sequence[int], grads: Sequence) -> list:
+    """The gradients of a call the hot path recorded, computed as the autograd Function's backward computes them
+    (for an output-gradient pattern the prepared backward group does not cover)."""
+    from .. import autodiff
+    needs, tensors = record.parse_backward_meta(meta)
+    device = next(g.device for g in grads if g is not None)
+    sig = tuple((dt, len(shape) == 0) for dt, shape in tensors)
+    call = autodiff._Call(spec, tuple(scalars), needs, sig, (), ())
+    return autodiff.input_grads(call, list(saved), [(shape, dt, device) for dt, shape in tensors], list(grads))
 
 
 def clear() -> None:

@@ -11,6 +11,8 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
 #include <dlfcn.h>
@@ -46,6 +48,8 @@ struct Limit {
   double lo, hi;
 };
 
+struct Backward;
+
 // One prepared input signature of one group: what to check, what to allocate, what to launch.
 struct Launch {
   std::vector<int64_t> sig;  // per tensor: dtype, device type, device index, dim, sizes, strides
@@ -65,6 +69,26 @@ struct Launch {
   bool vec_shape = false;
   void* ctx = nullptr;
   std::vector<int64_t> align;  // per pointer (inputs, outputs): bytes the vector path needs, 0: any
+  // training (a call autograd records): which inputs require grad, and the backward
+  std::vector<uint8_t> requires_grad;
+  std::shared_ptr<const Backward> backward;
+};
+
+// The backward of a group call recorded by the hot path: the backward group of the pattern where every
+// differentiable output gets a gradient, run through fuser::fusion_group (this hot path, or Python); any other
+// pattern, or no backward group, through the Python operator fuser::fusion_group_backward_py.
+struct Backward {
+  int64_t key = 0;  // the forward group's, for fusion_group_backward_py
+  std::string digest;
+  std::vector<int64_t> py_meta;  // what fusion_group_backward_py needs to rebuild the call
+  std::vector<uint8_t> saved;  // per tensor input: saved for the backward
+  std::vector<uint8_t> differentiable;  // per output
+  bool has_group = false;
+  int64_t bw_key = 0;
+  std::string bw_digest;
+  std::vector<std::pair<int64_t, int64_t>> inputs;  // per backward input: (0 tensor, 1 float, 2 output grad), index
+  std::vector<int64_t> grad_inputs;  // per backward output: the forward tensor input it is the gradient of
+  std::vector<int64_t> zero_inputs;  // forward tensor inputs whose gradient is zero
 };
 
 constexpr size_t kMaxPerGroup = 64;
@@ -127,22 +151,24 @@ std::vector<at::Tensor> hand_over(at::TensorList inputs, at::ArrayRef<double> sc
   return op.call(inputs, scalars, key, digest, ir, offer);
 }
 
-// Whether the call may take a prepared launch at all: no autograd to record, no forward-mode tangent, no functorch
-// transform, plain dense tensors.
-bool plain_call(at::TensorList inputs) {
-  if (inputs.empty()) return false;
-  if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) return false;
-  const bool grad = c10::GradMode::is_enabled();
+enum Call { kNotPlain, kPlain, kGrad };
+
+// Whether the call may take a prepared launch at all (plain dense tensors, no forward-mode tangent, no functorch
+// transform), and whether autograd must record it (grad mode on and an input requires grad).
+Call classify(at::TensorList inputs) {
+  if (inputs.empty()) return kNotPlain;
+  if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) return kNotPlain;
+  bool requires_grad = false;
   for (const at::Tensor& t : inputs) {
-    if (!t.defined()) return false;
+    if (!t.defined()) return kNotPlain;
     const c10::DispatchKeySet rest = t.key_set() - kIgnored;
-    if (rest != kPlainCpu && rest != kPlainCuda) return false;
+    if (rest != kPlainCpu && rest != kPlainCuda) return kNotPlain;
     if (t.unsafeGetTensorImpl()->autograd_meta() != nullptr) {
-      if (grad && t.requires_grad()) return false;
-      if (t._fw_grad(0).defined()) return false;
+      if (t._fw_grad(0).defined()) return kNotPlain;
+      requires_grad = requires_grad || t.requires_grad();
     }
   }
-  return true;
+  return requires_grad && c10::GradMode::is_enabled() ? kGrad : kPlain;
 }
 
 void launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> scalars,
@@ -188,9 +214,21 @@ void launch_cpu(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sca
                                     scalars.empty() ? &none : scalars.data());
 }
 
+bool grads_match(const Launch& l, at::TensorList inputs) {
+  size_t k = 0;
+  for (const at::Tensor& t : inputs)
+    if (static_cast<uint8_t>(t.requires_grad()) != l.requires_grad[k++]) return false;
+  return true;
+}
+
+std::vector<at::Tensor> record_call(std::shared_ptr<const Launch> found, at::TensorList inputs,
+                                    at::ArrayRef<double> scalars, std::vector<at::Tensor> outs);
+
 std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double> scalars, int64_t key,
                                      c10::string_view digest, c10::string_view ir) {
-  if (!plain_call(inputs)) return hand_over(inputs, scalars, key, digest, ir, false);
+  const Call call = classify(inputs);
+  if (call == kNotPlain) return hand_over(inputs, scalars, key, digest, ir, false);
+  const bool grad = call == kGrad;
   std::shared_ptr<const Launch> found;
   {
     std::shared_lock<std::shared_mutex> lock(table_mutex);
@@ -198,7 +236,8 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
     if (it != table.end() && c10::string_view(it->second.digest) == digest) {
       for (const auto& l : it->second.launches) {
         if (l->n_tensors == static_cast<int64_t>(inputs.size()) &&
-            l->n_scalars == static_cast<int64_t>(scalars.size()) && matches(*l, inputs)) {
+            l->n_scalars == static_cast<int64_t>(scalars.size()) && l->requires_grad.empty() != grad &&
+            matches(*l, inputs) && (!grad || grads_match(*l, inputs))) {
           found = l;
           break;
         }
@@ -225,11 +264,131 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
   const auto options = at::TensorOptions().device(l.device);
   for (const Out& o : l.outs) outs.push_back(at::empty_strided(o.sizes, o.strides, options.dtype(o.dtype)));
   n_hits.fetch_add(1, std::memory_order_relaxed);
-  if (l.numel == 0) return outs;
-  if (l.kind == kCuda)
-    launch_cuda(l, inputs, scalars, outs);
+  if (l.numel != 0) {
+    if (l.kind == kCuda)
+      launch_cuda(l, inputs, scalars, outs);
+    else
+      launch_cpu(l, inputs, scalars, outs);
+  }
+  if (grad) return record_call(std::move(found), inputs, scalars, std::move(outs));
+  return outs;
+}
+
+// ---- autograd
+
+using torch::autograd::variable_list;
+// the autograd graph's node pointer: std::shared_ptr<Node> in older torch, c10::intrusive_ptr<Node> in newer
+using NodePtr = decltype(torch::autograd::Edge().function);
+
+template <class P, class T>
+P make_node() {
+  if constexpr (std::is_same_v<P, std::shared_ptr<torch::autograd::Node>>)
+    return std::shared_ptr<T>(new T(), [](T* p) { deleteNode(p); });  // torch's deleter, found through T's base
   else
-    launch_cpu(l, inputs, scalars, outs);
+    return c10::make_intrusive<T>();
+}
+
+using PyBackward = c10::List<std::optional<at::Tensor>>(int64_t, c10::string_view,
+                                                        const c10::List<std::optional<at::Tensor>>&,
+                                                        at::ArrayRef<double>, at::ArrayRef<int64_t>,
+                                                        const c10::List<std::optional<at::Tensor>>&);
+using GroupOp = std::vector<at::Tensor>(at::TensorList, at::ArrayRef<double>, int64_t, c10::string_view,
+                                        c10::string_view);
+
+struct FusedGroupBackward : public torch::autograd::Node {
+  std::shared_ptr<const Backward> bw;
+  std::vector<torch::autograd::SavedVariable> saved;  // per tensor input (empty where not saved)
+  std::vector<double> scalars;
+  std::vector<int64_t> out_index;  // per input of this node (a differentiable output): the output's index
+  size_t n_outputs = 0;
+  std::vector<std::vector<int64_t>> sizes;  // per tensor input
+  std::vector<at::TensorOptions> options;  // per tensor input
+
+  std::string name() const override { return "FusedGroupBackward"; }
+
+  void release_variables() override {
+    for (auto& s : saved) s.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    const size_t n_t = saved.size();
+    variable_list result(n_t);
+    bool all = true, any = false;
+    for (const auto& g : grads) {
+      all = all && g.defined();
+      any = any || g.defined();
+    }
+    if (!any) return result;
+    std::vector<at::Tensor> unpacked(n_t);
+    for (size_t k = 0; k < n_t; ++k)
+      if (bw->saved[k]) unpacked[k] = saved[k].unpack();
+    if (!all || !bw->has_group) {  // another pattern: Python's backward, which builds its group
+      static auto op = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("fuser::fusion_group_backward_py", "")
+                           .typed<PyBackward>();
+      c10::List<std::optional<at::Tensor>> s, g;
+      for (auto& t : unpacked) s.push_back(t.defined() ? std::optional<at::Tensor>(t) : std::nullopt);
+      std::vector<std::optional<at::Tensor>> full(n_outputs);
+      for (size_t j = 0; j < grads.size(); ++j)
+        if (grads[j].defined()) full[out_index[j]] = grads[j];
+      for (auto& x : full) g.push_back(x);
+      auto out = op.call(bw->key, bw->digest, s, scalars, bw->py_meta, g);
+      for (size_t k = 0; k < n_t && k < out.size(); ++k) {
+        std::optional<at::Tensor> r = out.get(k);
+        if (r.has_value()) result[k] = *r;
+      }
+      return result;
+    }
+    std::vector<at::Tensor> output_grads(n_outputs);
+    for (size_t j = 0; j < grads.size(); ++j) output_grads[out_index[j]] = grads[j];
+    std::vector<at::Tensor> tensors;
+    std::vector<double> floats;
+    for (const auto& [kind, index] : bw->inputs) {
+      if (kind == 0)
+        tensors.push_back(unpacked[index]);
+      else if (kind == 1)
+        floats.push_back(scalars[index]);
+      else
+        tensors.push_back(output_grads[index]);
+    }
+    static auto group = c10::Dispatcher::singleton().findSchemaOrThrow("fuser::fusion_group", "").typed<GroupOp>();
+    std::vector<at::Tensor> outs = group.call(tensors, floats, bw->bw_key, bw->bw_digest, "");
+    TORCH_CHECK(outs.size() == bw->grad_inputs.size(), "fuser: the backward group returned ", outs.size(),
+                " gradients, expected ", bw->grad_inputs.size());
+    for (size_t r = 0; r < outs.size(); ++r) {
+      const int64_t k = bw->grad_inputs[r];
+      at::Tensor g = std::move(outs[r]);
+      if (g.sizes() != c10::IntArrayRef(sizes[k])) g = g.sum_to_size(sizes[k]);
+      if (g.scalar_type() != options[k].dtype().toScalarType()) g = g.to(options[k].dtype().toScalarType());
+      result[k] = std::move(g);
+    }
+    for (int64_t k : bw->zero_inputs) result[k] = at::zeros(sizes[k], options[k]);
+    return result;
+  }
+};
+
+std::vector<at::Tensor> record_call(std::shared_ptr<const Launch> found, at::TensorList inputs,
+                                    at::ArrayRef<double> scalars, std::vector<at::Tensor> outs) {
+  const Backward& bw = *found->backward;
+  NodePtr node_ptr = make_node<NodePtr, FusedGroupBackward>();
+  auto* node = static_cast<FusedGroupBackward*>(node_ptr.get());
+  node->bw = found->backward;
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  node->saved.resize(inputs.size());
+  node->sizes.reserve(inputs.size());
+  node->options.reserve(inputs.size());
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    if (bw.saved[k]) node->saved[k] = torch::autograd::SavedVariable(inputs[k], false);
+    node->sizes.push_back(inputs[k].sizes().vec());
+    node->options.push_back(inputs[k].options());
+  }
+  node->scalars.assign(scalars.begin(), scalars.end());
+  node->n_outputs = outs.size();
+  for (size_t k = 0; k < outs.size(); ++k) {
+    if (!bw.differentiable[k]) continue;
+    node->out_index.push_back(static_cast<int64_t>(k));
+    torch::autograd::create_gradient_edge(outs[k], node_ptr);
+  }
   return outs;
 }
 
@@ -352,8 +511,8 @@ struct Reader {
   }
 };
 
-void put(int64_t key, c10::string_view digest, std::vector<int64_t> sig, std::vector<int64_t> rec,
-         std::vector<double> floats) {
+std::shared_ptr<Launch> parse(const std::vector<int64_t>& sig, const std::vector<int64_t>& rec,
+                              const std::vector<double>& floats) {
   auto l = std::make_shared<Launch>();
   Reader s{sig};
   l->n_tensors = s.next();
@@ -415,6 +574,10 @@ void put(int64_t key, c10::string_view digest, std::vector<int64_t> sig, std::ve
     }
   }
   TORCH_CHECK(r.i == rec.size(), "fuser native record: trailing values");
+  return l;
+}
+
+void insert(int64_t key, c10::string_view digest, std::shared_ptr<Launch> l) {
   std::unique_lock<std::shared_mutex> lock(table_mutex);
   Group& g = table[key];
   if (g.digest != std::string(digest)) {
@@ -423,6 +586,58 @@ void put(int64_t key, c10::string_view digest, std::vector<int64_t> sig, std::ve
   }
   if (g.launches.size() >= kMaxPerGroup) g.launches.clear();  // bounded, as the executor's geometry cache
   g.launches.push_back(std::move(l));
+}
+
+void put(int64_t key, c10::string_view digest, std::vector<int64_t> sig, std::vector<int64_t> rec,
+         std::vector<double> floats) {
+  insert(key, digest, parse(sig, rec, floats));
+}
+
+// A call autograd records: the forward as put's, the inputs' requires_grad, and the backward (bw: saved inputs,
+// differentiable outputs, then whether a backward group is prepared, its inputs and outputs; see record.py).
+void put_train(int64_t key, c10::string_view digest, std::vector<int64_t> sig, std::vector<int64_t> rec,
+               std::vector<double> floats, std::vector<int64_t> grads, std::vector<int64_t> bw_rec,
+               c10::string_view bw_digest, std::vector<int64_t> py_meta) {
+  auto l = parse(sig, rec, floats);
+  TORCH_CHECK(static_cast<int64_t>(grads.size()) == l->n_tensors, "fuser native record: requires_grad");
+  l->requires_grad.assign(grads.begin(), grads.end());
+  if (l->kind == kPython) {  // calls of this signature go to Python
+    insert(key, digest, std::move(l));
+    return;
+  }
+  auto bw = std::make_shared<Backward>();
+  bw->key = key;
+  bw->digest = std::string(digest);
+  bw->py_meta = std::move(py_meta);
+  Reader r{bw_rec};
+  for (int64_t k = 0; k < l->n_tensors; ++k) bw->saved.push_back(static_cast<uint8_t>(r.next() != 0));
+  const int64_t n_out = static_cast<int64_t>(l->outs.size());
+  for (int64_t k = 0; k < n_out; ++k) bw->differentiable.push_back(static_cast<uint8_t>(r.next() != 0));
+  bw->has_group = r.next() != 0;
+  if (bw->has_group) {
+    bw->bw_key = r.next();
+    bw->bw_digest = std::string(bw_digest);
+    const int64_t n_in = r.next();
+    for (int64_t j = 0; j < n_in; ++j) {
+      const int64_t kind = r.next(), index = r.next();
+      const int64_t bound = kind == 0 ? l->n_tensors : kind == 1 ? l->n_scalars : n_out;
+      TORCH_CHECK(0 <= kind && kind <= 2 && 0 <= index && index < bound, "fuser native record: backward input");
+      TORCH_CHECK(kind != 0 || bw->saved[index], "fuser native record: a backward input that is not saved");
+      TORCH_CHECK(kind != 2 || bw->differentiable[index], "fuser native record: a gradient that never arrives");
+      bw->inputs.emplace_back(kind, index);
+    }
+    for (int64_t k : r.take(r.next())) {
+      TORCH_CHECK(0 <= k && k < l->n_tensors, "fuser native record: gradient input");
+      bw->grad_inputs.push_back(k);
+    }
+    for (int64_t k : r.take(r.next())) {
+      TORCH_CHECK(0 <= k && k < l->n_tensors, "fuser native record: zero input");
+      bw->zero_inputs.push_back(k);
+    }
+  }
+  TORCH_CHECK(r.i == bw_rec.size(), "fuser native record: trailing backward values");
+  l->backward = std::move(bw);
+  insert(key, digest, std::move(l));
 }
 
 void clear() {
@@ -441,6 +656,8 @@ std::vector<int64_t> stats() {
 
 TORCH_LIBRARY_FRAGMENT(fuser, m) {
   m.def("_native_put(int key, str digest, int[] sig, int[] rec, float[] floats) -> ()", &put);
+  m.def("_native_put_train(int key, str digest, int[] sig, int[] rec, float[] floats, int[] grads, int[] bw, "
+        "str bw_digest, int[] py_meta) -> ()", &put_train);
   m.def("_native_clear() -> ()", &clear);
   m.def("_native_stats() -> int[]", &stats);
   m.def("_native_scalar_type(ScalarType dtype) -> int",

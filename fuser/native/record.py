@@ -78,3 +78,57 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
             int(bool(geo.vec_shape)), ctx, struct.ptrs.offset, struct.vec.offset, struct.scalars.offset,
             len(backend.vec_align), *backend.vec_align, len(raw), *raw]
     return rec, floats, backend
+
+
+def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Tensor], n_tensors: int) -> tuple:
+    """For a call autograd records (``autodiff.prepare_call``'s ``call``): (backward record, backward group's
+    digest, what ``fusion_group_backward_py`` needs) for ``hotpath.cpp``'s ``put_train``; the backward group is
+    the one of the pattern where every differentiable output gets a gradient."""
+    from .. import autodiff
+    diff = autodiff.differentiable_outputs(call, outputs)
+    rec = [int(s) for s in call.saved] + [int(d) for d in diff]
+    bw = autodiff.backward_for(spec, call.needs, diff, call.sig) if launch is not None else None
+    t_index = autodiff.tensor_index(spec)
+    s_index = {j: k for k, j in enumerate(j for j, is_t in enumerate(spec.input_is_tensor) if not is_t)}
+    inputs = []
+    if bw is not None and bw.spec is not None and not spec.random:
+        for j in bw.fwd_inputs:
+            inputs.append((0, t_index[j]) if spec.input_is_tensor[j] else (1, s_index[j]))
+        inputs += [(2, k) for k, piece in bw.grad_outputs if piece is None]
+    usable = (bw is not None and bw.spec is not None and not spec.random
+              and all(piece is None for _, piece in bw.grad_outputs)
+              and all(call.saved[i] for kind, i in inputs if kind == 0) and all(diff[i] for kind, i in inputs if kind == 2))
+    if not usable:
+        rec.append(0)
+        digest = ""
+    else:
+        rec += [1, bw.spec.key, len(inputs), *[x for pair in inputs for x in pair],
+                len(bw.grad_inputs), *[t_index[j] for j in bw.grad_inputs],
+                len(bw.zero_inputs), *[t_index[j] for j in bw.zero_inputs]]
+        digest = bw.spec.digest
+    return rec, digest
+
+
+def backward_meta(call, tensors: Sequence[torch.Tensor]) -> list[int]:
+    """What ``fusion_group_backward_py`` rebuilds a call from: per group input whether it needs a gradient, then
+    per tensor input its dtype, dim and sizes."""
+    meta = [len(call.needs), *[int(n) for n in call.needs], len(tensors)]
+    for t in tensors:
+        meta += [scalar_type(t.dtype), t.dim(), *t.shape]
+    return meta
+
+
+def parse_backward_meta(meta: Sequence[int]) -> tuple[tuple, list]:
+    """(needs, per tensor input (dtype, shape)) from :func:`backward_meta`'s list."""
+    dtypes = {code: dt for dt, code in _codes.items()}
+    n = meta[0]
+    needs = tuple(bool(x) for x in meta[1:1 + n])
+    i = 1 + n
+    count = meta[i]
+    i += 1
+    tensors = []
+    for _ in range(count):
+        code, dim = meta[i], meta[i + 1]
+        tensors.append((dtypes[code], torch.Size(meta[i + 2:i + 2 + dim])))
+        i += 2 + dim
+    return needs, tensors
