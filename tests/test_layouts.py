@@ -284,6 +284,23 @@ def test_emulated_channels_last_takes_the_vector_path(emulated):
     _assert_like_eager(out, _reference(AFFINE_RELU, args))
 
 
+def test_emulated_mixed_dtypes_move_16_bytes_per_access(emulated):
+    """A float16 tensor plus a float32 row bias giving float32: 8 elements per thread, so the float16 input
+    moves one 16-byte vector and the float32 bias and output two each; a float32 pointer needs 16-byte alignment
+    only (fz_vec's), not 32, so a bias starting 16 bytes into its storage keeps the vector path."""
+    em, _ = emulated
+    x = _t((67, 96), torch.float16)
+    bias = _t((96 + 4,))[4:]  # 16 bytes past a 512-byte aligned start
+    assert bias.data_ptr() % 32 == 16
+    graph = torch.parse_ir(GELU_ROW)
+    kernel = emulate.kernel_for(graph, [x, bias], emulator=em)
+    assert kernel.vec == 8
+    assert "fz_vec<fz_half, 8>" in kernel.source and "fz_vec<float, 8>" in kernel.source
+    out = emulate.run_graph(graph, [x, bias], emulator=em)
+    assert kernel.backend.last_vec
+    _assert_like_eager(out, _reference(GELU_ROW, [x, bias]))
+
+
 # --------------------------------------------------------------------------------------------------------
 # the TorchScript door
 
