@@ -270,10 +270,12 @@ class Geometry:
     def __init__(self, p: Plan, kernel: compiler.CompiledKernel):
         self.kernel, self.shape, self.numel = kernel, p.shape, p.numel
         self.sizes, self.strides = p.sizes, p.strides
-        # the vector path reads whole vectors inside one row: rows must hold whole vectors and start aligned
+        # the vector path reads whole vectors inside one row: rows must hold whole vectors, and the row-contiguous
+        # inputs' rows start aligned (a repeated input, a column, is read once per vector wherever it starts)
         vec = kernel.vec
-        self.vec_shape = vec > 1 and (not p.strides or (
-            p.sizes[-1] % vec == 0 and all(x % vec == 0 for st in p.strides for x in st[:-1])))
+        vector_read = [d.layout == ROWS for d in p.arg_spec.inputs if d.layout in STRIDED_LAYOUTS]
+        self.vec_shape = vec > 1 and (not p.strides or (p.sizes[-1] % vec == 0 and all(
+            x % vec == 0 for st, rows in zip(p.strides, vector_read) if rows for x in st[:-1])))
         self.device = p.tensors[0].device
         self.requires_grad = any(t.requires_grad for t in p.tensors)
         self.out_dtypes = kernel.out_dtypes

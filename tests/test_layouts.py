@@ -284,6 +284,17 @@ def test_emulated_channels_last_takes_the_vector_path(emulated):
     _assert_like_eager(out, _reference(AFFINE_RELU, args))
 
 
+def test_emulated_outer_product_broadcast_takes_the_vector_path(emulated):
+    """A column vector (read once per vector) and a row vector (16-byte loads) beside a full tensor."""
+    em, _ = emulated
+    x = _t((67, 96))
+    for args in ([x, _t((67, 1)), _t((96,))], [_t((67, 1)), _t((1, 96)), _t((96,))]):
+        kernel = emulate.kernel_for(torch.parse_ir(AFFINE_RELU), args, emulator=em)
+        out = emulate.run_graph(torch.parse_ir(AFFINE_RELU), args, emulator=em)
+        assert kernel.vec > 1 and kernel.backend.last_vec
+        _assert_like_eager(out, _reference(AFFINE_RELU, args))
+
+
 def test_emulated_mixed_dtypes_move_16_bytes_per_access(emulated):
     """A float16 tensor plus a float32 row bias giving float32: 8 elements per thread, so the float16 input
     moves one 16-byte vector and the float32 bias and output two each; a float32 pointer needs 16-byte alignment
@@ -357,6 +368,8 @@ TILED_CASES = {
     "3d_outer": (lambda dt: [_t((20, 5, 36), dt), _permuted((20, 5, 36), [2, 1, 0], dt), _t(())], 0),
     # a step slice of a transposed tensor: its smallest stride is 2
     "stepped_transpose": (lambda dt: [_t((33, 50), dt), _t((100, 33), dt)[::2].t(), _t((1, 50), dt)], 0),
+    # a column vector (read once per element where it is) beside the tiles
+    "2d_with_column": (lambda dt: [_t((45, 70), dt), _t((70, 45), dt).t(), _t((45, 1), dt)], 0),
     # a dim below TILE_MIN: the plain strided loop
     "narrow_inner": (lambda dt: [_t((200, 7), dt), _t((7, 200), dt).t(), _t((7,), dt)], -1),
 }
