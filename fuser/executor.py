@@ -292,8 +292,8 @@ class Geometry:
         self.concat = p.concat
         # the CUDA tiled path: its second map dim (the innermost is the first), or -1; and its tile count
         self.tile_dim = tile_dim(p, kernel)
-        self.n_tiles = 0 if self.tile_dim < 0 else (
-            p.numel // (p.sizes[-1] * p.sizes[self.tile_dim]) * -(-p.sizes[-1] // TILE) * -(-p.sizes[self.tile_dim] // TILE))
+        sa, sb = p.sizes[-1], p.sizes[self.tile_dim]
+        self.n_tiles = 0 if self.tile_dim < 0 else p.numel // (sa * sb) * -(-sa // TILE) * -(-sb // TILE)
         self.cpu_args = None
         self.grid_vec = self.grid_scalar = None  # CUDA launch grids, filled by the launcher on first use
         if self.device.type == "cpu":
