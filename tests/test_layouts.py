@@ -400,3 +400,37 @@ def test_emulated_tiled_path(tiled_inputs, name, dtype, index32):
     assert executor.Geometry(p, kernel).tile_dim == TILED_CASES[name][1]
     assert "__shared__" in kernel.source and "__syncthreads();" in kernel.source
     _assert_like_eager(emulate.run_graph(graph, args, index32, emulator=em), _reference(ADD_SIGMOID, args))
+
+
+# --------------------------------------------------------------------------------------------------------
+# on a GPU: the same cases through the executor's CUDA kernels (run by scripts/gpu_check.sh's test run)
+
+def _on_cuda(a):
+    """``a`` on the GPU with the very same sizes and strides (a view of a copy of the memory it spans)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    span = 1 + sum((s - 1) * st for s, st in zip(a.shape, a.stride())) if a.numel() else 0
+    return a.as_strided((span,), (1,)).cuda().as_strided(a.shape, a.stride())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GROUP_CASES))
+def test_gpu_outputs_have_eagers_strides_and_values(name):
+    text, make, fused = GROUP_CASES[name]
+    args = [_on_cuda(a) for a in make()]
+    spec = STORE.get(STORE.register(lower(torch.parse_ir(text))))
+    out = executor.run(spec, args)
+    if not fused:
+        assert out is None
+        return
+    _assert_like_eager(out, _reference(text, args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,dtype", [(n, dt) for n in TILED_CASES for dt in (torch.float32, torch.float16)])
+def test_gpu_tiled_path(name, dtype):
+    args = [_on_cuda(a) for a in TILED_CASES[name][0](dtype)]
+    spec = STORE.get(STORE.register(lower(torch.parse_ir(ADD_SIGMOID))))
+    p = executor.plan(spec, args)
+    assert executor.Geometry(p, executor.kernel_for(spec, p)).tile_dim == TILED_CASES[name][1]
+    _assert_like_eager(executor.run(spec, args), _reference(ADD_SIGMOID, args))
