@@ -17,8 +17,9 @@ Eager's rule is TensorIterator's (aten/src/ATen/TensorIterator.cpp), applied op 
 
 Ops that allocate otherwise have their own rule: ``empty_like`` semantics (rand_like, casts, hardtanh, which
 allocates with empty_like and writes into it: the input's strides when it is non-overlapping and dense, else
-dense strides in its stride order), contiguous (``pow.Scalar``), and cat's (channels_last when every piece's
-strides suggest it, else contiguous).
+dense strides in its stride order), type_as (its input itself when the dtypes agree, else empty_like's;
+the dtypes of computed values come from the group run on meta tensors, only when they decide), contiguous
+(``pow.Scalar``), and cat's (channels_last when every piece's strides suggest it, else contiguous).
 """
 from __future__ import annotations
 
