@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from . import compiler, rng, settings
+from . import codegen, compiler, layout, rng, settings
 from .cuda import templates as cuda_t
 from .descs import DENSE, DTYPES, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, ArgSpec, TensorDesc
 from .kernel_cache import KernelSpec
@@ -40,6 +40,9 @@ class Plan:
     strides: list  # per strided input, then per strided kernel output, its strides over ``sizes``
     # per graph output: None, or for a cat's result (its shape, the cat dim, pieces, piece size along it)
     concat: Optional[list] = None
+    # per graph output, the sizes and strides eager gives it (a cat's result: the whole result's)
+    out_sizes: Optional[list] = None
+    out_strides: Optional[list] = None
 
 
 def _compress(shape: Sequence[int], tensors: Sequence[torch.Tensor]) -> tuple[list, list]:
@@ -47,19 +50,26 @@ def _compress(shape: Sequence[int], tensors: Sequence[torch.Tensor]) -> tuple[li
 
     Size-1 dims go; adjacent dims merge when every tensor (and so the contiguous output) walks them as one.
     """
-    ndim = len(shape)
-    per = []
-    for t in tensors:
-        off = ndim - t.dim()
-        st = [0] * ndim
-        for d, (s, x) in enumerate(zip(t.shape, t.stride())):
-            if s != 1:
-                st[off + d] = x
-        per.append(st)
-    dims = [d for d in range(ndim) if shape[d] != 1]
+    return _merge(shape, [_full_strides(t, len(shape)) for t in tensors])
+
+
+def _full_strides(t: torch.Tensor, ndim: int) -> list:
+    """``t``'s strides over the ``ndim`` dims of the broadcast shape (0 where it is broadcast or a size-1 dim)."""
+    off = ndim - t.dim()
+    st = [0] * ndim
+    for d, (s, x) in enumerate(zip(t.shape, t.stride())):
+        if s != 1:
+            st[off + d] = x
+    return st
+
+
+def _merge(shape: Sequence[int], per: Sequence[list]) -> tuple[list, list]:
+    """:func:`_compress` from each operand's strides over every dim of ``shape`` (in the map's order)."""
     sizes: list[int] = []
-    strides: list[list[int]] = [[] for _ in tensors]
-    for d in dims:
+    strides: list[list[int]] = [[] for _ in per]
+    for d in range(len(shape)):
+        if shape[d] == 1:
+            continue
         if sizes and all(st[-1] == p[d] * shape[d] for st, p in zip(strides, per)):
             sizes[-1] *= shape[d]
             for st, p in zip(strides, per):
@@ -148,15 +158,25 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
             if torch.broadcast_shapes(*(shapes[k] for k in deps)) != shape:
                 return "rand_like of a value smaller than the group's broadcast shape"
     numel = math.prod(shape)
-    concat, views = _concat_views(spec, shapes, shape) if spec.has_concat else (None, [])
+    concat = _concat_info(spec, shapes, shape) if spec.has_concat else None
     if isinstance(concat, str):
         return concat
+    out_sizes, out_strides = _output_layouts(spec, args, tensors, shape, concat)
+    if isinstance(out_sizes, str):
+        return out_sizes
 
     out_layouts = []
-    if not views and all(t.is_contiguous() and t.shape == shape for t in tensors):
+    if not concat and all(t.is_contiguous() and t.shape == shape for t in tensors) and all(
+            st == layout.contiguous_strides(sz) for sz, st in zip(out_sizes, out_strides)):
         sizes, layouts, strided = [numel], [DENSE] * len(tensors), []
     else:
-        sizes, per = _compress(shape, [*tensors, *(v for v in views if v is not None)])
+        # per kernel output (a cat's result: one slice per piece), its strides over the map's dims
+        kernel_out = [st for st, info in zip(out_strides, concat or [None] * len(out_strides))
+                      for _ in range(1 if info is None else info[2])]
+        order = map_order(spec, shape, out_strides)
+        per = [_full_strides(t, len(shape)) for t in tensors]
+        per += [[0 if shape[d] == 1 else st[d] for d in range(len(shape))] for st in kernel_out]
+        sizes, per = _merge([shape[d] for d in order], [[p[d] for d in order] for p in per])
         dense = _contiguous_strides(sizes)
         layouts, strided, out_strided = [], [], []
         for st in per[:len(tensors)]:
@@ -167,9 +187,7 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
             else:
                 layouts.append(ROWS if st[-1] == 1 else REPEAT if st[-1] == 0 else STRIDED)
                 strided.append(st)
-        out_st = iter(per[len(tensors):])
-        for v in views:  # the slices of a cat's result: never broadcast, so dense, rows or strided
-            st = dense if v is None else next(out_st)
+        for st in per[len(tensors):]:  # outputs are never broadcast: dense, rows or strided
             out_layouts.append(DENSE if st == dense else ROWS if st[-1] == 1 else STRIDED)
             if out_layouts[-1] != DENSE:
                 out_strided.append(st)
@@ -177,40 +195,60 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
         if strided and target == "cuda" and len(sizes) > cuda_t.MAX_DIMS:
             return f"{len(sizes)} dims after compression (the CUDA kernels take {cuda_t.MAX_DIMS})"
     extent = max([numel] + [math.prod(c[0]) for c in concat or () if c is not None])
-    for t, layout in zip(tensors, layouts):
-        if layout in STRIDED_LAYOUTS:
+    for t, lay in zip(tensors, layouts):
+        if lay in STRIDED_LAYOUTS:
             extent = max(extent, 1 + sum((s - 1) * x for s, x in zip(t.shape, t.stride())))
     descs = tuple(TensorDesc(t.dtype, lay, t.dim() == 0) for t, lay in zip(tensors, layouts))
     arg_spec = ArgSpec(target, device.index, descs, extent < INDEX32_LIMIT,
-                       tuple(out_layouts) if concat else ())
+                       tuple(out_layouts) if any(lay != DENSE for lay in out_layouts) else ())
     return Plan(arg_spec, tensors, scalars, shape, numel, sizes or [1],
-                [st or [0] for st in strided], concat)
+                [st or [0] for st in strided], concat, out_sizes, out_strides)
 
 
-def _concat_views(spec: KernelSpec, shapes: list, shape) -> tuple:
-    """For a group with cats: (per graph output None or (cat shape, dim, pieces, piece size), per kernel
-    output None (dense, of the map's shape) or a meta view of its slice of the cat's result), or the reason
-    to fall back. Every piece must have the map's shape: cat never broadcasts its inputs."""
-    concat, views = [], []
+def _concat_info(spec: KernelSpec, shapes: list, shape) -> Union[list, str]:
+    """For a group with cats: per graph output None or (cat shape, dim, pieces, piece size), or the reason to
+    fall back. Every piece must have the map's shape: cat never broadcasts its inputs."""
+    concat = []
     nd = len(shape)
     for c in spec.concats:
         if c is None:
             concat.append(None)
-            views.append(None)
             continue
         dim, piece_deps = c
         if nd == 0 or not -nd <= dim < nd:
-            return "a cat of 0-dim pieces or on a dim out of range (eager raises)", []
+            return "a cat of 0-dim pieces or on a dim out of range (eager raises)"
         for deps in piece_deps:
             if torch.broadcast_shapes(*(shapes[k] for k in deps)) != shape:
-                return "cat pieces of different shapes", []
+                return "cat pieces of different shapes"
         d, m = dim % nd, len(piece_deps)
         full = list(shape)
         full[d] *= m
-        whole = torch.empty(full, device="meta")
-        views += [whole.narrow(d, j * shape[d], shape[d]) for j in range(m)]
         concat.append((tuple(full), d, m, shape[d]))
-    return concat, views
+    return concat
+
+
+def _output_layouts(spec: KernelSpec, args: Sequence, tensors: Sequence[torch.Tensor], shape,
+                    concat: Optional[list]) -> tuple:
+    """Per graph output, the sizes and the strides eager gives it (``fuser.layout``), or (the reason it is
+    not known, None). Contiguous inputs give contiguous outputs without asking."""
+    if all(t.stride() == layout.contiguous_strides(t.shape) for t in tensors):
+        sizes = [tuple(shape) if info is None else info[0] for info in concat or [None] * len(spec.output_deps)]
+        return sizes, [layout.contiguous_strides(sz) for sz in sizes]
+    got = layout.group_layouts(spec.group, args)
+    if isinstance(got, str):
+        return got, None
+    return [sz for sz, _ in got], [st for _, st in got]
+
+
+def map_order(spec: KernelSpec, shape, out_strides: Sequence[tuple]) -> list:
+    """The map's dims, outermost first: the first output's memory order, so that outputs (and inputs of the
+    same layout) are dense runs of the map (a channels_last group is one). A group that draws random numbers
+    keeps the logical order: the numbers go by map element, and its backward must draw the same ones."""
+    nd = len(shape)
+    if spec.random or not out_strides or len(out_strides[0]) != nd:
+        return list(range(nd))
+    first = out_strides[0]
+    return sorted(range(nd), key=lambda d: -first[d])
 
 
 def kernel_for(spec: KernelSpec, p: Plan) -> Optional[compiler.CompiledKernel]:
@@ -226,25 +264,36 @@ class Geometry:
     such signature and reused by every later call with the same signature."""
 
     __slots__ = ("kernel", "shape", "numel", "sizes", "strides", "device", "out_dtypes", "cpu_args", "vec_shape",
-                 "requires_grad", "out_like", "grid_vec", "grid_scalar", "concat")
+                 "requires_grad", "out_like", "grid_vec", "grid_scalar", "concat", "out_sizes", "out_strides",
+                 "tile_dim", "n_tiles")
 
     def __init__(self, p: Plan, kernel: compiler.CompiledKernel):
         self.kernel, self.shape, self.numel = kernel, p.shape, p.numel
         self.sizes, self.strides = p.sizes, p.strides
-        # the vector path reads whole vectors inside one row: rows must hold whole vectors and start aligned
+        # the vector path reads whole vectors inside one row: rows must hold whole vectors, and the row-contiguous
+        # inputs' rows start aligned (a repeated input, a column, is read once per vector wherever it starts)
         vec = kernel.vec
-        self.vec_shape = vec > 1 and (not p.strides or (
-            p.sizes[-1] % vec == 0 and all(x % vec == 0 for st in p.strides for x in st[:-1])))
+        vector_read = [d.layout == ROWS for d in p.arg_spec.inputs if d.layout in STRIDED_LAYOUTS]
+        self.vec_shape = vec > 1 and (not p.strides or (p.sizes[-1] % vec == 0 and all(
+            x % vec == 0 for st, rows in zip(p.strides, vector_read) if rows for x in st[:-1])))
         self.device = p.tensors[0].device
         self.requires_grad = any(t.requires_grad for t in p.tensors)
         self.out_dtypes = kernel.out_dtypes
-        # outputs are allocated like a contiguous input of the map's shape when there is one: empty_like
-        # costs less than half of empty(shape, dtype=, device=) per call
-        like = next((k for k, t in enumerate(p.tensors)
-                     if t.shape == p.shape and t.is_contiguous() and t.dim() > 0), None)
-        self.out_like = None if like is None or p.concat else [
-            (like, None if dt == p.tensors[like].dtype else dt) for dt in kernel.out_dtypes]
+        # per graph output, eager's sizes and strides (a cat's result: the whole result's): what the
+        # outputs are allocated with (torch.empty_strided)
+        self.out_sizes, self.out_strides = p.out_sizes, p.out_strides
+        # or allocated like an input with those very strides when there is one (empty_like keeps the strides of
+        # a non-overlapping and dense tensor): empty_like costs less than half of empty(shape, dtype=, device=)
+        like = [next((k for k, t in enumerate(p.tensors) if t.shape == sz and t.dim() > 0 and t.stride() == st
+                      and layout.non_overlapping_and_dense(t.shape, st)), None)
+                for sz, st in zip(p.out_sizes, p.out_strides)]
+        self.out_like = None if None in like or p.concat else [
+            (k, None if dt == p.tensors[k].dtype else dt) for k, dt in zip(like, kernel.out_dtypes)]
         self.concat = p.concat
+        # the CUDA tiled path: its second map dim (the innermost is the first), or -1; and its tile count
+        self.tile_dim = tile_dim(p, kernel)
+        sa, sb = p.sizes[-1], p.sizes[self.tile_dim]
+        self.n_tiles = 0 if self.tile_dim < 0 else p.numel // (sa * sb) * -(-sa // TILE) * -(-sb // TILE)
         self.cpu_args = None
         self.grid_vec = self.grid_scalar = None  # CUDA launch grids, filled by the launcher on first use
         if self.device.type == "cpu":
@@ -255,6 +304,30 @@ class Geometry:
             self.cpu_args = (sizes, strides, ctypes.addressof(sizes), ctypes.addressof(strides), len(p.sizes),
                              ctypes.c_void_p * (len(p.tensors) + n_out), ctypes.c_double * max(1, len(p.scalars) + (
                                  rng.N_STATE if kernel.random else 0)))
+
+
+TILE = 32  # the CUDA tiled path's tiles are TILE x TILE elements (cuda/templates.py's TILED_LOOP)
+TILE_MIN = 16  # both tiled dims span at least this much: smaller ones would leave most of a tile's threads idle
+
+
+def tile_dim(p: Plan, kernel) -> int:
+    """The CUDA tiled path's second dim for plan ``p``, or -1 (no tiles): where a generically strided input is
+    fastest (its smallest nonzero stride) when that is not the map's innermost dim, so that reading it along
+    the innermost would scatter; chosen from the first such input."""
+    spec = p.arg_spec
+    if spec.device_type != "cuda" or kernel.vec > 1 or len(p.sizes) < 2 or not codegen.has_tiled_path(
+            spec.inputs, "cuda", spec.outputs) or p.sizes[-1] < TILE_MIN:
+        return -1
+    rows = iter(p.strides)
+    for d in spec.inputs:
+        if d.layout not in STRIDED_LAYOUTS:
+            continue
+        st = next(rows)
+        if d.layout == STRIDED:
+            fastest = min((abs(x), k) for k, x in enumerate(st) if x)[1] if any(st) else len(st) - 1
+            if fastest != len(st) - 1 and p.sizes[fastest] >= TILE_MIN:
+                return fastest
+    return -1
 
 
 _NOT_FUSABLE = object()
@@ -332,7 +405,9 @@ def run(spec: KernelSpec, args: Sequence, rng_state: Optional[list] = None) -> O
         outputs = kernel_outputs = [empty_like(tensors[k]) if dt is None else empty_like(tensors[k], dtype=dt)
                                     for k, dt in geo.out_like]
     elif geo.concat is None:
-        outputs = kernel_outputs = [torch.empty(geo.shape, dtype=dt, device=device) for dt in geo.out_dtypes]
+        empty_strided = torch.empty_strided
+        outputs = kernel_outputs = [empty_strided(sz, st, dtype=dt, device=device)
+                                    for sz, st, dt in zip(geo.out_sizes, geo.out_strides, geo.out_dtypes)]
     else:
         outputs, kernel_outputs = concat_outputs(geo, device)
     if geo.numel == 0:
@@ -347,15 +422,16 @@ def run(spec: KernelSpec, args: Sequence, rng_state: Optional[list] = None) -> O
 
 
 def concat_outputs(geo: Geometry, device) -> tuple[list, list]:
-    """The group's outputs, and the tensors the kernel writes: a cat's result as one slice per piece."""
+    """The group's outputs, with eager's strides, and the tensors the kernel writes: a cat's result as one
+    slice per piece."""
     outputs, kernel_outputs = [], []
-    for info, dt in zip(geo.concat, geo.out_dtypes):
+    for info, sz, st, dt in zip(geo.concat or [None] * len(geo.out_dtypes), geo.out_sizes, geo.out_strides,
+                                geo.out_dtypes):
+        t = torch.empty_strided(sz, st, dtype=dt, device=device)
         if info is None:
-            t = torch.empty(geo.shape, dtype=dt, device=device)
             kernel_outputs.append(t)
         else:
-            full, d, m, size = info
-            t = torch.empty(full, dtype=dt, device=device)
+            _, d, m, size = info
             kernel_outputs += [t.narrow(d, j * size, size) for j in range(m)]
         outputs.append(t)
     return outputs, kernel_outputs

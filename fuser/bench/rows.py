@@ -64,7 +64,9 @@ def _structure_error(out, ref) -> float:
 
 
 def _nbytes(values) -> int:
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+    """Bytes the tensors hold: an expanded (stride-0) dim counts once, as a broadcast operand is read once."""
+    return sum(math.prod(s for s, st in zip(v.shape, v.stride()) if st != 0) * v.element_size() * (v.numel() > 0)
+               for v in values if isinstance(v, torch.Tensor))
 
 
 def run_cell(wl: Workload, system: str, size: str, sets: list, ref, device: torch.device,

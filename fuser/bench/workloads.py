@@ -115,3 +115,49 @@ def _script_function(wl: Workload) -> torch.jit.ScriptFunction:
     """A fresh ScriptFunction: a new CompilationUnit each time, so no executor state (profiled shapes,
     legacy ArgumentSpecs, torch.jit.script's per-function cache) carries over between cells."""
     return getattr(torch.jit.CompilationUnit(wl.source), wl.name)
+
+
+# issue 10 (layouts): a transposed view, the same beside a contiguous residual (the tensors disagree on their fastest
+# dim), a column and a row vector broadcast together, a float16/bfloat16 tensor plus a float32 bias, and a
+# channels_last conv activation. Broadcast operands are passed small (the copy floor counts their bytes once).
+def _transposed(shape, dtype, device):
+    return _randn(shape[::-1], dtype, device).t()
+
+
+WORKLOADS += (
+    Workload(
+        "gelu_bias_transposed",
+        WORKLOADS[1].source.replace("def gelu_bias(", "def gelu_bias_transposed("),
+        {"large": (16384, 4096), "small": (8, 128), "quick": (256, 256)},
+        lambda s, dt, dev: [_transposed(s, dt, dev), _randn(s[1:], dt, dev)],
+    ),
+    Workload(
+        "gelu_transposed_residual",  # b: a full-size residual here
+        WORKLOADS[1].source.replace("def gelu_bias(", "def gelu_transposed_residual("),
+        {"large": (16384, 4096), "small": (8, 128), "quick": (256, 256)},
+        lambda s, dt, dev: [_transposed(s, dt, dev), _randn(s, dt, dev)],
+    ),
+    Workload(
+        "outer_affine",
+        "def outer_affine(x: Tensor, col: Tensor, row: Tensor) -> Tensor:\n"
+        "    return x * col + row\n",
+        {"large": (16384, 4096), "small": (8, 128), "quick": (256, 256)},
+        lambda s, dt, dev: [_randn(s, dt, dev), _randn((s[0], 1), dt, dev), _randn(s[1:], dt, dev)],
+    ),
+    Workload(
+        "reduced_plus_float_bias",
+        "def reduced_plus_float_bias(x: Tensor, b: Tensor) -> Tensor:\n"
+        "    return torch.relu(x + b)\n",
+        {"large": (16384, 4096), "small": (8, 128), "quick": (256, 256)},
+        lambda s, dt, dev: [_randn(s, dt, dev), _randn(s[1:], torch.float32, dev)],
+        dtypes=(torch.float16, torch.bfloat16),
+    ),
+    Workload(
+        "channels_last_affine_relu",
+        "def channels_last_affine_relu(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:\n"
+        "    return torch.relu(x * scale + shift)\n",
+        {"large": (32, 256, 56, 56), "small": (2, 8, 7, 7), "quick": (4, 32, 14, 14)},
+        lambda s, dt, dev: [_randn(s, dt, dev).contiguous(memory_format=torch.channels_last),
+                            _randn((s[1], 1, 1), dt, dev), _randn((s[1], 1, 1), dt, dev)],
+    ),
+)

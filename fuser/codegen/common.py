@@ -95,6 +95,13 @@ def has_vector_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Sequ
             and all(lay == DENSE for lay in out_layouts))
 
 
+def has_tiled_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Sequence[str] = ()) -> bool:
+    """Whether a kernel gets the CUDA tiled loop (``cuda.templates.TILED_LOOP``): some input generically strided
+    (a transposed one reads along another dim than the map's innermost), every output dense."""
+    return (target == "cuda" and any(d.layout == STRIDED for d in inputs)
+            and all(lay == DENSE for lay in out_layouts))
+
+
 def strided_operands(inputs: Sequence[TensorDesc], out_layouts: Sequence[str] = ()) -> int:
     """Operands whose strides are kernel arguments: the strided inputs, then the strided outputs (a cat's
     slices), in that order. Rows of the CUDA kernels' ``FzArgs.strides`` (and its ctypes mirror in

@@ -9,8 +9,8 @@ from .. import rng
 from ..cpu import templates as cpu_t
 from ..cuda import templates as cuda_t
 from ..descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, storage_type
-from .common import (CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_VECTORS_PER_TRIP, has_vector_path,
-                     value_type, vector_width)
+from .common import (CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_VECTORS_PER_TRIP, has_tiled_path,
+                     has_vector_path, value_type, vector_width)
 
 
 class _Gen:
@@ -173,9 +173,32 @@ class CudaGen(_Gen):
             n_ptrs=len(self.inputs) + len(self.outputs), n_scalar_slots=max(1, self.n_scalar_slots),
             block_size=self.options.block_size,
             params=self.block(params, "  "), hoisted=self.block(self.hoisted(), "  "),
-            vector_loop=self.vector_loop(),
+            tiled_loop=self.tiled_loop(), vector_loop=self.vector_loop(),
             offsets=self.offsets(cuda_t.OFFSETS, lambda j, name: f"args.strides[{j}][d]"),
             body=self.block(body, "    "))
+
+    def tiled_loop(self) -> str:
+        """The transposing path (``cuda_t.TILED_LOOP``): every generically strided input staged through a
+        shared-memory tile; the other operands read where they are."""
+        if not has_tiled_path(self.inputs, "cuda", self.out_layouts):
+            return ""
+        row = {name: j for j, name in enumerate(self.offset_names)}  # strides row of each offset
+        staged = [k for k, d in enumerate(self.inputs) if d.layout == STRIDED]
+        tiles = [f"__shared__ {value_type(self.inputs[k].dtype, self.target)} fz_tile{k}[32][33];" for k in staged]
+        stage = [cuda_t.TILE_STAGE.substitute(tile=f"fz_tile{k}", k=k, base=f"base{row[f'off{k}']}", j=row[f"off{k}"])
+                 for k in staged] + ["__syncthreads();"]
+        offsets = [f"const fz_index {name} = base{j} + e * args.strides[{j}][bd] + lane * args.strides[{j}][ad];"
+                   for name, j in row.items() if name not in {f"off{k}" for k in staged}]
+        body = self.element_body(lambda k, d: f"fz_tile{k}[lane][e]" if d.layout == STRIDED else self.scalar_load(k, d),
+                                 self.scalar_store)
+        return cuda_t.TILED_LOOP.substitute(
+            tiles=self.block(tiles, "    "), bases=", ".join(f"base{j} = 0" for j in row.values()),
+            accumulate="\n".join(f"            base{j} += m * args.strides[{j}][d];" for j in row.values()),
+            corner="\n".join(f"        base{j} += b0 * args.strides[{j}][bd] + a0 * args.strides[{j}][ad];"
+                             for j in row.values()),
+            stage="\n".join(ln if ln.startswith("      for") or ln.startswith(" ") else "      " + ln
+                            for ln in stage),
+            offsets=self.block(offsets, "          "), body=self.block(body, "          "))
 
     def vector_loop(self) -> str:
         if not self.options.vectorize or not has_vector_path(self.inputs, "cuda", self.out_layouts):

@@ -394,10 +394,7 @@ def run_graph(graph: torch.Graph, inputs: Sequence, index32: Optional[bool] = No
     if kernel is None:
         return None
     geo = executor.Geometry(p, kernel)
-    if geo.concat is None:
-        outputs = kernel_outputs = [torch.empty(geo.shape, dtype=dt) for dt in geo.out_dtypes]
-    else:
-        outputs, kernel_outputs = executor.concat_outputs(geo, torch.device("cpu"))
+    outputs, kernel_outputs = executor.concat_outputs(geo, torch.device("cpu"))
     if geo.numel == 0:
         return outputs
     scalars = list(p.scalars)

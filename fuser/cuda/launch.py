@@ -59,6 +59,7 @@ def args_struct(index32: bool, n_strided: int, n_ptrs: int, n_scalars: int):
             ("strides", (idx * d) * max(1, n_strided)),
             ("rank", ctypes.c_int32),
             ("vec", ctypes.c_int32),
+            ("tile_dim", ctypes.c_int32),
             ("ptrs", ctypes.c_void_p * n_ptrs),
             ("scalars", ctypes.c_double * max(1, n_scalars)),
         ]
@@ -90,6 +91,7 @@ class LaunchArgs:
         if self.geometry is not geo:  # sizes and strides change only with the input signature
             args.numel = geo.numel
             args.rank = len(geo.sizes)
+            args.tile_dim = geo.tile_dim
             for d, s in enumerate(geo.sizes):
                 args.sizes[d] = s
                 args.magic[d], args.shift[d] = divider(s)
@@ -168,7 +170,7 @@ class CudaKernel:
         vec_ok = loc.fill(geo, tensors, scalars, outputs)
         grid = geo.grid_vec if vec_ok else geo.grid_scalar
         if grid is None:
-            grid = self.grid(geo.numel, vec_ok)
+            grid = self.grid(geo, vec_ok)
             if vec_ok:
                 geo.grid_vec = grid
             else:
@@ -181,9 +183,11 @@ class CudaKernel:
         else:
             self._do_launch(loc, grid, stream)
 
-    def grid(self, numel: int, vec_ok: bool) -> int:
-        """Blocks to launch for ``numel`` elements, on the vector path or not."""
-        work = numel // self.vec if vec_ok else numel
+    def grid(self, geo, vec_ok: bool) -> int:
+        """Blocks to launch for geometry ``geo`` (fuser.executor), on the vector path or not."""
+        work = geo.numel // self.vec if vec_ok else geo.numel
+        if geo.tile_dim >= 0:  # the tiled path: a block per 32 x 32 tile
+            work = geo.n_tiles * BLOCK_SIZE
         return min(self.max_blocks, max(1, (work + BLOCK_SIZE - 1) // BLOCK_SIZE))
 
     def _do_launch(self, loc, grid: int, stream: int) -> None:
@@ -247,10 +251,12 @@ def load_kernel(source: str, name: str, arg_spec, n_strided: int, out_dtypes, n_
 
 def vector_alignment(arg_spec, out_dtypes, vec: int) -> tuple:
     """Per pointer (inputs, then outputs): the bytes it must be aligned to for the vector path, 0 where it
-    is not read in vectors."""
-    size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
-    align = tuple(size(d.dtype) * vec if d.layout in ("dense", "rows") else 0 for d in arg_spec.inputs)
-    return align + tuple(size(dt) * vec for dt in out_dtypes)
+    is not read in vectors. Every tensor moves its own bytes per access: ``vec`` elements of a wider tensor
+    than the narrowest (a float32 output beside a float16 input) are several 16-byte accesses, so 16 bytes
+    is the most any pointer needs (``fz_vec``'s alignment)."""
+    size = lambda dt: min(16, torch.empty((), dtype=dt).element_size() * vec)  # noqa: E731
+    align = tuple(size(d.dtype) if d.layout in ("dense", "rows") else 0 for d in arg_spec.inputs)
+    return align + tuple(size(dt) for dt in out_dtypes)
 
 
 def _raw_stream(index: int) -> int:

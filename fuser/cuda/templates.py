@@ -154,6 +154,7 @@ struct FzArgs {
   fz_index strides[${n_strided_slots}][${max_dims}];
   int rank;
   int vec;
+  int tile_dim;  // the tiled path's second dim (the strided inputs' fastest), or -1: no tiles
   void* ptrs[${n_ptrs}];
   double scalars[${n_scalar_slots}];
 };
@@ -164,7 +165,7 @@ ${params}
 ${hoisted}
   const fz_index step = (fz_index)blockDim.x * gridDim.x;
   fz_index first = (fz_index)blockIdx.x * blockDim.x + threadIdx.x;
-${vector_loop}
+${tiled_loop}${vector_loop}
   for (fz_index i = first; i < numel; i += step) {
 ${offsets}
 ${body}
@@ -188,6 +189,62 @@ ${vstores}
     }
     first = nvec * ${vec} + first;
   }""")
+
+# Only emitted when some input is generically strided and every output is dense; args.tile_dim >= 0 says the
+# launcher chose it (fuser.executor.Geometry.tile_dim: a strided input's fastest dim, not the map's innermost).
+# The map is cut into 32 x 32 tiles over that dim (b) and the innermost (a), a tile per block and trip: the
+# strided inputs are read along b into shared memory (a row of padding keeps both phases free of bank
+# conflicts), then every tensor is read and written along a, so both sides of the transpose are coalesced.
+TILED_LOOP = Template(r"""  if (args.tile_dim >= 0) {
+    const int bd = args.tile_dim, ad = args.rank - 1;
+    const fz_index sa = args.sizes[ad], sb = args.sizes[bd];
+    const fz_index ta = (sa + 31) / 32, tb = (sb + 31) / 32;
+    const fz_index n_tiles = numel / (sa * sb) * ta * tb;
+    const int lane = threadIdx.x % 32, row0 = threadIdx.x / 32, rows = blockDim.x / 32;
+${tiles}
+    for (fz_index tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+      fz_index r = tile;
+      const fz_index a0 = (r % ta) * 32;
+      r /= ta;
+      const fz_index b0 = (r % tb) * 32;
+      r /= tb;
+      // the tile's first element: its map index and each strided operand's offset
+      fz_index lin = a0, dense_b = 1, ${bases};
+      {
+        fz_index dense = sa;
+        for (int d = ad - 1; d >= 0; --d) {
+          if (d == bd) {
+            dense_b = dense;
+            lin += b0 * dense;
+          } else {
+            const fz_index m = r % args.sizes[d];
+            r /= args.sizes[d];
+            lin += m * dense;
+${accumulate}
+          }
+          dense *= args.sizes[d];
+        }
+${corner}
+      }
+${stage}
+      for (int e = row0; e < 32; e += rows) {
+        if (a0 + lane < sa && b0 + e < sb) {
+          const fz_index i = lin + e * dense_b + lane;
+${offsets}
+${body}
+        }
+      }
+      __syncthreads();  // the tiles are free for the next trip
+    }
+    return;
+  }
+""")
+
+# the tiled path's first phase for one strided input: its tile read along b (lanes) into shared memory
+TILE_STAGE = Template(r"""      for (int e = row0; e < 32; e += rows) {
+        if (a0 + e < sa && b0 + lane < sb)
+          ${tile}[e][lane] = fz_ld(t${k}[${base} + lane * args.strides[${j}][bd] + e * args.strides[${j}][ad]]);
+      }""")
 
 # Offsets of the strided inputs at element ${index}. The vector path unrolls the walk over MAX_DIMS (a rolled
 # loop cost 10-25% of the GELU row's speed on an H200); the per-element path keeps it rolled, which halves

@@ -74,7 +74,7 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     struct = type(loc.args)
     raw = ctypes.string_at(ctypes.addressof(loc.args), ctypes.sizeof(loc.args))
     ctx = cuda_launch.primary_context_handle(backend.device_index)
-    rec += [backend._function_ptr, cuda_launch.BLOCK_SIZE, backend.grid(geo.numel, True), backend.grid(geo.numel, False),
+    rec += [backend._function_ptr, cuda_launch.BLOCK_SIZE, backend.grid(geo, True), backend.grid(geo, False),
             int(bool(geo.vec_shape)), ctx, struct.ptrs.offset, struct.vec.offset, struct.scalars.offset,
             len(backend.vec_align), *backend.vec_align, len(raw), *raw]
     return rec, floats, backend
