@@ -262,7 +262,7 @@ def test_models_train_with_eagers_losses_cuda(kind):
         _check_training(kind, device="cuda")
 
 
-def test_values_saved_for_the_backward_come_out_of_forward_groups_with_eagers_gradients():
+def test_values_saved_for_the_backward_are_inputs_or_come_out_of_forward_groups_with_eagers_gradients():
     def f(x, w):
         s = torch.sigmoid(x * w + 0.25)
         return s * torch.tanh(x) - s.square()
@@ -282,13 +282,15 @@ def test_values_saved_for_the_backward_come_out_of_forward_groups_with_eagers_gr
         assert torch.equal(a, b)  # the saved tensors were not overwritten by the first backward
     (fw_name, fw, fw_part, _), (bw_name, bw, bw_part, _) = graphs
     assert fw_name.endswith("forward") and bw_name.endswith("backward")
-    # the forward's group also returns what the backward reads (AOTAutograd's saved tensors)
+    # what the backward reads (AOTAutograd's saved tensors) are the inputs or come out of the forward's group: the
+    # rematerializing partitioner has the backward group recompute pointwise values rather than save them
     [region] = fw_part.regions
-    assert len(region.outputs) >= 2
     output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
     saved = [a for a in output.args[0][1:] if isinstance(a, torch.fx.Node)]
-    assert any(a.target is operator.getitem and hasattr(a.args[0].target, "fuser_spec") for a in saved)
-    assert group_calls(bw) >= 1
+    assert saved and all(a.op == "placeholder" or (a.target is operator.getitem and hasattr(a.args[0].target,
+                                                                                          "fuser_spec"))
+                         for a in saved)
+    assert group_calls(bw) == 1  # one backward group: no alias between its ops splits it
 
 
 def test_the_doors_groups_run_as_cuda_kernels_in_the_host_emulation():

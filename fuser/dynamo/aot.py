@@ -72,8 +72,27 @@ def _boxed(fn: Callable) -> Callable:
     return make_boxed_func(fn)
 
 
+_TRANSPARENT = (torch.ops.aten.alias.default, torch.ops.aten.detach.default)
+
+
+def drop_aliases(gm: torch.fx.GraphModule) -> None:
+    """Replace ``alias``/``detach`` results by their input where only other nodes read them (not the graph's
+    outputs, whose aliasing AOTAutograd tracks): in a functional graph they are the same values, and the
+    rematerializing partitioner puts them between the ops a backward group would join."""
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target in _TRANSPARENT and n.args and isinstance(n.args[0], torch.fx.Node) \
+                and all(u.op != "output" for u in n.users):
+            n.replace_all_uses_with(n.args[0])
+            gm.graph.erase_node(n)
+            changed = True
+    if changed:
+        gm.recompile()
+
+
 def fuse_graph(gm: torch.fx.GraphModule, kind: str = "inference") -> tuple[torch.fx.GraphModule, Partition, list]:
     """``gm`` (an ATen graph) with its regions as group calls, the partition, and the groups' specs."""
+    drop_aliases(gm)
     part = partition(gm.graph, Support())
     new_gm, specs = rewrite(gm, part.regions) if part.regions else (gm, [])
     return new_gm, part, specs
@@ -110,8 +129,12 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs) -> Callabl
     label = f"graph {_n_graphs}"
     try:
         from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        # the partitioner Inductor uses: the backward recomputes pointwise values from fewer saved tensors rather
+        # than the forward writing every intermediate it needs (a fused group recomputes them for free)
         return aot_autograd(fw_compiler=compiler("forward", label), bw_compiler=compiler("backward", label),
                             inference_compiler=compiler("inference", label), decompositions=decompositions(),
+                            partition_fn=min_cut_rematerialization_partition,
                             keep_inference_input_mutations=True)(gm, example_inputs)
     except Exception as e:
         if settings.strict_pass:
