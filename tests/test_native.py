@@ -367,3 +367,31 @@ def test_native_batch_norm_params_equal_the_python_operator(dtype, vec_dtype, af
     # a vector of the wrong length: eager's error
     with pytest.raises(RuntimeError):
         torch.ops.fuser.batch_norm_params(x, w, b, torch.randn(4).to(vec_dtype), var)
+
+
+def _softmax_written_out(x, bias):
+    y = x + bias
+    e = torch.exp(y - torch.amax(y, -1, True))
+    return e / torch.sum(e, -1, True)
+
+
+def _row_sum(x):
+    return (x * 2 + 1).sum(-1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_kernels_are_served_natively(device):
+    fs = fuser.fuse(torch.jit.script(_softmax_written_out))
+    fr = fuser.fuse(torch.jit.script(_row_sum))
+    for shape in [(8, 33), (2, 3, 1024), (5, 1)]:
+        x = torch.randn(shape, device=device)
+        bias = torch.randn(shape[-1:], device=device)
+        hits, out = _served(fs, x, bias)
+        assert hits >= 2
+        assert_same(out, _softmax_written_out(x, bias))
+        hits, out = _served(fr, x)
+        assert hits >= 2
+        assert_same(out, _row_sum(x))
+        x2 = torch.randn_like(x)
+        with torch.no_grad():
+            assert_same(fs(x2, bias), _softmax_written_out(x2, bias))

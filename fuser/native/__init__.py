@@ -86,7 +86,7 @@ def offer(key: int, digest: str, spec, args: Sequence, tensors: Sequence[torch.T
     call = autodiff.prepare_call(spec, list(args)) if grad and not spec.random else None
     geo = spec.geometries.get(sig)
     kernel = getattr(geo, "kernel", None)  # None: the executor found no kernel for these inputs
-    got = None if kernel is None or spec.has_reduction or not settings.fusion_enabled(geo.device.type) or (
+    got = None if kernel is None or not settings.fusion_enabled(geo.device.type) or (
         grad and call is None) else record.launch_record(geo, tensors, scalars, outputs)
     if got is None:
         rec, floats = record.PYTHON, []

@@ -187,7 +187,7 @@ void launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sc
   for (const at::Tensor& t : inputs) put(t.data_ptr());
   for (const at::Tensor& o : outs) put(o.data_ptr());
   const int32_t v = vec ? 1 : 0;
-  std::memcpy(base + l.vec_off, &v, 4);
+  if (l.vec_off >= 0) std::memcpy(base + l.vec_off, &v, 4);  // row kernels have no vector flag
   if (!scalars.empty()) std::memcpy(base + l.scalars_off, scalars.data(), scalars.size() * sizeof(double));
   const auto grid = static_cast<unsigned>(vec ? l.grid_vec : l.grid_scalar);
   void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(l.device).native_handle();
@@ -547,7 +547,7 @@ std::shared_ptr<Launch> parse(const std::vector<int64_t>& sig, const std::vector
     l->fn = reinterpret_cast<void*>(r.next());
     if (l->kind == kCpu) {
       l->rank = r.next();
-      l->sizes = r.take(l->rank);
+      l->sizes = r.take(r.next());
       l->strides = r.take(r.next());
       if (l->strides.empty()) l->strides.push_back(0);
     } else {
@@ -568,7 +568,8 @@ std::shared_ptr<Launch> parse(const std::vector<int64_t>& sig, const std::vector
       const std::vector<int64_t> bytes = r.take(r.next());
       l->args.assign(bytes.begin(), bytes.end());
       TORCH_CHECK(l->ptrs_off + 8 * static_cast<int64_t>(l->align.size()) <= static_cast<int64_t>(l->args.size()) &&
-                      l->vec_off + 4 <= static_cast<int64_t>(l->args.size()) &&
+                      l->vec_off + 4 <= static_cast<int64_t>(l->args.size()) && l->vec_off >= -1 &&
+                      l->ptrs_off >= 0 && l->scalars_off >= 0 &&
                       l->scalars_off + 8 * l->n_scalars <= static_cast<int64_t>(l->args.size()),
                   "fuser native record: argument offsets");
     }

@@ -47,13 +47,14 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     """(record, floats, what must stay alive while it is used) for an ``executor.Geometry``, or None where the hot
     path must hand such calls over."""
     kernel = getattr(geo, "kernel", None)
-    if kernel is None or getattr(geo, "concat", True) is not None or kernel.random or len(outputs) != len(
+    rows = hasattr(geo, "rows")  # a row kernel's geometry (fuser.rows.RowGeometry)
+    if kernel is None or (not rows and (geo.concat is not None or kernel.random)) or len(outputs) != len(
             kernel.out_dtypes):
         return None
     device = geo.device
     if device.type not in ("cpu", "cuda") or any(t.device != device for t in (*tensors, *outputs)):
         return None
-    rec = [KIND_CPU if device.type == "cpu" else KIND_CUDA, geo.numel, len(outputs)]
+    rec = [KIND_CPU if device.type == "cpu" else KIND_CUDA, geo.rows if rows else geo.numel, len(outputs)]
     for o in outputs:
         rec += [scalar_type(o.dtype), o.dim(), *o.shape, *o.stride()]
     limits = kernel.scalar_limits or ()
@@ -66,9 +67,22 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     if device.type == "cpu":
         fn = ctypes.cast(backend._fn, ctypes.c_void_p).value
         flat = [x for st in geo.strides for x in st]
-        rec += [fn, len(geo.sizes), *geo.sizes, len(flat), *flat]
+        # a row kernel: rank is the row dims', sizes are those dims and the row length
+        sizes = [*geo.lead, geo.cols] if rows else list(geo.sizes)
+        rec += [fn, len(geo.lead) if rows else len(sizes), len(sizes), *sizes, len(flat), *flat]
         return rec, floats, backend
     from ..cuda import launch as cuda_launch
+    if rows:
+        from ..rows import launch as row_launch
+        struct = backend.struct
+        args = row_launch.fill_args(struct, geo.rows, geo.cols, geo.lead, geo.strides, tensors, scalars, outputs)
+        raw = ctypes.string_at(ctypes.addressof(args), ctypes.sizeof(args))
+        grid = max(1, min(geo.rows, backend.max_blocks))
+        n_ptrs = len(tensors) + len(outputs)
+        rec += [backend.kernel._function_ptr, cuda_launch.BLOCK_SIZE, grid, grid, 0,
+                cuda_launch.primary_context_handle(backend.kernel.device_index), struct.ptrs.offset, -1,
+                struct.scalars.offset, n_ptrs, *([0] * n_ptrs), len(raw), *raw]
+        return rec, floats, backend
     loc = cuda_launch.LaunchArgs(backend._struct, backend.vec_align)
     loc.fill(geo, tensors, scalars, outputs)
     struct = type(loc.args)
