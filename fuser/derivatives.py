@@ -1,6 +1,6 @@
 """The derivative table: for each differentiable op of ``fuser/ops.py``, its inputs' gradients as pointwise
 formulas, written (like PyTorch's ``derivatives.yaml``) in the ops the fuser itself fuses, so a backward graph
-built from them is a fusion group too.
+built from them is a fusion group too (the reductions' formulas hold reductions: a row kernel's group).
 
 A formula is ``f(g, x, y) -> list`` with ``g`` the output's gradient, ``x`` the node's inputs and ``y`` its
 output, all :class:`V` (graph values with arithmetic that appends nodes). It returns one entry per input:
@@ -298,6 +298,46 @@ def _mish(g, a, y):
     return g * (t + a * s * (1 - t * t))
 
 
+# ---- reductions (fuser/rows/): a row's gradient back along the row --------------------------------------------
+# In a backward group every reduction keeps its dims (fuser/backward.py recomputes the forward's that way and
+# passes a dropped-dims output's gradient with them restored), so ``g`` and ``y`` here are [rows..., 1...] and
+# broadcast along the row as the row kernel reads row-level values.
+
+SUM = "aten::sum.dim_IntList"
+_FLOAT64 = 7  # ScalarType of the counts below: exact up to 2^53 elements a row
+
+
+def reduce_sum(v: V, dims, dtype=None) -> V:
+    """``sum(v, dims, keepdim=True, dtype)``: a reduction of the backward group (the row kernel runs it)."""
+    return V(v.builder, v.builder.add(SUM, v.value, dims, True, dtype))
+
+
+def _ones(u: V) -> V:
+    return op("aten::pow", u, 0.0)  # 1 at every element, NaN and inf included, in u's dtype and shape
+
+
+def _sum(g, x, y):  # eager: the gradient expanded back over the reduced dims
+    return [g * _ones(x[0]), None, None, None]
+
+
+def _quotient(g: V, n: V) -> V:
+    # g / n in float64 rounded once to g's dtype: the correctly rounded quotient, as eager's g / n in g's dtype
+    # (a division rounded first to 53 bits then to 24 or fewer rounds as once)
+    return op("aten::type_as", g / n, g)
+
+
+def _mean(g, x, y):  # eager: grad.expand(...) / n, n the row's length
+    ones = _ones(x[0])
+    return [_quotient(g, reduce_sum(ones, x[1].value, _FLOAT64)) * ones, None, None, None]
+
+
+def _amax_amin(g, x, y):
+    # eager's scale_grad_by_count: (grad / mask.sum(dims, keepdim)) * mask, mask = (x == result): ties share the
+    # gradient evenly; a row whose result is NaN has no x equal to it, so g / 0 * 0 makes the row NaN, as in eager
+    mask = where(x[0].eq(y), 1.0, 0.0)
+    return [_quotient(g, reduce_sum(mask, x[1].value, _FLOAT64)) * mask, None, None]
+
+
 _LN2, _LN10, _TWO_OVER_SQRT_PI = math.log(2.0), math.log(10.0), 2.0 / math.sqrt(math.pi)
 
 DERIVATIVES: dict[str, Callable] = {
@@ -365,6 +405,10 @@ DERIVATIVES: dict[str, Callable] = {
     "threshold": lambda g, x, y: [where(x[0] <= x[1], 0.0, g), None, None],
     "lerp": _lerp,
     "addcmul": _addcmul,
+    "sum": _sum,
+    "mean": _mean,
+    "amax": _amax_amin,
+    "amin": _amax_amin,
 }
 
 # ops whose results are never differentiable (bool results): gradients stop there
