@@ -203,6 +203,13 @@ def _n_random(group: ir.Group) -> int:
 _backward_keys: set[int] = set()  # specs that are backward groups (their own zeros stay implicit)
 
 
+def _stabilizer(n: ir.Node) -> bool:
+    """The max that softmax and log_softmax subtract (``fuser/rows/decompose.py``): their results do not change with
+    it, and eager's backward of the op (y * (g - sum(g * y))) passes it no gradient; a max written out by the user
+    gets eager's op-by-op gradient (zero up to rounding, split among ties)."""
+    return n.op == "aten::amax" and n.origin in ("aten::softmax", "aten::log_softmax")
+
+
 class _REDUCTION:  # what _carries asks of an op-table entry, for a reduction
     concat = False
     name = "reduction"
@@ -223,6 +230,6 @@ def _carries(fwd: ir.Group, needs: Sequence[bool], floating: frozenset) -> Optio
             continue
         if op is None:
             return None
-        if op.name not in D.NOT_DIFFERENTIABLE and n.out.id in floating:
+        if op.name not in D.NOT_DIFFERENTIABLE and n.out.id in floating and not _stabilizer(n):
             carries.add(n.out.id)
     return carries

@@ -233,6 +233,48 @@ def test_gradients_match_eagers_and_the_backward_is_a_row_kernel(case, dtype, _b
         assert _rows(_backwards), "the backward did not run as a fused row kernel"
 
 
+HALF_CASES = [c for c in CASES if c.id in ("amax--1-drop", "mean--2_-1-keep", "affine_sum", "softmax", "layer_norm",
+                                          "decomposed-log_softmax", "decomposed-layer_norm")]
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("case", HALF_CASES, ids=lambda c: c.id)
+def test_half_gradients_as_close_to_float64_as_eagers(case, dtype, _backwards):
+    """float16/bfloat16: the fused gradients within twice eager's own error (plus a unit of the dtype) of eager's
+    gradients in float64, and of the same dtypes and shapes as eager's."""
+    args = _leaves(case.inputs(dtype))
+    args64 = _leaves([a.detach().double() if isinstance(a, torch.Tensor) else a for a in args])
+    ref = case.eager(*args64)
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(r.shape, generator=gen, dtype=torch.float64).to(dtype) for r in ref]
+    outs = fuser.run_fusion(_spec(_GROUPS[case.id]).key, args)
+    assert type(outs[0].grad_fn).__name__ == "_FusedGroupBackward"
+    got = torch.autograd.grad(outs, _tensors(args), grads)
+    want = torch.autograd.grad(case.eager(*args), _tensors(args), grads)
+    want64 = torch.autograd.grad(ref, _tensors(args64), [g.double() for g in grads])
+    unit = {torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    for g, w, w64 in zip(got, want, want64):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        scale = max(1.0, w64.abs().max().item())
+        err, eager_err = (g.double() - w64).abs().max().item(), (w.double() - w64).abs().max().item()
+        assert err <= 2 * eager_err + unit * scale, (err, eager_err)
+    assert _rows(_backwards), "the backward did not run as a fused row kernel"
+
+
+@pytest.mark.parametrize("kind", ("softmax", "log_softmax"))
+def test_the_max_softmax_subtracts_gets_no_gradient(kind, _backwards):
+    """softmax and log_softmax from fuser/rows/decompose.py: as in eager's op, the max they subtract gets no
+    gradient (no count of its ties), so the backward holds the forward's two reductions and one of the
+    gradient; rows with ties at the max give torch.softmax's gradient."""
+    case = _decomposed(kind)
+    x = torch.randint(0, 4, (6, 7, 33)).double()
+    got, want = _grads_both_ways(case, _leaves([x]))
+    _assert_grads(got, want, torch.float64)
+    (bw,) = {s.key: s for s in _backwards}.values()
+    assert [n.op for n in bw.group.nodes if n.op in _RED.values()] == [
+        "aten::amax", "aten::sum.dim_IntList", "aten::sum.dim_IntList"]
+
+
 def test_nan_and_inf_rows_as_eager(_backwards):
     """amax and amin of rows with NaN (the whole row's gradient is NaN in eager), inf and -inf; softmax of a row
     holding inf (NaN forward and backward)."""
