@@ -19,13 +19,14 @@ that is not a constant) is not wrapped: the interpreter runs it op by op and eag
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from typing import Optional, Sequence
 
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from . import compiler, executor, fallback, ops, rng
+from . import compiler, executor, fallback, ir, ops, rng
 from .backward import Backward, _carries, _Unsupported, build_backward
 from .descs import DENSE, ArgSpec, TensorDesc
 from .kernel_cache import KernelSpec
@@ -184,7 +185,8 @@ class _FusedGroup(torch.autograd.Function):
                 t_index[j] = k
                 k += 1
         if bw.spec is not None:
-            outs = run(bw.spec, backward_args(spec, bw, call.args(saved), grads), call.rng_state)
+            shapes = [m[0] for m in ctx.meta]
+            outs = run(bw.spec, backward_args(spec, bw, call.args(saved), grads, shapes), call.rng_state)
             for j, r in zip(bw.grad_inputs, outs):
                 shape, dtype, _ = ctx.meta[t_index[j]]
                 r = r if r.shape == shape else r.sum_to_size(shape)
@@ -195,15 +197,33 @@ class _FusedGroup(torch.autograd.Function):
         return (None, *result)
 
 
-def backward_args(spec: KernelSpec, bw: Backward, fwd_args: Sequence, grads: Sequence) -> list:
-    """The arguments of ``bw``'s group: the forward arguments it reads, then the output gradients it reads."""
+def backward_args(spec: KernelSpec, bw: Backward, fwd_args: Sequence, grads: Sequence,
+                  shapes: Sequence[torch.Size]) -> list:
+    """The arguments of ``bw``'s group: the forward arguments it reads, then the output gradients it reads (and
+    the row length, for a group with reductions whose backward reads it). ``shapes``: the forward's tensor
+    inputs' shapes."""
     args = [fwd_args[j] for j in bw.fwd_inputs]
     if not bw.grad_unsqueeze:
-        return args + [_grad_arg(spec, grads, k, j) for k, j in bw.grad_outputs]
-    for (k, j), u in zip(bw.grad_outputs, bw.grad_unsqueeze):
-        g = _grad_arg(spec, grads, k, j)
-        args.append(g[(...,) + (None,) * u] if u and g.dim() else g)  # reduced dims restored, as a view
+        args += [_grad_arg(spec, grads, k, j) for k, j in bw.grad_outputs]
+    else:
+        for (k, j), u in zip(bw.grad_outputs, bw.grad_unsqueeze):
+            g = _grad_arg(spec, grads, k, j)
+            args.append(g[(...,) + (None,) * u] if u and g.dim() else g)  # reduced dims restored, as a view
+    if bw.row_length:
+        args.append(float(_row_length(spec, tuple(shapes))))
     return args
+
+
+def _row_length(spec: KernelSpec, shapes: tuple) -> int:
+    """The number of elements each row of a row kernel reduces: the reduced dims of the full shape, which is the
+    inputs' broadcast shape where the forward ran as a row kernel (every input broadcasts to it, and the reduced
+    value's shape is the broadcast of what it reads)."""
+    consts = [tuple(a.shape) for n in spec.group.nodes for a in n.args if isinstance(a, ir.TensorConst)]
+    full = broadcast_shapes(*shapes, *consts)
+    dims = next(n.args[1] for n in spec.group.nodes if ops.reduction(n.op) is not None)
+    if not dims:
+        return math.prod(full)
+    return math.prod(full[d] for d in {d % len(full) for d in dims}) if full else 1
 
 
 def _grad_arg(spec: KernelSpec, grads: tuple, k: int, piece: Optional[int]) -> torch.Tensor:

@@ -31,6 +31,8 @@ class Backward:
     ``zero_inputs`` need a gradient that is zero everywhere (``floor``). ``grad_unsqueeze``: per entry of
     ``grad_outputs``, how many trailing dims of size 1 its gradient gets before the call (an output of a
     reduction with keepdim off, whose backward reads it with the dims kept; empty: none anywhere).
+    ``row_length``: the group's last input is a float, the number of elements a row reduces (a mean's gradient
+    divides by it, as eager's does).
     """
 
     spec: Optional[KernelSpec]
@@ -39,6 +41,10 @@ class Backward:
     grad_inputs: tuple[int, ...]
     zero_inputs: tuple[int, ...]
     grad_unsqueeze: tuple[int, ...] = ()
+    row_length: bool = False
+
+
+MEAN = "aten::mean.dim"
 
 
 class _Unsupported(Exception):
@@ -86,6 +92,7 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
         raise _Unsupported("an op outside the table")
 
     grads: dict[int, D.V] = {}
+    row_length = None
     zeros: set[int] = set()  # values some op gives a zero gradient (eager then gives zeros, not None)
 
     def accumulate(u: int, r: D.V) -> None:
@@ -105,7 +112,12 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
         if f is None:
             raise _Unsupported(name)
         gy = grads[n.out.id]
-        res = f(gy, [D.V(b, mapped(a)) for a in n.args], D.V(b, env[n.out.id]))
+        xs = [D.V(b, mapped(a)) for a in n.args]
+        if n.op == MEAN:  # the row's length: see derivatives._mean
+            if row_length is None:
+                row_length = b.input(ir.FLOAT)
+            xs.append(D.V(b, row_length))
+        res = f(gy, xs, D.V(b, env[n.out.id]))
         for inp, r in zip(n.args, res):
             if not isinstance(inp, ir.Value) or inp.id not in carries:
                 continue
@@ -151,11 +163,13 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     g = g.with_inputs(keep)
     bspec = STORE.get(STORE.register(g))
     _backward_keys.add(bspec.key)
+    n_grad = n_fwd + len(grad_in)  # (then the row length, where a mean's gradient reads it)
     fwd_inputs = tuple(j for j in keep if j < n_fwd)
-    grad_outputs = tuple(grad_in[j - n_fwd][0] for j in keep if j >= n_fwd)
-    unsqueeze = () if rows is None else tuple(rows.dropped(grad_in[j - n_fwd][1]) for j in keep if j >= n_fwd)
+    grad_outputs = tuple(grad_in[j - n_fwd][0] for j in keep if n_fwd <= j < n_grad)
+    unsqueeze = () if rows is None else tuple(rows.dropped(grad_in[j - n_fwd][1]) for j in keep
+                                              if n_fwd <= j < n_grad)
     return Backward(bspec, fwd_inputs, grad_outputs, tuple(grad_inputs), tuple(zero_inputs),
-                    unsqueeze if any(unsqueeze) else ())
+                    unsqueeze if any(unsqueeze) else (), any(j >= n_grad for j in keep))
 
 
 def _name(op: str) -> Optional[str]:

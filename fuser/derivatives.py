@@ -304,7 +304,6 @@ def _mish(g, a, y):
 # broadcast along the row as the row kernel reads row-level values.
 
 SUM = "aten::sum.dim_IntList"
-_FLOAT64 = 7  # ScalarType of the counts below: exact up to 2^53 elements a row
 
 
 def reduce_sum(v: V, dims, dtype=None) -> V:
@@ -312,30 +311,27 @@ def reduce_sum(v: V, dims, dtype=None) -> V:
     return V(v.builder, v.builder.add(SUM, v.value, dims, True, dtype))
 
 
-def _ones(u: V) -> V:
-    return op("aten::pow", u, 0.0)  # 1 at every element, NaN and inf included, in u's dtype and shape
+def _expand(g: V, u: V) -> V:
+    """``g`` broadcast to ``u``'s shape, its values and dtype unchanged (u == u is false at NaN: g either way)."""
+    return where(u.eq(u), g, g)
 
 
 def _sum(g, x, y):  # eager: the gradient expanded back over the reduced dims
-    return [g * _ones(x[0]), None, None, None]
+    return [_expand(g, x[0]), None, None, None]
 
 
-def _quotient(g: V, n: V) -> V:
-    # g / n in float64 rounded once to g's dtype: the correctly rounded quotient, as eager's g / n in g's dtype
-    # (a division rounded first to 53 bits then to 24 or fewer rounds as once)
-    return op("aten::type_as", g / n, g)
-
-
-def _mean(g, x, y):  # eager: grad.expand(...) / n, n the row's length
-    ones = _ones(x[0])
-    return [_quotient(g, reduce_sum(ones, x[1].value, _FLOAT64)) * ones, None, None, None]
+def _mean(g, x, y):
+    # eager: grad.expand(...) / n with n a Scalar, the row's length: here a float input of the backward group that
+    # fuser/backward.py passes as a fifth argument (fuser/autodiff.py gives it the length)
+    return [_expand(g / x[4], x[0]), None, None, None]
 
 
 def _amax_amin(g, x, y):
     # eager's scale_grad_by_count: (grad / mask.sum(dims, keepdim)) * mask, mask = (x == result): ties share the
-    # gradient evenly; a row whose result is NaN has no x equal to it, so g / 0 * 0 makes the row NaN, as in eager
-    mask = where(x[0].eq(y), 1.0, 0.0)
-    return [_quotient(g, reduce_sum(mask, x[1].value, _FLOAT64)) * mask, None, None]
+    # gradient evenly; a row whose result is NaN has no x equal to it, so g / 0 * 0 makes the row NaN, as in eager.
+    # The count in x's dtype: eager's grad / count converts the integer count to grad's dtype (x's) the same way.
+    mask = op("aten::type_as", where(x[0].eq(y), 1.0, 0.0), x[0])
+    return [(g / reduce_sum(mask, x[1].value)) * mask, None, None]
 
 
 _LN2, _LN10, _TWO_OVER_SQRT_PI = math.log(2.0), math.log(10.0), 2.0 / math.sqrt(math.pi)
