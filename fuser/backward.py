@@ -217,11 +217,17 @@ def _n_random(group: ir.Group) -> int:
 _backward_keys: set[int] = set()  # specs that are backward groups (their own zeros stay implicit)
 
 
-def _stabilizer(n: ir.Node) -> bool:
-    """The max that softmax and log_softmax subtract (``fuser/rows/decompose.py``): their results do not change with
-    it, and eager's backward of the op (y * (g - sum(g * y))) passes it no gradient; a max written out by the user
-    gets eager's op-by-op gradient (zero up to rounding, split among ties)."""
-    return n.op == "aten::amax" and n.origin in ("aten::softmax", "aten::log_softmax")
+_SHIFT_INVARIANT = ("aten::softmax", "aten::log_softmax")
+
+
+def _stabilizer(fwd: ir.Group, n: ir.Node) -> bool:
+    """The max that softmax and log_softmax subtract (``fuser/rows/decompose.py``), read only by that op's other
+    steps: their results do not change with it, and eager's backward of the op (y * (g - sum(g * y))) passes it
+    no gradient. A max written out by the user gets eager's op-by-op gradient (zero up to rounding, split among
+    ties)."""
+    if n.op != "aten::amax" or n.origin not in _SHIFT_INVARIANT or any(v.id == n.out.id for v in fwd.outputs):
+        return False
+    return all(m.origin == n.origin for m in fwd.nodes if any(v.id == n.out.id for v in m.values))
 
 
 class _REDUCTION:  # what _carries asks of an op-table entry, for a reduction
@@ -244,6 +250,6 @@ def _carries(fwd: ir.Group, needs: Sequence[bool], floating: frozenset) -> Optio
             continue
         if op is None:
             return None
-        if op.name not in D.NOT_DIFFERENTIABLE and n.out.id in floating and not _stabilizer(n):
+        if op.name not in D.NOT_DIFFERENTIABLE and n.out.id in floating and not _stabilizer(fwd, n):
             carries.add(n.out.id)
     return carries

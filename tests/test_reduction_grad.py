@@ -279,6 +279,25 @@ def test_the_max_softmax_subtracts_gets_no_gradient(kind, _backwards):
         "aten::amax", "aten::sum.dim_IntList", "aten::sum.dim_IntList"]
 
 
+def test_a_softmax_max_read_outside_the_softmax_keeps_its_gradient():
+    """The same max node as a softmax step and as an output of its own (one node, as a pass that shares equal
+    nodes would make): its gradient is eager's amax gradient, not dropped."""
+    b = ir.Builder()
+    x = b.input()
+    with b.steps_of("aten::softmax"):
+        m = _reduce(b, "amax", x, (-1,), True)
+        e = b.call("aten::exp", b.call("aten::sub", x, m, 1))
+        y = b.call("aten::div", e, _reduce(b, "sum", e, (-1,), True))
+    spec = _spec(b.build([y, m]))
+    x = torch.randn(4, 30, dtype=torch.float64, requires_grad=True)
+    y, m = fuser.run_fusion(spec.key, [x])
+    assert type(y.grad_fn).__name__ == "_FusedGroupBackward"
+    gy, gm = torch.randn_like(y), torch.randn_like(m)
+    got = torch.autograd.grad((y, m), x, (gy, gm))[0]
+    want = torch.autograd.grad((torch.softmax(x, -1), x.amax(-1, keepdim=True)), x, (gy, gm))[0]
+    _assert_grads([got], [want], torch.float64)
+
+
 def test_nan_and_inf_rows_as_eager(_backwards):
     """amax and amin of rows with NaN (the whole row's gradient is NaN in eager), inf and -inf; softmax of a row
     holding inf (NaN forward and backward)."""
