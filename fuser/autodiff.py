@@ -7,19 +7,26 @@ fallback, when it cannot be fused), and, when the backward itself runs under gra
 (``create_graph=True``), it is differentiated the same way: double backward either runs fused or through
 the interpreter. Gradients of broadcast inputs are summed to the input's shape after the kernel.
 
+A group with reductions (``fuser/rows/``) is wrapped only where its forward runs as a row kernel (the kernel runs
+first, as for a random group; where it cannot, the interpreter runs the group and eager's autograd records it).
+Its backward group holds reductions too and runs as a row kernel like any group. A gradient summed along the
+row (a row-level value read by element-level ops) is summed inside that kernel; an input broadcast across rows
+(a bias or weight of shape [cols]) still gets eager's ``sum_to_size`` after it.
+
 A group whose gradient cannot be formed here (an op without a formula, a formula that needs an argument
 that is not a constant) is not wrapped: the interpreter runs it op by op and eager's autograd records it.
 """
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from typing import Optional, Sequence
 
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from . import compiler, executor, fallback, rng
+from . import compiler, executor, fallback, ir, ops, rng
 from .backward import Backward, _carries, _Unsupported, build_backward
 from .descs import DENSE, ArgSpec, TensorDesc
 from .kernel_cache import KernelSpec
@@ -67,13 +74,35 @@ def _floating_values(spec: KernelSpec, sig: tuple) -> frozenset:
     got = _floating.get(key)
     if got is not None:
         return got
-    arg_spec = ArgSpec("cpu", None, tuple(TensorDesc(dt, DENSE, zero_dim) for dt, zero_dim in sig))
-    types = compiler.infer_types(spec, arg_spec)
-    got = frozenset(n.out.id for n, t in zip(spec.group.nodes, types) if t.result.is_floating_point)
+    if spec.has_reduction:
+        results = _reduction_dtypes(spec, sig)
+    else:
+        arg_spec = ArgSpec("cpu", None, tuple(TensorDesc(dt, DENSE, zero_dim) for dt, zero_dim in sig))
+        results = [t.result for t in compiler.infer_types(spec, arg_spec)]
+    got = frozenset(n.out.id for n, dt in zip(spec.group.nodes, results) if dt.is_floating_point)
     dtypes = iter(sig)
     got |= frozenset(v.id for v in spec.group.inputs if v.is_tensor and next(dtypes)[0].is_floating_point)
     _bounded(_floating)[key] = got
     return got
+
+
+def _reduction_dtypes(spec: KernelSpec, sig: tuple) -> list:
+    """Each node's result dtype for a group with reductions: the group run on meta tensors of ones along every
+    dim its reductions name (the pointwise probe's empty tensors would make amax raise)."""
+    rank = 1
+    for n in spec.group.nodes:
+        if ops.reduction(n.op) is not None and n.args[1]:
+            rank = max([rank] + [d + 1 if d >= 0 else -d for d in n.args[1]])
+    dtypes = iter(sig)
+    samples = []
+    for is_t in spec.input_is_tensor:
+        if is_t:
+            dt, zero_dim = next(dtypes)
+            samples.append(torch.empty(() if zero_dim else (1,) * rank, dtype=dt, device="meta"))
+        else:
+            samples.append(1.0)
+    values = fallback.evaluate(spec.group, samples, every_value=True)[len(spec.group.outputs):]
+    return [v.dtype for v in values]
 
 
 def backward_for(spec: KernelSpec, needs: tuple, defined: tuple, sig: tuple) -> Optional[Backward]:
@@ -166,8 +195,8 @@ def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence) -
     t_index = tensor_index(spec)
     fwd_args = call.args(saved)
     if bw.spec is not None:
-        args = [fwd_args[j] for j in bw.fwd_inputs] + [_grad_arg(spec, grads, k, j) for k, j in bw.grad_outputs]
-        outs = run(bw.spec, args, call.rng_state)
+        shapes = [m[0] for m in meta]
+        outs = run(bw.spec, backward_args(spec, bw, fwd_args, grads, shapes), call.rng_state)
         for j, r in zip(bw.grad_inputs, outs):
             shape, dtype, _ = meta[t_index[j]]
             r = r if r.shape == shape else r.sum_to_size(shape)
@@ -176,6 +205,35 @@ def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence) -
         shape, dtype, device = meta[t_index[j]]
         result[t_index[j]] = torch.zeros(shape, dtype=dtype, device=device)
     return result
+
+
+def backward_args(spec: KernelSpec, bw: Backward, fwd_args: Sequence, grads: Sequence,
+                  shapes: Sequence[torch.Size]) -> list:
+    """The arguments of ``bw``'s group: the forward arguments it reads, then the output gradients it reads (and
+    the row length, for a group with reductions whose backward reads it). ``shapes``: the forward's tensor
+    inputs' shapes."""
+    args = [fwd_args[j] for j in bw.fwd_inputs]
+    if not bw.grad_unsqueeze:
+        args += [_grad_arg(spec, grads, k, j) for k, j in bw.grad_outputs]
+    else:
+        for (k, j), u in zip(bw.grad_outputs, bw.grad_unsqueeze):
+            g = _grad_arg(spec, grads, k, j)
+            args.append(g[(...,) + (None,) * u] if u and g.dim() else g)  # reduced dims restored, as a view
+    if bw.row_length:
+        args.append(float(_row_length(spec, tuple(shapes))))
+    return args
+
+
+def _row_length(spec: KernelSpec, shapes: tuple) -> int:
+    """The number of elements each row of a row kernel reduces: the reduced dims of the full shape, which is the
+    inputs' broadcast shape where the forward ran as a row kernel (every input broadcasts to it, and the reduced
+    value's shape is the broadcast of what it reads)."""
+    consts = [tuple(a.shape) for n in spec.group.nodes for a in n.args if isinstance(a, ir.TensorConst)]
+    full = broadcast_shapes(*shapes, *consts)
+    dims = next(n.args[1] for n in spec.group.nodes if ops.reduction(n.op) is not None)
+    if not dims:
+        return math.prod(full)
+    return math.prod(full[d] for d in {d % len(full) for d in dims}) if full else 1
 
 
 def _grad_arg(spec: KernelSpec, grads: tuple, k: int, piece: Optional[int]) -> torch.Tensor:
@@ -201,15 +259,16 @@ def differentiable(spec: KernelSpec, args: list, rng_state: Optional[list] = Non
     A random group (dropout) runs its forward kernel first, with ``rng_state`` or a fresh launch state that
     its backward kernel then reuses: Philox numbers depend only on (seed, offset, op, element), so the
     backward recomputes exactly the forward's mask. If the forward kernel cannot run, the interpreter does
-    (eager's autograd then records eager's own draw)."""
+    (eager's autograd then records eager's own draw). A group with reductions runs its forward kernel first too:
+    its backward is formed for the shapes the row kernel takes (see ``fuser/backward.py``)."""
     call = prepare_call(spec, args, rng_state)
     return None if call is None else list(_FusedGroup.apply(call, *[a for a in args if isinstance(a, torch.Tensor)]))
 
 
 def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None) -> Optional[_Call]:
-    """What :func:`differentiable` runs as an autograd Function (a random group's forward outputs computed), or
-    None where it cannot."""
-    if not torch.is_grad_enabled() or spec.has_reduction:  # no derivatives of reductions yet: eager's autograd
+    """What :func:`differentiable` runs as an autograd Function (a random group's or a row group's forward outputs
+    computed), or None where it cannot."""
+    if not torch.is_grad_enabled():
         return None
     if _forward_ad._current_level >= 0 or _functorch_stack() is not None:
         return None
@@ -245,8 +304,9 @@ def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None)
         if is_t:
             saved.append(j in used)
     call = _Call(spec, tuple(float(s) for s in scalars), needs, sig, tuple(saved), _carried_outputs(spec, needs, sig))
-    if spec.random:
-        call.rng_state = rng.launch_state(device) if rng_state is None else rng_state
+    if spec.random or spec.has_reduction:  # (a row kernel's backward is planned for the shapes its forward takes)
+        if spec.random:
+            call.rng_state = rng.launch_state(device) if rng_state is None else rng_state
         with torch.no_grad():
             call.outputs = executor.run(spec, args, call.rng_state)
         if call.outputs is None:

@@ -4,6 +4,12 @@ Its inputs are the forward inputs the gradients read, then the output gradients;
 ops from those inputs (cheaper than saving intermediates: the backward kernel reads the inputs once, eager's
 backward reads each saved intermediate), then applies each op's gradient formula, and casts each input's
 gradient to its dtype. ``fuser/autodiff.py`` runs it.
+
+A group with reductions (a row kernel's, ``fuser/rows/``) gets a backward that is one too. There every reduction
+keeps its dims (the forward's are recomputed with keepdim; a dropped-dims output's gradient comes with its dims
+restored: ``Backward.grad_unsqueeze``), so every row-level value is [rows..., 1...] and broadcasts along the row.
+Where an element-level node reads a row-level value, that value's gradient is summed along the row in the group
+(eager's sum_to_size of a broadcast, here a reduction of the same row), before it flows on.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from typing import Optional, Sequence
 from . import derivatives as D
 from . import ir, ops
 from .kernel_cache import STORE, KernelSpec
+from .rows.plan import row_level
 
 @dataclass(frozen=True)
 class Backward:
@@ -21,7 +28,11 @@ class Backward:
     Its group's inputs are the forward inputs listed in ``fwd_inputs`` then the output gradients listed in
     ``grad_outputs`` (``(k, None)``: output k's gradient; ``(k, j)``: the slice of it for piece j of the cat
     that made output k); its outputs are the gradients of the forward inputs in ``grad_inputs``. Inputs in
-    ``zero_inputs`` need a gradient that is zero everywhere (``floor``).
+    ``zero_inputs`` need a gradient that is zero everywhere (``floor``). ``grad_unsqueeze``: per entry of
+    ``grad_outputs``, how many trailing dims of size 1 its gradient gets before the call (an output of a
+    reduction with keepdim off, whose backward reads it with the dims kept; empty: none anywhere).
+    ``row_length``: the group's last input is a float, the number of elements a row reduces (a mean's gradient
+    divides by it, as eager's does).
     """
 
     spec: Optional[KernelSpec]
@@ -29,6 +40,11 @@ class Backward:
     grad_outputs: tuple[tuple, ...]
     grad_inputs: tuple[int, ...]
     zero_inputs: tuple[int, ...]
+    grad_unsqueeze: tuple[int, ...] = ()
+    row_length: bool = False
+
+
+MEAN = "aten::mean.dim"
 
 
 class _Unsupported(Exception):
@@ -61,17 +77,22 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     def mapped(a):
         if isinstance(a, ir.Value):
             return env[a.id]
-        return tuple(env[x.id] for x in a) if isinstance(a, tuple) else a
+        return tuple(env[x.id] if isinstance(x, ir.Value) else x for x in a) if isinstance(a, tuple) else a
 
+    rows = _Rows(fwd) if spec.has_reduction else None
     for n in fwd.nodes:  # the forward, recomputed from the saved inputs, rounded where the forward rounds
+        args = list(map(mapped, n.args))
+        if rows is not None and ops.reduction(n.op) is not None:
+            args[2] = True  # keepdim (see the module's doc)
         with b.steps_of(n.origin):
-            env[n.out.id] = b.add(n.op, *map(mapped, n.args))
+            env[n.out.id] = b.add(n.op, *args)
 
     carries = _carries(fwd, needs, floating)
     if carries is None:
         raise _Unsupported("an op outside the table")
 
     grads: dict[int, D.V] = {}
+    row_length = None
     zeros: set[int] = set()  # values some op gives a zero gradient (eager then gives zeros, not None)
 
     def accumulate(u: int, r: D.V) -> None:
@@ -86,26 +107,35 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     for n in reversed(fwd.nodes):
         if n.out.id not in grads:
             continue
-        op = ops.of(n.op)
-        f = D.formula(op.name)
+        name = _name(n.op)
+        f = D.formula(name)
         if f is None:
-            raise _Unsupported(op.name)
+            raise _Unsupported(name)
         gy = grads[n.out.id]
-        res = f(gy, [D.V(b, mapped(a)) for a in n.args], D.V(b, env[n.out.id]))
+        xs = [D.V(b, mapped(a)) for a in n.args]
+        if n.op == MEAN:  # the row's length: see derivatives._mean
+            if row_length is None:
+                row_length = b.input(ir.FLOAT)
+            xs.append(D.V(b, row_length))
+        res = f(gy, xs, D.V(b, env[n.out.id]))
         for inp, r in zip(n.args, res):
             if not isinstance(inp, ir.Value) or inp.id not in carries:
                 continue
             if r is D.UNSUPPORTED:
-                raise _Unsupported(f"{op.name}: gradient of an input")
+                raise _Unsupported(f"{name}: gradient of an input")
             is_input = fwd.is_input(inp)
             if r is D.ZERO and (is_input or spec.key in _backward_keys):
                 zeros.add(inp.id)
-            elif r is D.ZERO:  # eager passes a tensor of zeros on: 0 * inf upstream is NaN there too
-                accumulate(inp.id, D.op("aten::mul", D.op("aten::pow", gy, 0.0), 0.0))
-            elif r is not None and not is_input:  # the engine casts a gradient to its value's dtype
-                accumulate(inp.id, D.op("aten::type_as", r, D.V(b, env[inp.id])))
-            elif r is not None:  # None: the op does not differentiate this input (type_as's other)
-                accumulate(inp.id, r)
+                continue
+            if r is D.ZERO:  # eager passes a tensor of zeros on: 0 * inf upstream is NaN there too
+                r = D.op("aten::mul", D.op("aten::pow", gy, 0.0), 0.0)
+            elif r is None:  # the op does not differentiate this input (type_as's other)
+                continue
+            if rows is not None and rows.broadcast(n, inp):  # summed along the row to the row-level value's shape
+                r = D.reduce_sum(r, rows.dims)
+            if not is_input:  # the engine casts a gradient to its value's dtype
+                r = D.op("aten::type_as", r, D.V(b, env[inp.id]))
+            accumulate(inp.id, r)
 
     grad_inputs, zero_inputs, outputs = [], [], []
     for i, v in enumerate(fwd.inputs):
@@ -133,9 +163,51 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     g = g.with_inputs(keep)
     bspec = STORE.get(STORE.register(g))
     _backward_keys.add(bspec.key)
+    n_grad = n_fwd + len(grad_in)  # (then the row length, where a mean's gradient reads it)
     fwd_inputs = tuple(j for j in keep if j < n_fwd)
-    grad_outputs = tuple(grad_in[j - n_fwd][0] for j in keep if j >= n_fwd)
-    return Backward(bspec, fwd_inputs, grad_outputs, tuple(grad_inputs), tuple(zero_inputs))
+    grad_outputs = tuple(grad_in[j - n_fwd][0] for j in keep if n_fwd <= j < n_grad)
+    unsqueeze = () if rows is None else tuple(rows.dropped(grad_in[j - n_fwd][1]) for j in keep
+                                              if n_fwd <= j < n_grad)
+    return Backward(bspec, fwd_inputs, grad_outputs, tuple(grad_inputs), tuple(zero_inputs),
+                    unsqueeze if any(unsqueeze) else (), any(j >= n_grad for j in keep))
+
+
+def _name(op: str) -> Optional[str]:
+    """The derivative table's name of an overload (a pointwise op's table name, a reduction's kind)."""
+    red = ops.reduction(op)
+    if red is not None:
+        return red.kind
+    entry = ops.of(op)
+    return None if entry is None else entry.name
+
+
+class _Rows:
+    """What the backward of a group with reductions needs of the forward: which values are row-level, the
+    reduced dims (every reduction's: the row kernel's plan holds them equal), and the row-level values whose
+    reduced dims are dropped (keepdim off)."""
+
+    def __init__(self, fwd: ir.Group):
+        self.row = row_level(fwd)
+        reductions = [n for n in fwd.nodes if ops.reduction(n.op) is not None]
+        self.dims = reductions[0].args[1]
+        self._dropped: dict[int, int] = {}
+        for n in fwd.nodes:
+            if n.out.id not in self.row:
+                continue
+            if ops.reduction(n.op) is not None:
+                d = n.args[1]
+                self._dropped[n.out.id] = 0 if n.args[2] else (len(d) if d else 0)
+            else:
+                self._dropped[n.out.id] = max((self._dropped.get(v.id, 0) for v in n.values), default=0)
+
+    def broadcast(self, n: ir.Node, inp: ir.Value) -> bool:
+        """Whether element-level node ``n`` reads row-level ``inp`` (broadcast along the row)."""
+        return inp.id in self.row and n.out.id not in self.row
+
+    def dropped(self, v: ir.Value) -> int:
+        """The number of reduced dims ``v`` lacks (0 for element-level values and kept dims). With every dim
+        reduced (dims empty) there are no rows: a 0-dim value broadcasts as is."""
+        return self._dropped.get(v.id, 0)
 
 
 def _n_random(group: ir.Group) -> int:
@@ -145,11 +217,31 @@ def _n_random(group: ir.Group) -> int:
 _backward_keys: set[int] = set()  # specs that are backward groups (their own zeros stay implicit)
 
 
+_SHIFT_INVARIANT = ("aten::softmax", "aten::log_softmax")
+
+
+def _stabilizer(fwd: ir.Group, n: ir.Node) -> bool:
+    """The max that softmax and log_softmax subtract (``fuser/rows/decompose.py``), read only by that op's other
+    steps: their results do not change with it, and eager's backward of the op (y * (g - sum(g * y))) passes it
+    no gradient. A max written out by the user gets eager's op-by-op gradient (zero up to rounding, split among
+    ties)."""
+    if n.op != "aten::amax" or n.origin not in _SHIFT_INVARIANT or any(v.id == n.out.id for v in fwd.outputs):
+        return False
+    return all(m.origin == n.origin for m in fwd.nodes if any(v.id == n.out.id for v in m.values))
+
+
+class _REDUCTION:  # what _carries asks of an op-table entry, for a reduction
+    concat = False
+    name = "reduction"
+
+
 def _carries(fwd: ir.Group, needs: Sequence[bool], floating: frozenset) -> Optional[set]:
     """ids of the values through which a wanted gradient flows (None: an op outside the table)."""
     carries = {v.id for v, need in zip(fwd.inputs, needs) if need}
     for n in fwd.nodes:
         op = ops.of(n.op)
+        if op is None and ops.reduction(n.op) is not None:
+            op = _REDUCTION  # differentiable, floating (fuser/rows/ plans floating reductions only)
         if op is not None and op.concat:  # its gradient goes straight to its pieces, as slices of the output's
             if any(p.id in carries for p in n.args[0]):
                 carries.add(n.out.id)
@@ -158,6 +250,6 @@ def _carries(fwd: ir.Group, needs: Sequence[bool], floating: frozenset) -> Optio
             continue
         if op is None:
             return None
-        if op.name not in D.NOT_DIFFERENTIABLE and n.out.id in floating:
+        if op.name not in D.NOT_DIFFERENTIABLE and n.out.id in floating and not _stabilizer(fwd, n):
             carries.add(n.out.id)
     return carries

@@ -1,6 +1,6 @@
 """The derivative table: for each differentiable op of ``fuser/ops.py``, its inputs' gradients as pointwise
 formulas, written (like PyTorch's ``derivatives.yaml``) in the ops the fuser itself fuses, so a backward graph
-built from them is a fusion group too.
+built from them is a fusion group too (the reductions' formulas hold reductions: a row kernel's group).
 
 A formula is ``f(g, x, y) -> list`` with ``g`` the output's gradient, ``x`` the node's inputs and ``y`` its
 output, all :class:`V` (graph values with arithmetic that appends nodes). It returns one entry per input:
@@ -298,6 +298,42 @@ def _mish(g, a, y):
     return g * (t + a * s * (1 - t * t))
 
 
+# ---- reductions (fuser/rows/): a row's gradient back along the row --------------------------------------------
+# In a backward group every reduction keeps its dims (fuser/backward.py recomputes the forward's that way and
+# passes a dropped-dims output's gradient with them restored), so ``g`` and ``y`` here are [rows..., 1...] and
+# broadcast along the row as the row kernel reads row-level values.
+
+SUM = "aten::sum.dim_IntList"
+
+
+def reduce_sum(v: V, dims, dtype=None) -> V:
+    """``sum(v, dims, keepdim=True, dtype)``: a reduction of the backward group (the row kernel runs it)."""
+    return V(v.builder, v.builder.add(SUM, v.value, dims, True, dtype))
+
+
+def _expand(g: V, u: V) -> V:
+    """``g`` broadcast to ``u``'s shape, its values and dtype unchanged (u == u is false at NaN: g either way)."""
+    return where(u.eq(u), g, g)
+
+
+def _sum(g, x, y):  # eager: the gradient expanded back over the reduced dims
+    return [_expand(g, x[0]), None, None, None]
+
+
+def _mean(g, x, y):
+    # eager: grad.expand(...) / n with n a Scalar, the row's length: here a float input of the backward group that
+    # fuser/backward.py passes as a fifth argument (fuser/autodiff.py gives it the length)
+    return [_expand(g / x[4], x[0]), None, None, None]
+
+
+def _amax_amin(g, x, y):
+    # eager's scale_grad_by_count: (grad / mask.sum(dims, keepdim)) * mask, mask = (x == result): ties share the
+    # gradient evenly; a row whose result is NaN has no x equal to it, so g / 0 * 0 makes the row NaN, as in eager.
+    # The count in x's dtype: eager's grad / count converts the integer count to grad's dtype (x's) the same way.
+    mask = op("aten::type_as", where(x[0].eq(y), 1.0, 0.0), x[0])
+    return [(g / reduce_sum(mask, x[1].value)) * mask, None, None]
+
+
 _LN2, _LN10, _TWO_OVER_SQRT_PI = math.log(2.0), math.log(10.0), 2.0 / math.sqrt(math.pi)
 
 DERIVATIVES: dict[str, Callable] = {
@@ -365,6 +401,10 @@ DERIVATIVES: dict[str, Callable] = {
     "threshold": lambda g, x, y: [where(x[0] <= x[1], 0.0, g), None, None],
     "lerp": _lerp,
     "addcmul": _addcmul,
+    "sum": _sum,
+    "mean": _mean,
+    "amax": _amax_amin,
+    "amin": _amax_amin,
 }
 
 # ops whose results are never differentiable (bool results): gradients stop there

@@ -55,7 +55,8 @@ def _supported(case) -> bool:
 def test_every_op_has_a_derivative_or_none():
     """(cat has no formula: autodiff passes its gradient's slices straight to the pieces)"""
     concat = {n for n, op in ops.OPS_BY_NAME.items() if op.concat}
-    assert set(ops.OPS_BY_NAME) == set(derivatives.DERIVATIVES) | derivatives.NOT_DIFFERENTIABLE | concat
+    reductions = {r.kind for r in ops.REDUCTIONS.values()}  # (fuser/rows/; tests/test_reduction_grad.py)
+    assert set(ops.OPS_BY_NAME) | reductions == set(derivatives.DERIVATIVES) | derivatives.NOT_DIFFERENTIABLE | concat
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -2,8 +2,8 @@
 over trailing dims, keepdim both ways, sum's dtype argument; a prologue, softmax and layer norm written out) run as
 one row kernel on the CPU backend and through the CUDA host emulation (fuser/rows/emulate.py), against eager on
 seeded random inputs (a float64 reference for the sums), at row lengths 1, 7, 1000 and 4097, with empty rows and
-no rows, NaN and inf; forms the row kernel does not take fall back to eager (its result or its error); autograd
-runs through eager's. The CUDA twins are marked gpu."""
+no rows, NaN and inf; forms the row kernel does not take fall back to eager (its result or its error); gradients
+are eager's (tests/test_reduction_grad.py tests them). The CUDA twins are marked gpu."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -299,7 +299,8 @@ def test_sum_dtype_argument():
 
 
 def test_autograd_runs_through_eager():
-    """A group with a reduction under autograd: eager's autograd of the fallback (the gradients are eager's)."""
+    """A group with a reduction under autograd: the gradients are eager's (the fused backward since issue 12's
+    autograd part: tests/test_reduction_grad.py)."""
     g = _GROUPS["softmax"]
     spec = _spec(g)
     x = torch.randn(4, 33, dtype=torch.float64, requires_grad=True)

@@ -109,7 +109,10 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
         for j in bw.fwd_inputs:
             inputs.append((0, t_index[j]) if spec.input_is_tensor[j] else (1, s_index[j]))
         inputs += [(2, k) for k, piece in bw.grad_outputs if piece is None]
-    usable = (bw is not None and bw.spec is not None and not spec.random
+    # (a row group's backward may read its gradients as views with reduced dims restored, and the row length as a
+    # float argument: Python's backward assembles those)
+    usable = (bw is not None and bw.spec is not None and not spec.random and not any(bw.grad_unsqueeze or ())
+              and not bw.row_length
               and all(piece is None for _, piece in bw.grad_outputs)
               and all(call.saved[i] for kind, i in inputs if kind == 0) and all(diff[i] for kind, i in inputs if kind == 2))
     if not usable:
