@@ -197,7 +197,7 @@ def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence) -
     if bw.spec is not None:
         shapes = [m[0] for m in meta]
         outs = run(bw.spec, backward_args(spec, bw, fwd_args, grads, shapes), call.rng_state)
-        for j, r in zip(bw.grad_inputs, outs):
+        for j, r in [*zip(bw.grad_inputs, outs), *((j, outs[k]) for j, k in bw.aliases)]:
             shape, dtype, _ = meta[t_index[j]]
             r = r if r.shape == shape else r.sum_to_size(shape)
             result[t_index[j]] = r if r.dtype == dtype else r.to(dtype)

@@ -42,6 +42,9 @@ class Backward:
     zero_inputs: tuple[int, ...]
     grad_unsqueeze: tuple[int, ...] = ()
     row_length: bool = False
+    # (forward input, index into grad_inputs): an input whose gradient is the same value as that output's (both
+    # operands of an add): written once, as eager's backward passes one tensor to both
+    aliases: tuple[tuple[int, int], ...] = ()
 
 
 MEAN = "aten::mean.dim"
@@ -137,7 +140,7 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
                 r = D.op("aten::type_as", r, D.V(b, env[inp.id]))
             accumulate(inp.id, r)
 
-    grad_inputs, zero_inputs, outputs = [], [], []
+    grad_inputs, zero_inputs, outputs, aliases, written = [], [], [], [], {}
     for i, v in enumerate(fwd.inputs):
         if not needs[i]:
             continue
@@ -146,6 +149,10 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
             if v.id in zeros:
                 zero_inputs.append(i)
             continue
+        if r.value.id in written:
+            aliases.append((i, written[r.value.id]))
+            continue
+        written[r.value.id] = len(outputs)
         # a copy in the gradient's own dtype: eager sums a broadcast input's gradient before the cast
         outputs.append(D.op("aten::type_as", r, r).value)
         grad_inputs.append(i)
@@ -169,7 +176,7 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     unsqueeze = () if rows is None else tuple(rows.dropped(grad_in[j - n_fwd][1]) for j in keep
                                               if n_fwd <= j < n_grad)
     return Backward(bspec, fwd_inputs, grad_outputs, tuple(grad_inputs), tuple(zero_inputs),
-                    unsqueeze if any(unsqueeze) else (), any(j >= n_grad for j in keep))
+                    unsqueeze if any(unsqueeze) else (), any(j >= n_grad for j in keep), tuple(aliases))
 
 
 def _name(op: str) -> Optional[str]:

@@ -289,3 +289,28 @@ def test_lstm_training_losses_match_eager_step_by_step():
             losses.append(loss.item())
         assert losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-5), (step, losses)
     assert used_fused, "the LSTM's group did not run as a fused differentiable op"
+
+
+def test_operands_sharing_a_gradient_are_written_once():
+    """y = x + b: both inputs' gradient is y's; the backward group writes it once (the broadcast b's is summed
+    from it), and both gradients equal eager's."""
+    from fuser.backward import build_backward
+    from fuser.kernel_cache import STORE
+    from fuser.ts_ir import lower
+    g = torch.parse_ir("graph(%x : Tensor, %b : Tensor):\n  %one : int = prim::Constant[value=1]()\n"
+                       "  %y : Tensor = aten::add(%x, %b, %one)\n  %t : Tensor = aten::tanh(%y)\n"
+                       "  %z : Tensor = aten::mul(%t, %y)\n  return (%z)\n")
+    spec = STORE.get(STORE.register(lower(g)))
+    floating = frozenset(v.id for v in (*spec.group.inputs, *(n.out for n in spec.group.nodes)))
+    bw = build_backward(spec, (True, True), (True,), floating)
+    assert len(bw.spec.group.outputs) == 1 and bw.aliases == ((1, 0),)
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    for _ in range(3):
+        (out,) = fuser.run_fusion(spec.key, [x, b])
+        gx, gb = torch.autograd.grad(out.sum(), (x, b))
+    xr, br = x.detach().requires_grad_(), b.detach().requires_grad_()
+    y = xr + br
+    rx, rb = torch.autograd.grad((torch.tanh(y) * y).sum(), (xr, br))
+    assert_same(gx, rx)
+    assert_same(gb, rb)

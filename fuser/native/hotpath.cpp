@@ -89,6 +89,7 @@ struct Backward {
   std::vector<std::pair<int64_t, int64_t>> inputs;  // per backward input: (0 tensor, 1 float, 2 output grad), index
   std::vector<int64_t> grad_inputs;  // per backward output: the forward tensor input it is the gradient of
   std::vector<int64_t> zero_inputs;  // forward tensor inputs whose gradient is zero
+  std::vector<std::pair<int64_t, int64_t>> aliases;  // (forward tensor input, backward output) sharing a gradient
 };
 
 constexpr size_t kMaxPerGroup = 64;
@@ -355,13 +356,13 @@ struct FusedGroupBackward : public torch::autograd::Node {
     std::vector<at::Tensor> outs = group.call(tensors, floats, bw->bw_key, bw->bw_digest, "");
     TORCH_CHECK(outs.size() == bw->grad_inputs.size(), "fuser: the backward group returned ", outs.size(),
                 " gradients, expected ", bw->grad_inputs.size());
-    for (size_t r = 0; r < outs.size(); ++r) {
-      const int64_t k = bw->grad_inputs[r];
-      at::Tensor g = std::move(outs[r]);
+    auto shaped = [&](int64_t k, at::Tensor g) {
       if (g.sizes() != c10::IntArrayRef(sizes[k])) g = g.sum_to_size(sizes[k]);
       if (g.scalar_type() != options[k].dtype().toScalarType()) g = g.to(options[k].dtype().toScalarType());
       result[k] = std::move(g);
-    }
+    };
+    for (const auto& [k, r] : bw->aliases) shaped(k, outs[r]);
+    for (size_t r = 0; r < outs.size(); ++r) shaped(bw->grad_inputs[r], std::move(outs[r]));
     for (int64_t k : bw->zero_inputs) result[k] = at::zeros(sizes[k], options[k]);
     return result;
   }
@@ -634,6 +635,13 @@ void put_train(int64_t key, c10::string_view digest, std::vector<int64_t> sig, s
     for (int64_t k : r.take(r.next())) {
       TORCH_CHECK(0 <= k && k < l->n_tensors, "fuser native record: zero input");
       bw->zero_inputs.push_back(k);
+    }
+    const int64_t n_alias = r.next();
+    for (int64_t j = 0; j < n_alias; ++j) {
+      const int64_t k = r.next(), out = r.next();
+      TORCH_CHECK(0 <= k && k < l->n_tensors && 0 <= out && out < static_cast<int64_t>(bw->grad_inputs.size()),
+                  "fuser native record: gradient alias");
+      bw->aliases.emplace_back(k, out);
     }
   }
   TORCH_CHECK(r.i == bw_rec.size(), "fuser native record: trailing backward values");

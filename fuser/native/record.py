@@ -121,7 +121,8 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
     else:
         rec += [1, bw.spec.key, len(inputs), *[x for pair in inputs for x in pair],
                 len(bw.grad_inputs), *[t_index[j] for j in bw.grad_inputs],
-                len(bw.zero_inputs), *[t_index[j] for j in bw.zero_inputs]]
+                len(bw.zero_inputs), *[t_index[j] for j in bw.zero_inputs],
+                len(bw.aliases), *[x for j, k in bw.aliases for x in (t_index[j], k)]]
         digest = bw.spec.digest
     return rec, digest
 
