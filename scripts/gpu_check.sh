@@ -49,15 +49,16 @@ if ! skipped tests; then
   [ $rc -eq 0 ] || status=1
 fi
 
-# 3. memcheck over a representative subset: every layout class, cat outputs, random ops, chunk views, both index
+# 3. memcheck over a representative subset: the native hot path's launches (forward, training, row kernels), the
+# tiled path and eager's output layouts, every layout class, cat outputs, random ops, chunk views, both index
 # widths' kernels, and one op of each shape of the table in a reduced dtype. Reports about cuGetProcAddress (the
 # runtime probing for driver entry points) are not errors of ours and are filtered out.
 if ! skipped memcheck; then
   if command -v compute-sanitizer > /dev/null; then
     t=$(date +%s)
     compute-sanitizer --tool memcheck --leak-check no --print-limit 200 \
-      "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -x -k \
-      "layouts or concat_on_cuda or rand_like_on_cuda or lstm_cell_with_chunk or signed_zero or mixed_dtypes or side_stream or (op_cuda_vs_eager and float16 and (add-Tensor or where-self or clamp-Tensor or lerp-Tensor or addcmul or sigmoid or pow-Tensor_Scalar))" \
+      "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_native.py tests/test_layouts.py -p no:cacheprovider -x -k \
+      "test_native or gpu_tiled_path or gpu_outputs_have_eagers_strides or layouts or concat_on_cuda or rand_like_on_cuda or lstm_cell_with_chunk or signed_zero or mixed_dtypes or side_stream or (op_cuda_vs_eager and float16 and (add-Tensor or where-self or clamp-Tensor or lerp-Tensor or addcmul or sigmoid or pow-Tensor_Scalar))" \
       > "$OUT/memcheck.log" 2>&1
     rc=$?
     errors=$("$PY" - "$OUT/memcheck.log" <<'EOF'
