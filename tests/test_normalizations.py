@@ -414,11 +414,12 @@ def test_the_pass_makes_one_group_and_one_row_kernel(fn, make):
     g = fuser.graph_for(scripted, *args)
     assert _kinds(g) == ["prim::FusionGroup"]
     spec = _spec(ts_ir.lower(g.findNode("prim::FusionGroup").g("Subgraph")))
-    assert [type(k) for k in spec.kernels().values()] == [rows.launch.RowKernel]
+    kernels = spec.kernels()  # (the same group built from the IR elsewhere may have kernels of other dtypes)
+    assert kernels and all(type(k) is rows.launch.RowKernel for k in kernels.values())
     for lead in ((3, 4), (), (2, 1, 5)):  # other ranks: the same group, fused or falling back, eager's result
         other = make(*lead)
         torch.testing.assert_close(scripted(*other), fn(*other))
-    assert len(spec.kernels()) == 1 and all(k is not None for k in spec.kernels().values())
+    assert spec.kernels() == kernels  # the rank is a launch argument: the same kernel
     bad = make(8)
     bad[0] = bad[0][..., :32]
     if fn is not _var_std:  # normalized_shape (64,) or a mask of 64 against 32 elements: eager's error
