@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import fuser
 from helpers import row_kernels_on_both
-from fuser import executor, ir, rows, ts_ir
+from fuser import bench, executor, ir, rows, ts_ir
 from fuser.cuda import emulate
 from fuser.kernel_cache import STORE
 from fuser.rows import decompose
@@ -552,3 +552,26 @@ def test_the_fuzzer_adds_reductions_and_keeps_the_other_programs(monkeypatch):
         assert [n.kind() for n in g.nodes() if n.kind() != "prim::Constant"] == [n.schema.kind for n in p.nodes]
         v = fuzz.check_program(p)
         assert v.ok, (v.kind, v.detail, fuzz.render(p))
+
+
+# ------------------------------------------------------------------------------------------- the benchmark rows
+
+@pytest.mark.parametrize("name", sorted(n for n in bench.workloads.ROW_WORKLOADS
+                                        if not n.endswith(("_r512", "_r16k", "_r64k"))))
+def test_the_benchmarks_row_workloads_fuse_into_one_row_kernel(name):
+    """Each of the benchmark's normalization workloads (row length 4096, its small shape) is one group through the
+    pass, run by the CPU row kernel and the emulated CUDA one like eager in float64."""
+    wl = next(w for w in bench.WORKLOADS if w.name == name)
+    scripted = fuser.fuse(bench._script_function(wl))
+    args = wl.make_inputs(wl.shapes["small"], torch.float32, torch.device("cpu"))
+    for _ in range(2):
+        scripted(*args)
+    g = fuser.graph_for(scripted, *args)
+    node, = g.findAllNodes("prim::FusionGroup")
+    assert _kinds(g) == ["prim::FusionGroup"]
+    by_input = {v.unique(): a for v, a in zip(g.inputs(), args)}
+    inputs = [by_input[v.unique()] for v in node.inputs()]
+    group = ts_ir.lower(node.g("Subgraph"))
+    ref = bench._python_function(wl)(*[a.double() for a in args])
+    for (out,) in _both(group, inputs):
+        torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5 * max(1.0, ref.abs().max().item()))

@@ -144,6 +144,10 @@ def _norm_shapes(rows: int, cols: int) -> dict:
     return {"large": (rows, cols), "small": (8, cols), "quick": (max(2, 2 ** 18 // cols), cols)}
 
 
+# the workloads of this block: their groups run as row kernels (tests/test_normalizations.py emulates them; the
+# pointwise emulation of tests/test_cuda_emulated.py takes the others)
+ROW_WORKLOADS = frozenset([f"{op}{suffix}" for op in _NORM_SOURCES for suffix in _ROW_LENGTHS]
+                          + ["bias_residual_layer_norm"])
 WORKLOADS += tuple(
     Workload(f"{op}{suffix}", src.format(name=f"{op}{suffix}", cols=cols), _norm_shapes(rows, cols),
              _norm_inputs(_NORM_VECTORS[op]), dtypes=(torch.float32, torch.bfloat16))
