@@ -63,7 +63,7 @@ def fusable_op(node: torch._C.Node) -> Optional[ops.OpDef]:
     op = ops.lookup(schema)
     if op is None:
         red = ops.lookup_reduction(schema)
-        return red if red is not None and _is_tensor(node.output()) and _trailing_reduction(node) else None
+        return red if red is not None and _is_tensor(node.output()) and reduced_dims(node) is not None else None
     if not _is_tensor(node.output()):
         return None
     if op.concat:
@@ -84,17 +84,28 @@ def fusable_op(node: torch._C.Node) -> Optional[ops.OpDef]:
     return op
 
 
-def _trailing_reduction(node: torch._C.Node) -> bool:
-    """Whether a reduction may join a group: its dims, keepdim and dtype constants, the dims the last k of
-    any rank (-1, or -2 and -1, ...; the row kernels reduce trailing dims, and this holds for every input's
-    rank). The executor checks the rest per call (the shapes) and falls back when the form does not hold."""
-    args = list(node.inputs())
-    if not all(_is_constant(v) for v in args[1:]):
-        return False
-    dims, keepdim = args[1].toIValue(), args[2].toIValue()
-    if not isinstance(dims, list) or not dims or not isinstance(keepdim, bool):
-        return False
-    return sorted(dims) == list(range(-len(dims), 0))
+def reduced_dims(node: torch._C.Node) -> Optional[tuple]:
+    """The dims a reduction, or an op made of reductions (softmax, layer_norm, rms_norm, std: ``ops.Reduction``),
+    reduces, when it may join a group: its arguments constants (a normalization's weight and bias may be
+    tensors), the dims the last k of any rank (-1, or -2 and -1, ...; the row kernels reduce trailing dims, and
+    this holds for every input's rank). None otherwise. The executor checks the rest per call (the shapes, and
+    eager's own checks of a normalization's arguments) and falls back when the form does not hold."""
+    op = ops.lookup_reduction(node.schema())
+    if op is None:
+        return None
+    tensors = ops.COMPOSITE_TENSOR_ARGS.get(op.name, ())
+    consts = []
+    for i, v in enumerate(list(node.inputs())):
+        if i == 0 or (i in tensors and _is_tensor(v)):
+            consts.append(None)
+        elif _is_constant(v):
+            consts.append(v.toIValue())
+        else:
+            return None
+    dims = ops.reduced_dims(op.name, consts)
+    if dims is None or sorted(dims) != list(range(-len(dims), 0)):
+        return None
+    return tuple(sorted(dims))
 
 
 def concat_list(cat: torch._C.Node) -> Optional[torch._C.Node]:
@@ -234,9 +245,13 @@ class _BlockFuser:
         outs = self._outputs(members)
         if any(self.ops[v.node()].aliases_input and not self._private(v.node().inputsAt(0), mset) for v in outs):
             return None
-        reduced = {tuple(sorted(m.inputsAt(1).toIValue())) for m in members
+        reduced = {reduced_dims(m) for m in members
                    if self.ops.get(m) is not None and self.ops[m].reduction is not None}
         if len(reduced) > 1:  # one set of reduced dims per group (a row kernel)
+            return None
+        # a group with a reduction runs eager's ops under autograd (no reduction derivatives yet), where rand_like
+        # would draw eager's numbers, not the kernel's Philox ones that a no-grad call of the same group draws
+        if reduced and any(getattr(self.ops.get(m), "random", False) for m in members):
             return None
         for m in members:  # a cat's result is not consumed inside its own group (it is not a map value)
             op = self.ops.get(m)

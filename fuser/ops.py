@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 ARG_NAMES = ("a", "b", "c", "d")
 
@@ -383,7 +383,14 @@ class Reduction:
     double for float64 (eager's sum and mean; the CPU kernels accumulate in double), else the compute type
     (max and min are exact); mean: the result is the sum over the row's length. Arguments: ``self``, ``dim``
     (a constant tuple of ints; empty or None: every dim), ``keepdim``, and for sum and mean the ``dtype`` the
-    input is converted to before the sum (eager's rule)."""
+    input is converted to before the sum (eager's rule).
+
+    variance: two passes along the row, the mean and then the sum of squared deviations from it, over
+    ``max(0, n - correction)`` (eager's divisor: a row of n <= correction gives inf or NaN, as eager's does);
+    the correction is :func:`correction` of the node's constant arguments. composite: an eager op that is no
+    reduction itself but reduces (softmax, layer_norm, rms_norm, std): the row kernel runs its steps
+    (``fuser.rows.decompose.expand``); the group IR, the fallback and autograd keep the eager op whole.
+    """
 
     kind: str
     identity: str
@@ -391,6 +398,12 @@ class Reduction:
     wide: bool
     mean: bool = False
     has_dtype: bool = False
+    variance: bool = False
+    composite: bool = False
+
+
+def _composite(kind: str) -> Reduction:
+    return Reduction(kind, "", "", True, composite=True)
 
 
 REDUCTIONS: dict[str, Reduction] = {
@@ -399,21 +412,79 @@ REDUCTIONS: dict[str, Reduction] = {
     # eager's amax/amin propagate NaN (fz_max/fz_min do); an empty row raises in eager (the executor falls back)
     "aten::amax": Reduction("amax", "FZ_LOWEST($A)", "fz_rmax", False),
     "aten::amin": Reduction("amin", "FZ_HIGHEST($A)", "fz_rmin", False),
+    "aten::var.correction": Reduction("var", "(($A)0)", "fz_rsum", True, variance=True),
+    "aten::var.dim": Reduction("var", "(($A)0)", "fz_rsum", True, variance=True),
+    "aten::std.correction": _composite("std"),
+    "aten::std.dim": _composite("std"),
+    "aten::softmax.int": _composite("softmax"),
+    "aten::log_softmax.int": _composite("log_softmax"),
+    "aten::layer_norm": _composite("layer_norm"),
+    "aten::rms_norm": _composite("rms_norm"),
 }
 
+# per composite: the positions of its optional tensor arguments (weight, bias), which need not be constants
+COMPOSITE_TENSOR_ARGS: dict[str, tuple[int, ...]] = {"aten::layer_norm": (2, 3), "aten::rms_norm": (2,)}
 
-# what the pass looks up by a node's schema (ops.lookup serves pointwise ops only)
-REDUCTION_DEFS: dict[str, OpDef] = {s: OpDef(s.split("(", 1)[0], (s,), {}, reduction=REDUCTIONS[s.split("(", 1)[0]])
-                                    for s in (
+_REDUCTION_SCHEMAS = (
     "aten::sum.dim_IntList(Tensor self, int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor",
     "aten::mean.dim(Tensor self, int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor",
     "aten::amax(Tensor self, int[1] dim=[], bool keepdim=False) -> Tensor",
-    "aten::amin(Tensor self, int[1] dim=[], bool keepdim=False) -> Tensor")}
+    "aten::amin(Tensor self, int[1] dim=[], bool keepdim=False) -> Tensor",
+    "aten::var.correction(Tensor self, int[1]? dim=None, *, Scalar? correction=None, bool keepdim=False) -> Tensor",
+    "aten::var.dim(Tensor self, int[1]? dim, bool unbiased=True, bool keepdim=False) -> Tensor",
+    "aten::std.correction(Tensor self, int[1]? dim=None, *, Scalar? correction=None, bool keepdim=False) -> Tensor",
+    "aten::std.dim(Tensor self, int[1]? dim, bool unbiased=True, bool keepdim=False) -> Tensor",
+    "aten::softmax.int(Tensor self, int dim, ScalarType? dtype=None) -> Tensor",
+    "aten::log_softmax.int(Tensor self, int dim, ScalarType? dtype=None) -> Tensor",
+    "aten::layer_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, Tensor? bias=None, "
+    "float eps=1.0000000000000001e-05, bool cudnn_enable=True) -> Tensor",
+    "aten::rms_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> Tensor")
+
+
+# what the pass looks up by a node's schema (ops.lookup serves pointwise ops only); ops this torch lacks
+# (rms_norm before 2.4) are left out
+def _reduction_defs() -> dict[str, OpDef]:
+    import torch
+    defs = {}
+    for s in _REDUCTION_SCHEMAS:
+        name = s.split("(", 1)[0]
+        base = name.split(".")[0]
+        if s in {str(x) for x in torch._C._jit_get_schemas_for_operator(base)}:
+            defs[s] = OpDef(name, (s,), {}, reduction=REDUCTIONS[name])
+    return defs
+
+
+REDUCTION_DEFS: dict[str, OpDef] = _reduction_defs()
 
 
 def reduction(op: str) -> Optional[Reduction]:
     """The reduction an ATen overload name stands for, or None (pointwise ops are in the table above)."""
     return REDUCTIONS.get(op)
+
+
+def reduced_dims(op: str, args: Sequence) -> Optional[tuple]:
+    """The dims a reduction or composite node ``op(*args)`` reduces, as its constant arguments give them (None
+    for every dim, or where they are not constants of the form): ``dim`` (a list, or softmax's one int), or a
+    normalization's last ``len(normalized_shape)`` dims."""
+    red = REDUCTIONS.get(op)
+    if red is None:
+        return None
+    a = args[1]
+    if red.kind in ("softmax", "log_softmax"):
+        return (a,) if isinstance(a, int) and not isinstance(a, bool) else None
+    if not isinstance(a, (list, tuple)) or not a or not all(isinstance(d, int) for d in a):
+        return None
+    if red.kind in ("layer_norm", "rms_norm"):
+        return tuple(range(-len(a), 0))
+    return tuple(a)
+
+
+def correction(op: str, args: Sequence) -> float:
+    """A variance's correction (``var.correction``: the argument, 1 when None; ``var.dim``: 1 if unbiased)."""
+    c = args[2]
+    if op.endswith(".dim"):
+        return 1.0 if c else 0.0
+    return 1.0 if c is None else float(c)
 
 
 def lookup_reduction(schema: str) -> Optional[OpDef]:

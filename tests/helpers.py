@@ -424,3 +424,17 @@ ARITH_IR = """graph(%x : Tensor, %y : Tensor, %z : Tensor):
   %c : Tensor = aten::div(%b, %y)
   %d : Tensor = aten::sub(%c, %x, %one)
   return (%d)"""
+
+
+def row_kernels_on_both(group, args) -> list:
+    """The outputs of ``group``'s CPU row kernel and of its CUDA one through the host emulation (fuser/rows/); both
+    must run fused (the plan says why not)."""
+    from fuser import executor, rows
+    from fuser.kernel_cache import STORE
+    from fuser.rows import emulate as row_emulate
+    spec = STORE.get(STORE.register(group))
+    cpu = executor.run(spec, args)
+    assert cpu is not None, executor.plan(spec, args)
+    cuda = row_emulate.run(group, args)
+    assert cuda is not None, rows.plan(spec, args, "cuda")
+    return [cpu, cuda]

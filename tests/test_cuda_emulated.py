@@ -324,7 +324,9 @@ def test_dropout_float_arguments_come_before_the_philox_state(dtype):
 # the benchmark's workloads: the groups the pass makes of them, on their small shapes, against the same
 # subgraph run op by op in float64
 
-BENCH = {wl.name: wl for wl in bench.WORKLOADS if not wl.train and not wl.random}
+# (the row kernels' workloads are emulated by tests/test_normalizations.py)
+BENCH = {wl.name: wl for wl in bench.WORKLOADS if not wl.train and not wl.random and wl.name not in
+         bench.workloads.ROW_WORKLOADS}
 BENCH_PARAMS = [(name, dt, i32) for name, wl in BENCH.items() for dt in wl.dtypes for i32 in (True, False)]
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fuser
+from helpers import row_kernels_on_both
 from fuser import executor, ir, rows
 from fuser.cuda import emulate
 from fuser.kernel_cache import STORE
@@ -190,14 +191,7 @@ def test_cuda_row_kernel_matches_eager(case, dtype):
 
 # ---------------------------------------------------------------------------------- layouts and edges
 
-def _both(group: ir.Group, args) -> list:
-    """The outputs of the CPU row kernel and of the emulated CUDA one (both must run fused)."""
-    spec = _spec(group)
-    cpu = executor.run(spec, args)
-    assert cpu is not None, executor.plan(spec, args)
-    cuda = row_emulate.run(group, args)
-    assert cuda is not None, rows.plan(spec, args, "cuda")
-    return [cpu, cuda]
+_both = row_kernels_on_both
 
 
 def test_strided_and_broadcast_inputs():

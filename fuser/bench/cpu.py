@@ -17,6 +17,10 @@ CPU = Config(warmup=max(5, _PROFILED_RUNS + 3), warmup_s=0.3, batch_calls=3, bat
              host_repeats=7, copy_bytes=2 ** 28, copy_repeats=5)
 CPU_LARGE = {"mul_add": (2 ** 22,), "gelu_bias": (1024, 4096), "lstm_cell": (1024, 1024), "silu_scale": (2 ** 22,),
              "dropout_residual": (1024, 4096)}  # the *_train rows take their forward's
+# issue 12's normalization rows: 4M elements at each row length
+CPU_LARGE.update({f"{op}{suffix}": (2 ** 22 // cols, cols) for op in ("softmax_scale", "layer_norm_affine", "rms_norm_weight")
+                  for suffix, cols in (("", 4096), ("_r512", 512), ("_r16k", 16384), ("_r64k", 65536))})
+CPU_LARGE["bias_residual_layer_norm"] = (1024, 4096)
 CPU_DTYPES = (torch.float32, torch.bfloat16)
 
 

@@ -161,3 +161,51 @@ WORKLOADS += (
                             _randn((s[1], 1, 1), dt, dev), _randn((s[1], 1, 1), dt, dev)],
     ),
 )
+
+
+# ---- issue 12: normalizations (row kernels, fuser/rows/), forward. The normalized shape is a constant of the
+# source (the TorchScript pass fuses a layer_norm/rms_norm whose normalized_shape is one), so each row length is a
+# workload of its own, its sizes sharing the row length: [16384 x 4096] (no suffix), and rows of 512, 16384 and
+# 65536 elements at about the same element count (2^26). Each normalization comes with the pointwise op real models
+# put next to it (attention's scale; the weight, or weight and bias, applied outside the norm, as Hugging Face's
+# RMSNorm and T5's layer norm do): a normalization alone is eager's one kernel, which the pass leaves to eager
+# (graph_fuser.MIN_GROUP_KERNELS).
+_ROW_LENGTHS = {"": (16384, 4096), "_r512": (131072, 512), "_r16k": (4096, 16384), "_r64k": (1024, 65536)}
+_NORM_SOURCES = {
+    "softmax_scale": "def {name}(x: Tensor) -> Tensor:\n"
+                     "    return torch.softmax(x * 0.125, -1)\n",
+    "layer_norm_affine": "def {name}(x: Tensor, w: Tensor, b: Tensor) -> Tensor:\n"
+                         "    return torch.layer_norm(x, [{cols}], None, None, 1e-5) * w + b\n",
+    "rms_norm_weight": "def {name}(x: Tensor, w: Tensor) -> Tensor:\n"
+                       "    return torch.rms_norm(x, [{cols}], None, 1e-6) * w\n",
+}
+_NORM_VECTORS = {"softmax_scale": 0, "layer_norm_affine": 2, "rms_norm_weight": 1}  # vectors of the row length
+
+
+def _norm_inputs(n_vectors: int) -> Callable:
+    return lambda s, dt, dev: [_randn(s, dt, dev)] + [_randn(s[1:], dt, dev) for _ in range(n_vectors)]
+
+
+def _norm_shapes(rows: int, cols: int) -> dict:
+    return {"large": (rows, cols), "small": (8, cols), "quick": (max(2, 2 ** 18 // cols), cols)}
+
+
+# the workloads of this block: their groups run as row kernels (tests/test_normalizations.py emulates them; the
+# pointwise emulation of tests/test_cuda_emulated.py takes the others)
+ROW_WORKLOADS = frozenset([f"{op}{suffix}" for op in _NORM_SOURCES for suffix in _ROW_LENGTHS]
+                          + ["bias_residual_layer_norm"])
+WORKLOADS += tuple(
+    Workload(f"{op}{suffix}", src.format(name=f"{op}{suffix}", cols=cols), _norm_shapes(rows, cols),
+             _norm_inputs(_NORM_VECTORS[op]), dtypes=(torch.float32, torch.bfloat16))
+    for op, src in _NORM_SOURCES.items() for suffix, (rows, cols) in _ROW_LENGTHS.items()
+) + (
+    Workload(
+        "bias_residual_layer_norm",
+        "def bias_residual_layer_norm(x: Tensor, bias: Tensor, residual: Tensor, w: Tensor, b: Tensor) -> Tensor:\n"
+        "    return torch.layer_norm(x + bias + residual, [4096], w, b, 1e-5)\n",
+        _norm_shapes(16384, 4096),
+        lambda s, dt, dev: [_randn(s, dt, dev), _randn(s[1:], dt, dev), _randn(s, dt, dev), _randn(s[1:], dt, dev),
+                            _randn(s[1:], dt, dev)],
+        dtypes=(torch.float32, torch.bfloat16),
+    ),
+)

@@ -24,7 +24,7 @@ import torch.fx
 from .. import autodiff, ir, native, torch_ops  # noqa: F401 (torch_ops defines fuser::fusion_group)
 from ..kernel_cache import STORE, KernelSpec
 from .partition import Region
-from .support import full_args, is_barrier, overload_name, tensor_constant
+from .support import constant, full_args, is_barrier, overload_name, tensor_constant
 
 # fuser.explain sets this while it runs: called with (spec, args) on each group call, to see run-time fallbacks
 observer: Optional[Callable] = None
@@ -47,7 +47,7 @@ def lower(region: Region) -> ir.Group:
             if isinstance(a, torch.fx.Node):
                 args.append(env[a] if a in env else tensor_constant(a))
             else:
-                args.append(a)
+                args.append(constant(a))
         with b.steps_of(_origin(n, op)):
             env[n] = b.add(op, *args)
     return b.build([env[o] for o in region.outputs])

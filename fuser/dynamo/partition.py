@@ -24,7 +24,8 @@ import torch
 import torch.fx
 
 from ..graph_fuser import MAX_GROUP_ARGS, MIN_GROUP_KERNELS
-from .support import Support, fake, is_barrier, tensor_constant
+from .. import ops
+from .support import Support, fake, is_barrier, overload_name, reduced_dims, tensor_constant
 
 
 @dataclass
@@ -178,6 +179,13 @@ class _Partitioner:
         n_args = len(self.inputs(ordered)) + len(outs)
         if n_args > MAX_GROUP_ARGS:
             return f"the input/output limit: joining would make {n_args} inputs and outputs (at most {MAX_GROUP_ARGS})"
+        rows = _row_refusal(ordered, outs)
+        if rows is not None:  # a region with reductions: a row kernel's shapes
+            if rows:
+                return rows
+            if self._closes_cycle(consumer, producer, merged):
+                return "a cycle: a node outside the group both needs a group value and feeds the group"
+            return None
         shapes = [_shape(n) for n in ordered]
         full = broadcast(shapes)
         if full is None:
@@ -234,6 +242,32 @@ class _Partitioner:
                 continue
             regions.append(Region(ordered, self.inputs(ordered), self.outputs(ordered)))
         return Partition(regions, left_out)
+
+
+def _row_refusal(ordered: list, outs: list) -> Optional[str]:
+    """For a region holding reductions (``fuser/rows/``): why its shapes are not a row kernel's, or "" when
+    they are; None for a region without reductions. Every reduction reduces the same trailing dims of values of
+    one shape F; every value broadcasts to F; the outputs are F-shaped, or row-shaped (F with the reduced dims
+    kept as 1 or dropped), and contiguous. The executor checks the rest per call and falls back otherwise."""
+    reds = [n for n in ordered if ops.reduction(overload_name(n) or "") is not None]
+    if not reds:
+        return None
+    dims = {reduced_dims(n) for n in reds}
+    fulls = {_shape(n.args[0]) for n in reds}
+    if len(dims) > 1 or len(fulls) > 1 or None in dims or None in fulls:
+        return "reductions of different dims or of values of different shapes (one row kernel each)"
+    full, k = fulls.pop(), len(dims.pop())
+    rows = (full[:len(full) - k] + (1,) * k, full[:len(full) - k])
+    for n in ordered:
+        s = _shape(n)
+        if s is None or (s not in rows and broadcast([s, full]) != full):
+            return f"{n.name} of shape {_pretty(s or ())} is neither the rows' elements {_pretty(full)} nor a row's value"
+    for o in outs:
+        if _shape(o) != full and _shape(o) not in rows:
+            return f"its value {o.name} of shape {_pretty(_shape(o))} is needed outside, and is no row kernel's output"
+        if not _contiguous(o):
+            return f"its value {o.name} is not contiguous in eager, and a group writes its outputs densely"
+    return ""
 
 
 def _pretty(shape) -> str:

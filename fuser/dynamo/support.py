@@ -120,6 +120,8 @@ def reason(node: torch.fx.Node) -> Optional[str]:
     if any(r.alias_info is not None for r in schema.returns):
         return f"{name} returns a view of its input (aliasing: a group's outputs are fresh tensors)"
     op = ops.of(name)
+    if op is None and ops.reduction(name) is not None:
+        return _reduction_reason(node, name)
     if op is None:
         return f"{name} is not in fuser's op table"
     if op.concat:
@@ -160,6 +162,58 @@ def reason(node: torch.fx.Node) -> Optional[str]:
         variant = args[op.variant_arg] if op.variant_arg is not None else None
         if op.template(variant, family(out.dtype), device.type) is None:
             return f"{name} has no {_dtype(out.dtype)} form in the op table (it computes in the result's dtype)"
+    return None
+
+
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def reduced_dims(node: torch.fx.Node) -> Optional[tuple]:
+    """The dims a reduction or normalization node (``ops.Reduction``) reduces, negative (-k..-1), when they are
+    constants and the trailing dims of its input's rank (a rank is no symbolic size: no guard); else None."""
+    name = overload_name(node)
+    v = fake(node.args[0]) if node.args else None
+    if name is None or ops.reduction(name) is None or v is None:
+        return None
+    try:
+        args = full_args(node, name)
+    except TypeError:
+        return None
+    dims = ops.reduced_dims(name, args)
+    rank = v.dim()
+    if not dims or not rank or any(not -rank <= d < rank for d in dims):
+        return None
+    dims = tuple(sorted({d % rank - rank for d in dims}))
+    return dims if dims == tuple(range(-len(dims), 0)) else None
+
+
+def constant(a):
+    """A constant argument as the group IR holds it: a list of ints (dims, a normalized shape) as a tuple."""
+    return tuple(a) if isinstance(a, list) else a
+
+
+def _reduction_reason(node: torch.fx.Node, name: str) -> Optional[str]:
+    """As :func:`reason`, for a reduction or a normalization kept whole (``ops.Reduction``): a row kernel runs it
+    (``fuser/rows/``) over trailing dims, with constant arguments besides a normalization's weight and bias."""
+    out = fake(node)
+    if out is None:
+        return f"{name} does not compute one tensor here"
+    if reduced_dims(node) is None:
+        return f"{name} reduces dims that are not constants or not its input's trailing dims (row kernels only)"
+    args = full_args(node, name)
+    tensors = (0,) + ops.COMPOSITE_TENSOR_ARGS.get(name, ())
+    for i, (p, a) in enumerate(zip(ir.params(name), args)):
+        if isinstance(a, torch.fx.Node):
+            v = fake(a)
+            if i not in tensors or v is None:
+                return f"{name}: argument {p.name} is not a constant a group holds"
+            if v.dtype not in _FLOATING or v.device != out.device:
+                return f"{name}: argument {p.name} is {_dtype(v.dtype)} on {v.device} (floating, on the result's device)"
+        elif not isinstance(a, _CONSTANT_TYPES + (list, tuple)) or not ir._accepts(
+                p.type, constant(a), numbers_as_tensors=True):
+            return f"{name}: argument {p.name} is {type(a).__name__} {a!r}, not a constant a group holds"
+    if out.dtype not in _FLOATING or out.device.type not in DEVICE_TYPES:
+        return f"{name} computes {_dtype(out.dtype)} on {out.device.type} (floating reductions on cpu and cuda only)"
     return None
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .program import _TCONST_TYPES, BY_OP, OP_NAMES, Arg, PNode, Program, TensorInput, _broadcast
+from .program import (_TCONST_TYPES, BY_OP, OP_NAMES, REDUCTION_CATALOG, Arg, PNode, Program, TensorInput,
+                      _broadcast)
 
 
 FLOAT_POOL = (0.5, -1.5, 2.0, 3.0, 0.0, -0.0, 1.0, -1.0, 0.1, 1e-3, -0.25, 7.0, 0.3333333333333333, 1e30, -1e30,
@@ -313,6 +314,15 @@ def generate(rng: random.Random, max_numel: int = 100_000, max_ops: int = 40) ->
             break
         if error_expected:
             break
+    reduced = None  # the op after an added reduction: always an output
+    if nodes and not error_expected:
+        # now and then a reduction or normalization over the last dim of the last value, and an op after it: drawn
+        # from a generator of its own, so that the pointwise programs of a seed stay what they were
+        side = random.Random(hash(rng.getstate()[1]))  # the state's ints: the same in every process
+        if side.random() < REDUCTION_RATE:
+            got = _add_reduction(side, nodes, shadow, shapes, last, full)
+            if got is not None:
+                last = reduced = got
     if not nodes:
         # always something: neg works on every dtype but bool, abs... use add with itself
         entry = next(e for e in BY_OP["add"] if e.overload == "Tensor")
@@ -331,8 +341,70 @@ def generate(rng: random.Random, max_numel: int = 100_000, max_ops: int = 40) ->
         outs = [("n", len(nodes) - 1)]
     rng.shuffle(outs)
     outs = outs[:8]
+    if reduced is not None and reduced not in outs:
+        outs = [reduced] + outs[:7]
     p = Program(tensors, floats, nodes, outs).compact()
     return Generated(p, recipes, rank, error_expected)
+
+
+REDUCTION_RATE = 0.15  # of the programs that get a reduction or normalization (generate)
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_REDUCTION_ENTRIES = {e.id: e for e in REDUCTION_CATALOG}
+
+
+def _reduction_args(kind: str, x: tuple, cols: int, side: random.Random) -> list:
+    """The arguments of reduction ``kind`` of value ``x`` over its last dim (keepdim, so its result broadcasts)."""
+    val, last = Arg("val", x), Arg("ints", (-1,))
+    if kind in ("sum.dim_IntList", "mean.dim"):
+        return [val, last, Arg("bool", True), Arg("none")]
+    if kind in ("amax", "amin"):
+        return [val, last, Arg("bool", True)]
+    if kind in ("var.correction", "std.correction"):
+        return [val, last, Arg("const", side.choice((0, 1))), Arg("bool", True)]
+    if kind in ("var.dim", "std.dim"):
+        return [val, last, Arg("bool", side.random() < 0.5), Arg("bool", True)]
+    if kind in ("softmax.int", "log_softmax.int"):
+        return [val, Arg("const", -1), Arg("none")]
+    if kind == "layer_norm":
+        return [val, Arg("ints", (cols,)), Arg("none"), Arg("none"), Arg("const", side.choice((1e-5, 1e-3))),
+                Arg("bool", True)]
+    if kind == "rms_norm":
+        return [val, Arg("ints", (cols,)), Arg("none"), Arg("none")]  # eps None
+    raise AssertionError(f"no arguments for {kind}")
+
+
+def _add_reduction(side: random.Random, nodes: list, shadow: dict, shapes: dict, last, full: tuple):
+    """Append a reduction (keepdim) or normalization over the last dim of ``last`` (a floating value of the full
+    shape), then ``sub(last, it)`` or ``add(it, last)``, which broadcasts it back: the row kernel's prologue and
+    epilogue. Returns the last node's ref, or None where it does not apply."""
+    if last is None or not full or shapes.get(last) != full or shadow[last].dtype not in _FLOATING:
+        return None
+    kind = side.choice(sorted(_REDUCTION_ENTRIES))
+    entry = _REDUCTION_ENTRIES[kind]
+    args = _reduction_args(kind, last, full[-1], side)
+    meta = torch.empty(full, dtype=shadow[last].dtype, device="meta")
+    vals = [meta if a.kind == "val" else None if a.kind == "none" else list(a.v) if a.kind == "ints" else a.v
+            for a in args]
+    pos = [v for v, (_, _, kwo) in zip(vals, entry.args) if not kwo]
+    kw = {name: v for v, (name, _, kwo) in zip(vals, entry.args) if kwo}
+    try:
+        res = entry.fn(*pos, **kw)
+    except Exception:  # noqa: BLE001  (an empty row's amax: no program)
+        return None
+    red = ("n", len(nodes))
+    nodes.append(PNode(entry, args))
+    shadow[red], shapes[red] = torch.empty((0,), dtype=res.dtype), tuple(res.shape)
+    if side.random() < 0.5:
+        epi = [Arg("val", last), Arg("val", red), Arg("const", 1)]
+        entry2 = next(e for e in BY_OP["sub"] if e.overload == "Tensor")
+    else:
+        epi = [Arg("val", red), Arg("val", last), Arg("const", 1)]
+        entry2 = next(e for e in BY_OP["add"] if e.overload == "Tensor")
+    out = ("n", len(nodes))
+    nodes.append(PNode(entry2, epi))
+    shadow[out] = torch.empty((0,), dtype=torch.promote_types(res.dtype, shadow[last].dtype))
+    shapes[out] = full
+    return out
 
 
 def graph_seed(seed: int, index: int) -> int:

@@ -40,6 +40,10 @@ def render(p: Program) -> str:
             if a.kind == "const":
                 ty = "int" if isinstance(a.v, int) else "float"
                 lines.append(f"  {c} : {ty} = prim::Constant[value={_fmt_scalar(a.v)}]()")
+            elif a.kind == "bool":
+                lines.append(f"  {c} : bool = prim::Constant[value={int(a.v)}]()")
+            elif a.kind == "ints":
+                lines.append(f"  {c} : int[] = prim::Constant[value=[{', '.join(map(str, a.v))}]]()")
             elif a.kind == "none":
                 lines.append(f"  {c} : NoneType = prim::Constant()")
             elif a.kind == "str":
@@ -53,7 +57,7 @@ def render(p: Program) -> str:
     return f"graph({', '.join(ins)}):\n" + "\n".join(lines) + f"\n  return ({outs})\n"
 
 
-_CONST_RE = re.compile(r"^\s*%[\w.]+ : (\w+)(\([^)]*\))? = prim::Constant(\[value=(.*)\])?\(\)\s*$")
+_CONST_RE = re.compile(r"^\s*%[\w.]+ : (\w+(?:\[\])?)(\([^)]*\))? = prim::Constant(\[value=(.*)\])?\(\)\s*$")
 _TYPE_DTYPES = {v: k for k, v in _TCONST_TYPES.items()}
 
 

@@ -46,6 +46,21 @@ def _catalog() -> list[OpSchema]:
 
 
 CATALOG = _catalog()
+
+
+def _reduction_catalog() -> list[OpSchema]:
+    """The reductions and normalizations the TorchScript pass fuses (``ops.REDUCTION_DEFS``): the generator adds
+    one now and then over the last dim (``generator._add_reduction``), apart from the pointwise catalog so that
+    the pointwise programs of a seed stay what they were."""
+    out = []
+    for schema, op in ops.REDUCTION_DEFS.items():
+        s = torch._C.parse_schema(schema)
+        out.append(OpSchema(op, schema, s.name, s.overload_name, [(a.name, str(a.type), a.kwarg_only)
+                                                                  for a in s.arguments]))
+    return out
+
+
+REDUCTION_CATALOG = _reduction_catalog()
 BY_OP: dict[str, list[OpSchema]] = collections.defaultdict(list)
 for _e in CATALOG:
     BY_OP[_e.op.name].append(_e)
@@ -64,7 +79,8 @@ _TCONST_TYPES = {torch.float64: "Double", torch.float32: "Float", torch.int64: "
 class Arg:
     """One node argument. kind: "val" (v = ("t", k) a tensor input or ("n", j) a node), "float" (v = index of
     a float graph input), "const" (v = a Python int/float), "none", "str" (v = the string), "tconst" (a 0-dim
-    tensor constant: v = its value, dtype)."""
+    tensor constant: v = its value, dtype), "bool" (v = True/False), "ints" (v = a tuple of ints: dims, a
+    normalized shape)."""
 
     kind: str
     v: Any = None
@@ -80,7 +96,7 @@ class PNode:
         return {"schema": self.schema.schema, "args": self.args}
 
     def __setstate__(self, st):
-        self.schema = next(e for e in CATALOG if e.schema == st["schema"])
+        self.schema = next(e for e in CATALOG + REDUCTION_CATALOG if e.schema == st["schema"])
         self.args = st["args"]
 
 

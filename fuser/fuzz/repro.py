@@ -32,7 +32,8 @@ def eager_code(p: Program) -> list:
         for a, (aname, atype, kwo) in zip(n.args, n.schema.args):
             s = (f"t{a.v[1]}" if a.kind == "val" and a.v[0] == "t" else f"v{a.v[1]}" if a.kind == "val" else
                  f"f{a.v}" if a.kind == "float" else _py_value(a.v) if a.kind == "const" else "None"
-                 if a.kind == "none" else repr(a.v) if a.kind == "str" else
+                 if a.kind == "none" else repr(a.v) if a.kind == "str" else repr(a.v) if a.kind == "bool" else
+                 repr(list(a.v)) if a.kind == "ints" else
                  f"torch.tensor({_py_value(a.v)}, dtype=torch.{DTYPE_NAMES[a.dtype]})")
             (kw.append(f"{aname}={s}") if kwo else pos.append(s))
         lines.append(f"v{j} = torch.ops.aten.{n.schema.kind.split('::')[1]}.{n.schema.overload or 'default'}"

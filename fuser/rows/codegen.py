@@ -122,12 +122,29 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         ident = red.identity.replace("$A", acc_t)
         body = element_lines([u]) + [f"acc{pos} = {red.combine}::f(acc{pos}, ({acc_t})({x}));"]
         after = []
-        if vector is not None:
+        if red.variance:  # a first pass for the row's mean; this pass sums the squared deviations from it
+            body = element_lines([u]) + [f"{{ const {acc_t} dv = ({acc_t})({x}) - mean{pos}; acc{pos} += dv * dv; }}"]
+            mean_after = [f"const {acc_t} mean{pos} = accm{pos} / ({acc_t})cols;"]
+            if cuda:
+                mean_after.insert(0, f"accm{pos} = fz_block_reduce<fz_rsum>(accm{pos}, fz_sh_{acc_t});")
+            phases.append(t.PHASE.substitute(
+                acc_decl=f"{acc_t} accm{pos} = {ident};", first="threadIdx.x" if cuda else f"c0_{pos}m",
+                step="blockDim.x" if cuda else "1",
+                body="\n".join(indent + ln for ln in element_lines([u]) + [f"accm{pos} += ({acc_t})({x});"]),
+                after="\n".join("    " + ln for ln in mean_after)))
+            if not cuda:
+                phases[-1] = f"    const int64_t c0_{pos}m = 0;\n" + phases[-1]
+            if vector is not None:
+                vector.on = False  # no vector form of the two passes (yet): scalar loops
+        elif vector is not None:
             vector.reduction(u, red, pos, acc_t, vdtype[u.id] == nt.compute, needed([u]))
         if cuda:
             shared.add(acc_t)
             after.append(f"acc{pos} = fz_block_reduce<{red.combine}>(acc{pos}, fz_sh_{acc_t});")
         result = f"acc{pos} / ({acc_t})cols" if red.mean else f"acc{pos}"
+        if red.variance:  # eager's divisor max(0, n - correction): n <= correction gives inf or NaN as eager's
+            c = ops.correction(n.op, n.args)
+            result = f"acc{pos} / ({acc_t})((double)cols - {c!r} > 0 ? (double)cols - {c!r} : 0.0)"
         rtype = value_type(nt.result, target)
         if nt.result in REDUCED and not n.origin:  # an eager op of its own: its result is stored in its dtype
             result = f"fz_ld(fz_st<{storage_type(nt.result)}>((float)({result})))"

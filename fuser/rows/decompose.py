@@ -1,28 +1,47 @@
-"""Normalizations as steps of the group IR: softmax, log_softmax and layer_norm written with reductions and
-pointwise ops, built into an ``ir.Builder`` as steps of the eager op (``Node.origin``: held unrounded between
-steps, as eager's one kernel computes them), so a front door that meets one emits these and the row kernel runs
-it. Each returns the values eager's op returns."""
+"""Normalizations as steps of the group IR: softmax, log_softmax, layer_norm, rms_norm and std written with
+reductions and pointwise ops, built into an ``ir.Builder`` as steps of the eager op (``Node.origin``: held
+unrounded between steps, as eager's one kernel computes them). Each returns the values eager's op returns.
+
+Two users: a front door that meets the op as steps (the torch.compile door's ``native_layer_norm``), and
+:func:`expand`, which gives the row kernel a group whose composite nodes (``ops.Reduction.composite``: the
+TorchScript pass keeps ``aten::layer_norm`` whole in the group, so the fallback, the meta evaluation and
+autograd run eager's own op with eager's checks and errors) are replaced by their steps.
+"""
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .. import ir
+import torch
+
+from .. import ir, ops
+
+FLOAT32_EPS = float(torch.finfo(torch.float32).eps)  # rms_norm's eps when None, below float64 (see rms_norm)
 
 
 def _dims(dim: int) -> tuple:
     return (dim,)
 
 
-def softmax(b: ir.Builder, x: ir.Value, dim: int) -> ir.Value:
-    """``aten::softmax.int(x, dim)`` (no dtype argument): exp(x - max) over its sum."""
+def _cast(b: ir.Builder, x: ir.Value, dtype) -> ir.Value:
+    """``x.to(dtype)`` as eager's separate op does it before softmax(x, dtype=...): stored in ``dtype``."""
+    with b.steps_of(""):
+        return b.add("aten::_to_copy", x, dtype, None, None, None, False, None)
+
+
+def softmax(b: ir.Builder, x: ir.Value, dim: int, dtype=None) -> ir.Value:
+    """``aten::softmax.int(x, dim, dtype)``: exp(x - max) over its sum (``x`` converted to ``dtype`` first)."""
+    if dtype is not None:
+        x = _cast(b, x, dtype)
     with b.steps_of("aten::softmax"):
         m = b.add("aten::amax", x, _dims(dim), True)
         e = b.call("aten::exp", b.call("aten::sub", x, m, 1))
         return b.call("aten::div", e, b.add("aten::sum.dim_IntList", e, _dims(dim), True, None))
 
 
-def log_softmax(b: ir.Builder, x: ir.Value, dim: int) -> ir.Value:
-    """``aten::log_softmax.int(x, dim)`` (no dtype argument): (x - max) - log(sum(exp(x - max)))."""
+def log_softmax(b: ir.Builder, x: ir.Value, dim: int, dtype=None) -> ir.Value:
+    """``aten::log_softmax.int(x, dim, dtype)``: (x - max) - log(sum(exp(x - max)))."""
+    if dtype is not None:
+        x = _cast(b, x, dtype)
     with b.steps_of("aten::log_softmax"):
         m = b.add("aten::amax", x, _dims(dim), True)
         d = b.call("aten::sub", x, m, 1)
@@ -30,18 +49,92 @@ def log_softmax(b: ir.Builder, x: ir.Value, dim: int) -> ir.Value:
         return b.call("aten::sub", d, b.call("aten::log", s), 1)
 
 
-def layer_norm(b: ir.Builder, x: ir.Value, normalized_shape: Sequence[int], weight: Optional[ir.Value],
-               bias: Optional[ir.Value], eps: float) -> ir.Value:
-    """``aten::layer_norm``: (x - mean) * rsqrt(mean((x - mean)^2) + eps), times weight, plus bias (each when
-    given), over the last ``len(normalized_shape)`` dims (eager checks they are ``normalized_shape``)."""
+def layer_norm_stats(b: ir.Builder, x: ir.Value, normalized_shape: Sequence[int], weight: Optional[ir.Value],
+                     bias: Optional[ir.Value], eps, origin: str = "aten::layer_norm") -> tuple:
+    """(y, mean, rstd) of layer norm over the last ``len(normalized_shape)`` dims (mean and rstd keepdim, as
+    ``native_layer_norm`` returns them)."""
     dims = tuple(range(-len(normalized_shape), 0))
-    with b.steps_of("aten::layer_norm"):
+    with b.steps_of(origin):
         mu = b.add("aten::mean.dim", x, dims, True, None)
         d = b.call("aten::sub", x, mu, 1)
         var = b.add("aten::mean.dim", b.call("aten::mul", d, d), dims, True, None)
-        y = b.call("aten::mul", d, b.call("aten::rsqrt", b.call("aten::add", var, eps, 1)))
+        r = b.call("aten::rsqrt", b.call("aten::add", var, eps, 1))
+        y = b.call("aten::mul", d, r)
         if weight is not None:
             y = b.call("aten::mul", y, weight)
         if bias is not None:
             y = b.call("aten::add", y, bias, 1)
+        return y, mu, r
+
+
+def layer_norm(b: ir.Builder, x: ir.Value, normalized_shape: Sequence[int], weight: Optional[ir.Value],
+               bias: Optional[ir.Value], eps) -> ir.Value:
+    """``aten::layer_norm``: (x - mean) * rsqrt(mean((x - mean)^2) + eps), times weight, plus bias (each when
+    given), over the last ``len(normalized_shape)`` dims (eager checks they are ``normalized_shape``)."""
+    return layer_norm_stats(b, x, normalized_shape, weight, bias, eps)[0]
+
+
+def rms_norm(b: ir.Builder, x: ir.Value, normalized_shape: Sequence[int], weight: Optional[ir.Value],
+             eps: Optional[float]) -> ir.Value:
+    """``aten::rms_norm``: x * rsqrt(mean(x * x) + eps), times weight when given, over the last
+    ``len(normalized_shape)`` dims, computed in float for float16/bfloat16. ``eps`` None: eager takes the
+    machine epsilon of the computation dtype, float32's below float64 (``FLOAT32_EPS``; the row plan falls back
+    for a float64 one, see ``fuser.rows.plan``)."""
+    dims = tuple(range(-len(normalized_shape), 0))
+    with b.steps_of("aten::rms_norm"):
+        ms = b.add("aten::mean.dim", b.call("aten::mul", x, x), dims, True, None)
+        r = b.call("aten::rsqrt", b.call("aten::add", ms, FLOAT32_EPS if eps is None else eps, 1))
+        y = b.call("aten::mul", x, r)
+        if weight is not None:
+            y = b.call("aten::mul", y, weight)
         return y
+
+
+def std(b: ir.Builder, op: str, x: ir.Value, dim, c, keepdim) -> ir.Value:
+    """``aten::std.correction`` / ``aten::std.dim``: the square root of the variance of the same arguments."""
+    with b.steps_of("aten::std"):
+        return b.call("aten::sqrt", b.add(op.replace("std", "var"), x, dim, c, keepdim))
+
+
+def _step(b: ir.Builder, n: ir.Node, args: list) -> ir.Value:
+    kind = ops.reduction(n.op).kind
+    if kind in ("softmax", "log_softmax"):
+        return globals()[kind](b, args[0], args[1], args[2])
+    if kind == "layer_norm":
+        return layer_norm(b, args[0], args[1], args[2], args[3], args[4])
+    if kind == "rms_norm":
+        return rms_norm(b, args[0], args[1], args[2], args[3])
+    if kind == "std":
+        return std(b, n.op, *args)
+    raise ValueError(f"no steps for {n.op}")
+
+
+def expand(group: ir.Group) -> ir.Group:
+    """``group`` with each composite node replaced by its steps (the same inputs, in order, and outputs); the
+    group itself when it has none. Cached on the group."""
+    got = group._cache.get("expanded")
+    if got is not None:
+        return got
+    if not any(getattr(ops.reduction(n.op), "composite", False) for n in group.nodes):
+        group._cache["expanded"] = group
+        return group
+    b = ir.Builder()
+    env = {v.id: b.input(v.kind, v.dtype, v.rank) for v in group.inputs}
+
+    def arg(a):
+        if isinstance(a, ir.Value):
+            return env[a.id]
+        if isinstance(a, tuple):
+            return tuple(arg(x) for x in a)
+        return a
+
+    for n in group.nodes:
+        args = [arg(a) for a in n.args]
+        red = ops.reduction(n.op)
+        if red is not None and red.composite:
+            env[n.out.id] = _step(b, n, args)
+        else:
+            with b.steps_of(n.origin):
+                env[n.out.id] = b.add(n.op, *args)
+    got = group._cache["expanded"] = b.build([env[v.id] for v in group.outputs])
+    return got

@@ -15,6 +15,7 @@ import torch
 
 from .. import codegen, settings
 from . import codegen as row_codegen
+from . import decompose
 from . import templates as t
 from .plan import RowPlan
 
@@ -39,7 +40,7 @@ def source_for(spec, p: RowPlan) -> tuple[str, str]:
     """(name, source) of the row kernel of ``spec`` for plan ``p``; raises codegen.NotFusable."""
     name = kernel_name(spec.text, p.key)
     from .. import compiler
-    source = row_codegen.generate(spec.group, [dt for dt, _ in p.key.inputs], p.types, p.key.target, name,
+    source = row_codegen.generate(decompose.expand(spec.group), [dt for dt, _ in p.key.inputs], p.types, p.key.target, name,
                                   len(p.scalars), vectorize=p.key.target == "cpu" and compiler._cpu_vectorize(),
                                   round_reduced=settings.round_reduced)
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
@@ -63,7 +64,13 @@ def build(spec, p: RowPlan) -> Optional[RowKernel]:
     if compiled:
         compiler._count_compile()
     return RowKernel(name, source, p.key.target, tuple(p.out_dtypes), backend,
-                     compiler._scalar_limits(spec, p.types), (time.perf_counter() - t0) * 1e3)
+                     compiler._scalar_limits(_Steps(decompose.expand(spec.group)), p.types), (time.perf_counter() - t0) * 1e3)
+
+
+@dataclass
+class _Steps:
+    """What ``compiler._scalar_limits`` reads of a spec: the group whose nodes the plan's types describe."""
+    group: object
 
 
 # ---- CPU

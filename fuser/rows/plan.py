@@ -21,6 +21,7 @@ from .. import codegen, executor, ir, ops
 from ..descs import DTYPES
 from ..fallback import evaluate
 from ..kernel_cache import KernelSpec
+from . import decompose
 
 MAX_LEAD_DIMS = 8  # compressed row dims (the CUDA argument struct's arrays)
 FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -71,6 +72,25 @@ def _dims(node: ir.Node, rank: int) -> list[int]:
     return sorted({d % rank for d in dims}) if rank else []
 
 
+def _steps_differ(group: ir.Group, steps: ir.Group, meta_args: list, values: list) -> str:
+    """Why the steps of ``group``'s composite ops (``decompose.expand``) would not give eager's outputs for these
+    inputs (their dtypes or shapes differ: a float32 weight of a bfloat16 layer_norm, whose eager kernel keeps
+    the input's dtype; rms_norm's default eps in float64), or ""."""
+    value_of = {n.out.id: v for n, v in zip(group.nodes, values[len(group.outputs):])}
+    value_of.update({v.id: a for v, a in zip(group.inputs, meta_args)})
+    for n in group.nodes:
+        if n.op == "aten::rms_norm" and n.args[3] is None and value_of[n.args[0].id].dtype == torch.float64:
+            return "rms_norm's default eps in float64 (the steps take float32's)"
+    try:
+        outs = evaluate(steps, meta_args)
+    except Exception as e:
+        return f"the steps of a composite op reject these inputs: {e}"
+    for o, want in zip(outs, values):
+        if o.dtype != want.dtype or o.shape != want.shape:
+            return f"the steps of a composite op give {o.dtype} {list(o.shape)}, eager {want.dtype} {list(want.shape)}"
+    return ""
+
+
 def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Union[RowPlan, str]:
     """A :class:`RowPlan` for ``args``, or the reason to fall back. ``target``: as for ``executor.plan`` (the
     CUDA emulator plans "cuda" kernels for CPU tensors)."""
@@ -83,11 +103,18 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
         return "an output is an input (a kernel's outputs are fresh tensors)"
     metas_list = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in tensors]
     metas = iter(metas_list)
+    meta_args = [next(metas) if is_t else a for a, is_t in zip(args, spec.input_is_tensor)]
     try:
-        values = evaluate(group, [next(metas) if is_t else a for a, is_t in zip(args, spec.input_is_tensor)],
-                          every_value=True)[len(group.outputs):]
+        values = evaluate(group, meta_args, every_value=True)
     except Exception as e:  # eager raises for these inputs: the fallback shows its error
         return f"eager rejects these inputs: {e}"
+    steps = decompose.expand(group)
+    if steps is not group:  # composite ops (softmax, layer_norm, ...): the kernel runs their steps
+        why = _steps_differ(group, steps, meta_args, values)
+        if why:
+            return why
+        group, values = steps, evaluate(steps, meta_args, every_value=True)
+    values = values[len(group.outputs):]
     shape = {v.id: tuple(t.shape) for v, t in zip([v for v in group.inputs if v.is_tensor], tensors)}
     dtype = {v.id: t.dtype for v, t in zip([v for v in group.inputs if v.is_tensor], tensors)}
     for n, val in zip(group.nodes, values):
