@@ -436,5 +436,8 @@ def row_kernels_on_both(group, args) -> list:
     cpu = executor.run(spec, args)
     assert cpu is not None, executor.plan(spec, args)
     cuda = row_emulate.run(group, args)
+    if any(n.op == "aten::rms_norm" for n in group.nodes):  # eager's CUDA kernel differs on overflowing rows
+        assert cuda is None and "rms_norm on CUDA" in rows.plan(spec, args, "cuda")
+        return [cpu]
     assert cuda is not None, rows.plan(spec, args, "cuda")
     return [cpu, cuda]

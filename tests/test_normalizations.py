@@ -197,6 +197,9 @@ def test_cuda_row_kernel_emulated_matches_eager(case, dtype, emulated):
     for n in EMULATED_LENGTHS:
         args = case.inputs(dtype, n)
         out = row_emulate.run(_group(case, n), args, emulated)
+        if case.id.startswith("rms_norm"):  # eager's CUDA kernel differs from its composite on overflowing rows
+            assert out is None and "rms_norm on CUDA" in rows.plan(_spec(_group(case, n)), args, "cuda")
+            continue
         assert out is not None, rows.plan(_spec(_group(case, n)), args, "cuda")
         _check(out, case, args)
 
@@ -214,7 +217,7 @@ def test_cuda_row_kernel_emulated_on_a_long_row(emulated):
 def test_cuda_row_kernels_compile_with_nvrtc(arch):
     """What the emulation runs is CUDA: NVRTC compiles each case's source (float32 and bfloat16)."""
     from fuser.cuda import driver
-    for case in CASES:
+    for case in [c for c in CASES if not c.id.startswith("rms_norm")]:  # (rms_norm is not fused on CUDA)
         for dtype in (torch.float32, torch.bfloat16):
             spec = _spec(_group(case, 40))
             p = rows.plan(spec, case.inputs(dtype, 40), "cuda")
@@ -229,6 +232,9 @@ def test_cuda_row_kernel_matches_eager(case, dtype):
         spec = _spec(_group(case, n))
         args = [a.cuda() for a in case.inputs(dtype, n)]
         out = executor.run(spec, args)
+        if case.id.startswith("rms_norm"):  # eager's CUDA kernel differs from its composite on overflowing rows
+            assert out is None and "rms_norm on CUDA" in executor.plan(spec, args)
+            continue
         assert out is not None, executor.plan(spec, args)
         _check([o.cpu() for o in out], case, [a.cpu() for a in args])
 

@@ -212,6 +212,14 @@ def uncertainty(steps, ref_steps, device, weak: Optional[dict] = None, spreads: 
             if near is not None and bool(near.any()):
                 mask = near if mask is None else (mask | near)
         if mask is not None and isinstance(val, torch.Tensor):
+            if mask.dim() == val.dim() and any(m != v and v == 1 for m, v in zip(mask.shape, val.shape)):
+                # a reduction with keepdim: an uncertain element makes its whole row's result uncertain
+                dims = [d for d, (m, v) in enumerate(zip(mask.shape, val.shape)) if m != v and v == 1]
+                mask = mask.any(dim=dims[0], keepdim=True) if len(dims) == 1 else mask.flatten(dims[0]).any(
+                    dim=dims[0], keepdim=True).reshape([1 if d in dims else s for d, s in enumerate(mask.shape)])
+            elif mask.dim() > val.dim() or (mask.dim() == val.dim() and mask.shape != val.shape and any(
+                    m != v and m != 1 for m, v in zip(mask.shape, val.shape))):
+                mask = mask.any().expand(val.shape)  # a reduction without keepdim: the row is unknown
             mask = torch.broadcast_to(mask, val.shape)
         masks[n.output().unique()] = mask
     return masks
