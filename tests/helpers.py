@@ -441,3 +441,60 @@ def row_kernels_on_both(group, args) -> list:
         return [cpu]
     assert cuda is not None, rows.plan(spec, args, "cuda")
     return [cpu, cuda]
+
+
+# ---- written-out reductions shared by tests/test_reductions.py and tests/test_reduction_grad.py
+
+REDUCE_OPS = {"sum": "aten::sum.dim_IntList", "mean": "aten::mean.dim", "amax": "aten::amax", "amin": "aten::amin"}
+REDUCE_EAGER = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "amin": torch.amin}
+
+
+def reduce_node(b, kind: str, x, dims, keepdim, dtype=None):
+    """A reduction node of ``kind`` over ``dims`` (sum and mean take a dtype argument, None by default)."""
+    args = (x, tuple(dims), keepdim) + ((dtype,) if kind in ("sum", "mean") else ())
+    return b.add(REDUCE_OPS[kind], *args)
+
+
+def written_softmax():
+    """(group builder, eager): softmax over the last dim written out (amax, exp(x - max), its sum, the quotient),
+    and the row sums (keepdim) as a second output."""
+    from fuser import ir
+
+    def group():
+        b = ir.Builder()
+        x = b.input()
+        m = reduce_node(b, "amax", x, (-1,), True)
+        e = b.call("aten::exp", b.call("aten::sub", x, m, 1))
+        s = reduce_node(b, "sum", e, (-1,), True)
+        return b.build([b.call("aten::div", e, s), s])
+
+    def eager(x):
+        e = torch.exp(x - x.amax(-1, keepdim=True))
+        s = e.sum(-1, keepdim=True)
+        return [e / s, s]
+
+    return group, eager
+
+
+def written_layer_norm():
+    """(group builder, eager): layer norm over the last dim written out, eps a float input, weight and bias
+    broadcast; the mean and rstd (row-level, keepdim) are outputs too."""
+    from fuser import ir
+
+    def group():
+        b = ir.Builder()
+        x, w, c, eps = b.input(), b.input(), b.input(), b.input(ir.FLOAT)
+        mu = reduce_node(b, "mean", x, (-1,), True)
+        d = b.call("aten::sub", x, mu, 1)
+        var = reduce_node(b, "mean", b.call("aten::mul", d, d), (-1,), True)
+        r = b.call("aten::rsqrt", b.call("aten::add", var, eps, 1))
+        y = b.call("aten::add", b.call("aten::mul", b.call("aten::mul", d, r), w), c, 1)
+        return b.build([y, mu, r])
+
+    def eager(x, w, c, eps):
+        mu = x.mean(-1, keepdim=True)
+        d = x - mu
+        r = torch.rsqrt((d * d).mean(-1, keepdim=True) + eps)
+        return [d * r * w + c, mu, r]
+
+    return group, eager

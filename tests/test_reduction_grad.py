@@ -13,7 +13,7 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import FUSED_BACKWARD
+from helpers import FUSED_BACKWARD, REDUCE_EAGER, REDUCE_OPS, reduce_node, written_layer_norm, written_softmax
 
 import fuser
 from fuser import autodiff, executor, ir
@@ -23,8 +23,6 @@ from fuser.kernel_cache import STORE
 from fuser.rows import decompose
 from fuser.rows import emulate as row_emulate
 
-_RED = {"sum": "aten::sum.dim_IntList", "mean": "aten::mean.dim", "amax": "aten::amax", "amin": "aten::amin"}
-_EAGER = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "amin": torch.amin}
 DTYPES = (torch.float64, torch.float32)
 
 
@@ -32,10 +30,6 @@ DTYPES = (torch.float64, torch.float32)
 def _needs_cpu_fusion():
     if not fuser.can_fuse_on_cpu():
         pytest.fail("the CPU backend needs a C++ compiler on this machine")
-
-
-def _reduce(b: ir.Builder, kind: str, x, dims, keepdim):
-    return b.add(_RED[kind], x, tuple(dims), keepdim, *((None,) if kind in ("sum", "mean") else ()))
 
 
 @pytest.fixture
@@ -82,13 +76,13 @@ def _single(kind: str, dims, keepdim: bool) -> Case:
     def group():
         b = ir.Builder()
         x = b.input()
-        return b.build([_reduce(b, kind, x, dims, keepdim)])
+        return b.build([reduce_node(b, kind, x, dims, keepdim)])
 
     def inputs(dt):
         return [(_ties(4, 3, 9) if kind in ("amax", "amin") else torch.randn(4, 3, 9)).to(dt)]
 
     return Case(f"{kind}-{'_'.join(map(str, dims))}-{'keep' if keepdim else 'drop'}", group, inputs,
-                lambda x: [_EAGER[kind](x, dim=tuple(dims), keepdim=keepdim)])
+                lambda x: [REDUCE_EAGER[kind](x, dim=tuple(dims), keepdim=keepdim)])
 
 
 def _affine_sum() -> Case:
@@ -97,7 +91,7 @@ def _affine_sum() -> Case:
         b = ir.Builder()
         x, w, c = b.input(), b.input(), b.input()
         y = b.call("aten::add", b.call("aten::mul", x, w), c, 1)
-        return b.build([_reduce(b, "sum", y, (-1,), False), _reduce(b, "mean", y, (-1,), False)])
+        return b.build([reduce_node(b, "sum", y, (-1,), False), reduce_node(b, "mean", y, (-1,), False)])
 
     def eager(x, w, c):
         y = x * w + c
@@ -112,7 +106,7 @@ def _row_epilogue() -> Case:
     def group():
         b = ir.Builder()
         x = b.input()
-        s = _reduce(b, "sum", x, (-1,), False)
+        s = reduce_node(b, "sum", x, (-1,), False)
         return b.build([b.call("aten::add", b.call("aten::mul", s, 2.0), 1.0, 1), b.call("aten::exp", x)])
 
     return Case("row_epilogue", group, lambda dt: [torch.randn(5, 3, 17, dtype=dt)],
@@ -121,40 +115,13 @@ def _row_epilogue() -> Case:
 
 def _softmax() -> Case:
     """softmax written out, and its row sums (a keepdim output) beside it."""
-    def group():
-        b = ir.Builder()
-        x = b.input()
-        m = _reduce(b, "amax", x, (-1,), True)
-        e = b.call("aten::exp", b.call("aten::sub", x, m, 1))
-        s = _reduce(b, "sum", e, (-1,), True)
-        return b.build([b.call("aten::div", e, s), s])
-
-    def eager(x):
-        e = torch.exp(x - x.amax(-1, keepdim=True))
-        s = e.sum(-1, keepdim=True)
-        return [e / s, s]
-
+    group, eager = written_softmax()
     return Case("softmax", group, lambda dt: [3 * torch.randn(5, 70, dtype=dt)], eager)
 
 
 def _layer_norm() -> Case:
     """layer norm written out with eps a float input; the mean and rstd are outputs too (row-level, keepdim)."""
-    def group():
-        b = ir.Builder()
-        x, w, c, eps = b.input(), b.input(), b.input(), b.input(ir.FLOAT)
-        mu = _reduce(b, "mean", x, (-1,), True)
-        d = b.call("aten::sub", x, mu, 1)
-        var = _reduce(b, "mean", b.call("aten::mul", d, d), (-1,), True)
-        r = b.call("aten::rsqrt", b.call("aten::add", var, eps, 1))
-        y = b.call("aten::add", b.call("aten::mul", b.call("aten::mul", d, r), w), c, 1)
-        return b.build([y, mu, r])
-
-    def eager(x, w, c, eps):
-        mu = x.mean(-1, keepdim=True)
-        d = x - mu
-        r = torch.rsqrt((d * d).mean(-1, keepdim=True) + eps)
-        return [d * r * w + c, mu, r]
-
+    group, eager = written_layer_norm()
     return Case("layer_norm", group, lambda dt: [torch.randn(4, 3, 40, dtype=dt) + 2, torch.randn(40, dtype=dt),
                                                  torch.randn(40, dtype=dt), 1e-5], eager)
 
@@ -178,7 +145,7 @@ def _decomposed(kind: str) -> Case:
                 lambda x: [getattr(torch, kind)(x, -1)])
 
 
-CASES = ([_single(k, d, keep) for k in _RED for d in ((-1,), (-2, -1)) for keep in (True, False)]
+CASES = ([_single(k, d, keep) for k in REDUCE_OPS for d in ((-1,), (-2, -1)) for keep in (True, False)]
          + [_single("amax", (1, 2), True), _single("mean", (1, 2), False)]
          + [_affine_sum(), _row_epilogue(), _softmax(), _layer_norm()]
          + [_decomposed(k) for k in ("softmax", "log_softmax", "layer_norm")])
@@ -227,7 +194,7 @@ def test_gradients_match_eagers_and_the_backward_is_a_row_kernel(case, dtype, _b
     args = _leaves(case.inputs(dtype))
     if case.id.startswith(("amax", "amin")):  # the inputs hold ties: the gradient is split among them
         x = args[0].detach()
-        best = _EAGER[case.id[:4]](x, dim=(-1,), keepdim=True)
+        best = REDUCE_EAGER[case.id[:4]](x, dim=(-1,), keepdim=True)
         assert (x == best).sum(-1).max() > 1
     got, want = _grads_both_ways(case, args)
     _assert_grads(got, want, dtype)
@@ -276,7 +243,7 @@ def test_the_max_softmax_subtracts_gets_no_gradient(kind, _backwards):
     got, want = _grads_both_ways(case, _leaves([x]))
     _assert_grads(got, want, torch.float64)
     (bw,) = {s.key: s for s in _backwards}.values()
-    assert [n.op for n in bw.group.nodes if n.op in _RED.values()] == [
+    assert [n.op for n in bw.group.nodes if n.op in REDUCE_OPS.values()] == [
         "aten::amax", "aten::sum.dim_IntList", "aten::sum.dim_IntList"]
 
 
@@ -286,9 +253,9 @@ def test_a_softmax_max_read_outside_the_softmax_keeps_its_gradient():
     b = ir.Builder()
     x = b.input()
     with b.steps_of("aten::softmax"):
-        m = _reduce(b, "amax", x, (-1,), True)
+        m = reduce_node(b, "amax", x, (-1,), True)
         e = b.call("aten::exp", b.call("aten::sub", x, m, 1))
-        y = b.call("aten::div", e, _reduce(b, "sum", e, (-1,), True))
+        y = b.call("aten::div", e, reduce_node(b, "sum", e, (-1,), True))
     spec = _spec(b.build([y, m]))
     x = torch.randn(4, 30, dtype=torch.float64, requires_grad=True)
     y, m = fuser.run_fusion(spec.key, [x])
@@ -333,7 +300,7 @@ def test_only_wanted_gradients_and_the_eager_path_where_the_row_kernel_cannot_ru
     _assert_grads(got, want, torch.float64)
     b = ir.Builder()
     x = b.input()
-    spec = _spec(b.build([_reduce(b, "sum", b.call("aten::exp", x), (0,), False)]))
+    spec = _spec(b.build([reduce_node(b, "sum", b.call("aten::exp", x), (0,), False)]))
     x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     (y,) = fuser.run_fusion(spec.key, [x])
     assert y.grad_fn.name() not in FUSED_BACKWARD
@@ -374,9 +341,9 @@ def test_a_broadcast_weight_gets_the_gradient_of_its_own_shape(_backwards):
     b = ir.Builder()
     x, w, c = b.input(), b.input(), b.input()
     y = b.call("aten::mul", b.call("aten::add", x, c, 1), w)
-    m = _reduce(b, "amax", y, (-1,), True)
+    m = reduce_node(b, "amax", y, (-1,), True)
     e = b.call("aten::exp", b.call("aten::sub", y, m, 1))
-    spec = _spec(b.build([b.call("aten::div", e, _reduce(b, "sum", e, (-1,), True))]))
+    spec = _spec(b.build([b.call("aten::div", e, reduce_node(b, "sum", e, (-1,), True))]))
     args = _leaves([torch.randn(2, 3, 30, dtype=torch.float64), torch.randn(30, dtype=torch.float64),
                     torch.randn(1, dtype=torch.float64)])
     (out,) = fuser.run_fusion(spec.key, args)

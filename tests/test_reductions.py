@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fuser
-from helpers import row_kernels_on_both
+from helpers import REDUCE_EAGER, reduce_node, row_kernels_on_both, written_layer_norm, written_softmax
 from fuser import executor, ir, rows
 from fuser.cuda import emulate
 from fuser.kernel_cache import STORE
@@ -22,13 +22,6 @@ from fuser.rows import emulate as row_emulate
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 LENGTHS = (1, 7, 1000, 4097)
-_RED = {"sum": "aten::sum.dim_IntList", "mean": "aten::mean.dim", "amax": "aten::amax", "amin": "aten::amin"}
-_EAGER = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "amin": torch.amin}
-
-
-def _reduce(b: ir.Builder, kind: str, x, dims, keepdim, dtype=None):
-    args = (x, tuple(dims), keepdim) + ((dtype,) if kind in ("sum", "mean") else ())
-    return b.add(_RED[kind], *args)
 
 
 # ---------------------------------------------------------------------------------------------- the cases
@@ -47,10 +40,10 @@ def _single(kind: str, dims, keepdim: bool) -> Case:
     def group():
         b = ir.Builder()
         x = b.input()
-        return b.build([_reduce(b, kind, x, dims, keepdim)])
+        return b.build([reduce_node(b, kind, x, dims, keepdim)])
 
     def eager(x):
-        return [_EAGER[kind](x, dim=tuple(dims), keepdim=keepdim)]
+        return [REDUCE_EAGER[kind](x, dim=tuple(dims), keepdim=keepdim)]
 
     inputs = (lambda dt, n: [torch.randn(3, 5, n, dtype=dt)]) if len(dims) == 1 else (
         lambda dt, n: [torch.randn(4, 3, n, dtype=dt)])
@@ -63,7 +56,7 @@ def _prologue() -> Case:
         b = ir.Builder()
         x, w, c = b.input(), b.input(), b.input()
         y = b.call("aten::add", b.call("aten::mul", x, w), c, 1)
-        return b.build([_reduce(b, "sum", y, (-1,), False), _reduce(b, "mean", y, (-1,), False)])
+        return b.build([reduce_node(b, "sum", y, (-1,), False), reduce_node(b, "mean", y, (-1,), False)])
 
     def eager(x, w, c):
         y = x * w + c
@@ -75,40 +68,13 @@ def _prologue() -> Case:
 
 def _softmax() -> Case:
     """softmax written out: amax, exp(x - max), its sum, the quotient; also the row sums (keepdim)."""
-    def group():
-        b = ir.Builder()
-        x = b.input()
-        m = _reduce(b, "amax", x, (-1,), True)
-        e = b.call("aten::exp", b.call("aten::sub", x, m, 1))
-        s = _reduce(b, "sum", e, (-1,), True)
-        return b.build([b.call("aten::div", e, s), s])
-
-    def eager(x):
-        e = torch.exp(x - x.amax(-1, keepdim=True))
-        s = e.sum(-1, keepdim=True)
-        return [e / s, s]
-
+    group, eager = written_softmax()
     return Case("softmax", group, lambda dt, n: [3 * torch.randn(5, n, dtype=dt)], eager)
 
 
 def _layer_norm() -> Case:
     """layer norm written out over the last dim, eps a float input, weight and bias broadcast."""
-    def group():
-        b = ir.Builder()
-        x, w, c, eps = b.input(), b.input(), b.input(), b.input(ir.FLOAT)
-        mu = _reduce(b, "mean", x, (-1,), True)
-        d = b.call("aten::sub", x, mu, 1)
-        var = _reduce(b, "mean", b.call("aten::mul", d, d), (-1,), True)
-        r = b.call("aten::rsqrt", b.call("aten::add", var, eps, 1))
-        y = b.call("aten::add", b.call("aten::mul", b.call("aten::mul", d, r), w), c, 1)
-        return b.build([y, mu, r])
-
-    def eager(x, w, c, eps):
-        mu = x.mean(-1, keepdim=True)
-        d = x - mu
-        r = torch.rsqrt((d * d).mean(-1, keepdim=True) + eps)
-        return [d * r * w + c, mu, r]
-
+    group, eager = written_layer_norm()
     return Case("layer_norm", group, lambda dt, n: [torch.randn(4, 3, n, dtype=dt) + 2, torch.randn(n, dtype=dt),
                                                     torch.randn(n, dtype=dt), 1e-5], eager)
 
@@ -199,7 +165,7 @@ def test_strided_and_broadcast_inputs():
     b = ir.Builder()
     x, m, z = b.input(), b.input(), b.input()
     y = b.call("aten::mul", b.call("aten::sub", x, m, 1), z)
-    g = b.build([_reduce(b, "sum", y, (-1,), True), y])
+    g = b.build([reduce_node(b, "sum", y, (-1,), True), y])
     x = torch.randn(300, 37, dtype=torch.float64).t()  # [37, 300]: elements 37 apart
     args = [x, torch.randn(37, 1, dtype=torch.float64), torch.tensor(1.5, dtype=torch.float64)]
     yy = (args[0] - args[1]) * args[2]
@@ -218,13 +184,13 @@ def test_strided_and_broadcast_inputs():
 def test_nan_and_inf_as_eager(kind):
     b = ir.Builder()
     x = b.input()
-    g = b.build([_reduce(b, kind, x, (-1,), False)])
+    g = b.build([reduce_node(b, kind, x, (-1,), False)])
     x = torch.randn(6, 300)
     x[0, 17], x[1, 299], x[2, 0] = float("nan"), float("inf"), -float("inf")
     x[3, :] = float("inf")
     x[4, :] = -float("inf")
     x[5, 5], x[5, 6] = float("inf"), float("nan")
-    ref = _EAGER[kind](x, -1)
+    ref = REDUCE_EAGER[kind](x, -1)
     for (out,) in _both(g, [x]):
         torch.testing.assert_close(out, ref, equal_nan=True, rtol=0, atol=0)
 
@@ -233,7 +199,7 @@ def test_empty_rows_and_no_rows_as_eager():
     """[0, n]: no rows (empty outputs); [n, 0]: empty rows: sum 0, mean NaN; amax raises eager's error."""
     b = ir.Builder()
     x = b.input()
-    g = b.build([_reduce(b, "sum", x, (-1,), False), _reduce(b, "mean", x, (-1,), True)])
+    g = b.build([reduce_node(b, "sum", x, (-1,), False), reduce_node(b, "mean", x, (-1,), True)])
     for shape in ((0, 9), (4, 0)):
         x = torch.randn(shape)
         for s, m in _both(g, [x]):
@@ -241,7 +207,7 @@ def test_empty_rows_and_no_rows_as_eager():
             torch.testing.assert_close(m, x.mean(-1, keepdim=True), equal_nan=True)
     b = ir.Builder()
     x = b.input()
-    g = b.build([_reduce(b, "amax", x, (-1,), False)])
+    g = b.build([reduce_node(b, "amax", x, (-1,), False)])
     spec = _spec(g)
     x = torch.randn(4, 0)
     assert isinstance(rows.plan(spec, [x]), str)
@@ -257,13 +223,13 @@ def test_forms_the_row_kernel_does_not_take_fall_back_to_eager():
     kept dim broadcast along the row: each falls back (the plan says why) and still gives eager's result."""
     b = ir.Builder()
     x = b.input()
-    g0 = b.build([_reduce(b, "sum", x, (0,), False)])
+    g0 = b.build([reduce_node(b, "sum", x, (0,), False)])
     b = ir.Builder()
     x = b.input()
-    g1 = b.build([_reduce(b, "sum", x, (-1,), True), _reduce(b, "amax", x, (-2, -1), True)])
+    g1 = b.build([reduce_node(b, "sum", x, (-1,), True), reduce_node(b, "amax", x, (-2, -1), True)])
     b = ir.Builder()
     x = b.input()
-    g2 = b.build([b.call("aten::sub", x, _reduce(b, "mean", x, (-1,), False), 1)])
+    g2 = b.build([b.call("aten::sub", x, reduce_node(b, "mean", x, (-1,), False), 1)])
     x = torch.randn(9, 9)
     refs = [[x.sum(0)], [x.sum(-1, keepdim=True), x.amax((-2, -1), keepdim=True)], [x - x.mean(-1)]]
     for g, ref in zip((g0, g1, g2), refs):
@@ -278,14 +244,14 @@ def test_sum_dtype_argument():
     """sum(x, dtype=float64) of float32, and mean(x, dtype=float32) of bfloat16: eager converts the input first."""
     b = ir.Builder()
     x = b.input()
-    g = b.build([_reduce(b, "sum", x, (-1,), False, 7)])  # ScalarType 7: float64
+    g = b.build([reduce_node(b, "sum", x, (-1,), False, 7)])  # ScalarType 7: float64
     x = torch.randn(7, 1000)
     for (out,) in _both(g, [x]):
         assert out.dtype == torch.float64
         torch.testing.assert_close(out, x.sum(-1, dtype=torch.float64), rtol=1e-12, atol=1e-12)
     b = ir.Builder()
     x = b.input()
-    g = b.build([_reduce(b, "mean", x, (-1,), True, 6)])  # ScalarType 6: float32
+    g = b.build([reduce_node(b, "mean", x, (-1,), True, 6)])  # ScalarType 6: float32
     x = torch.randn(7, 1000, dtype=torch.bfloat16)
     for (out,) in _both(g, [x]):
         assert out.dtype == torch.float32
@@ -433,9 +399,9 @@ def _layout_group() -> ir.Group:
     x, w, k = b.input(), b.input(), b.input()
     y = b.call("aten::add", b.call("aten::mul", x, w), k, 1)
     dims = (-2, -1)
-    m = _reduce(b, "amax", y, dims, True)
-    return b.build([b.call("aten::sub", y, m, 1), _reduce(b, "mean", y, dims, True),
-                    _reduce(b, "sum", b.call("aten::mul", y, y), dims, False)])
+    m = reduce_node(b, "amax", y, dims, True)
+    return b.build([b.call("aten::sub", y, m, 1), reduce_node(b, "mean", y, dims, True),
+                    reduce_node(b, "sum", b.call("aten::mul", y, y), dims, False)])
 
 
 _LAYOUT = _layout_group()
@@ -495,9 +461,9 @@ def test_cpu_row_kernels_take_vector_loops_and_scalar_ones(monkeypatch):
     monkeypatch.setattr(compiler, "_cpu_vectorize", lambda: False)
     b = ir.Builder()  # another group (its own kernel): softmax of x * 1.0
     x = b.call("aten::mul", b.input(), 1.0)
-    m = _reduce(b, "amax", x, (-1,), True)
+    m = reduce_node(b, "amax", x, (-1,), True)
     e = b.call("aten::exp", b.call("aten::sub", x, m, 1))
-    spec = _spec(b.build([b.call("aten::div", e, _reduce(b, "sum", e, (-1,), True))]))
+    spec = _spec(b.build([b.call("aten::div", e, reduce_node(b, "sum", e, (-1,), True))]))
     out = executor.run(spec, args)
     assert out is not None
     source = next(k for k in spec.kernels().values() if isinstance(k, rows.launch.RowKernel)).source
