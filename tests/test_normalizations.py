@@ -213,6 +213,26 @@ def test_cuda_row_kernel_emulated_on_a_long_row(emulated):
     _check(out, case, args)
 
 
+@pytest.mark.parametrize("n", (4100, 8192))
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("softmax", "layer_norm_block")], ids=lambda c: c.id)
+def test_cuda_row_kernel_emulated_rows_held_across_warps(case, n):
+    """Rows held in the registers of several warps (their partial results meet in shared memory): one that does
+    not fill its threads' vectors (4100) and one that does (8192), both dtypes; and a row view starting one
+    element in (its pointer does not suit vectors: the launch reads element by element)."""
+    from fuser.rows.plan import cuda_shape
+    assert cuda_shape(n, [4], 1).tpr > 32 and cuda_shape(n, [4], 1).held
+    for dtype in (torch.float32, torch.bfloat16):
+        args = case.inputs(dtype, n)
+        out = row_emulate.run(_group(case, n), args)
+        assert out is not None
+        _check(out, case, args)
+    wide = case.inputs(torch.float32, n + 1)
+    args = [wide[0][..., 1:], *[a[..., 1:] if a.dim() else a for a in wide[1:]]]
+    out = row_emulate.run(_group(case, n), args)
+    assert out is not None
+    _check(out, case, args)
+
+
 @pytest.mark.parametrize("arch", (80, 90))
 def test_cuda_row_kernels_compile_with_nvrtc(arch):
     """What the emulation runs is CUDA: NVRTC compiles each case's source (float32 and bfloat16)."""
@@ -228,7 +248,9 @@ def test_cuda_row_kernels_compile_with_nvrtc(arch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,dtype", PARAMS, ids=IDS)
 def test_cuda_row_kernel_matches_eager(case, dtype):
-    for n in LENGTHS:
+    # and the lengths that the CUDA shapes change at: rows held by several warps, the longest held row for
+    # one value (32 x 512), one past it (a trip per pass), a length that is no whole number of vectors
+    for n in LENGTHS + (4096, 4097, 16384, 16385, 32768):
         spec = _spec(_group(case, n))
         args = [a.cuda() for a in case.inputs(dtype, n)]
         out = executor.run(spec, args)

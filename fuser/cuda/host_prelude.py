@@ -31,6 +31,8 @@ HEADER = r"""// fuser: the CUDA device environment on the host (fuser/cuda/host_
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 #define __global__
 #define __device__
@@ -53,6 +55,26 @@ struct KernelInfo { const char* name; entry_fn entry; size_t args_size; size_t p
 #define blockDim (fz_emu::block_dim)
 #define gridDim (fz_emu::grid_dim)
 #define __syncthreads() fz_emu::syncthreads()
+
+// warp shuffles: every thread of the block leaves its value in a slot, a barrier, it reads its source's slot, a
+// barrier (the slots are free again). Stricter than CUDA's warp-wide exchange: every thread of the block must
+// call it the same number of times, which the row kernels do (rows past the end take part too).
+template <class T> inline T fz_emu_exchange(T v, unsigned src) {
+  static T slots[1024];
+  slots[fz_emu::thread_idx.x] = v;
+  fz_emu::syncthreads();
+  if (src >= fz_emu::block_dim.x) { fprintf(stderr, "fuser emulation: a shuffle reads past the block\n"); abort(); }
+  const T r = slots[src];
+  fz_emu::syncthreads();
+  return r;
+}
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
+  (void)width;
+  return fz_emu_exchange(v, fz_emu::thread_idx.x ^ (unsigned)lane_mask);
+}
+template <class T> inline T __shfl_sync(unsigned, T v, int src, int width = 32) {
+  return fz_emu_exchange(v, (fz_emu::thread_idx.x & ~(unsigned)(width - 1)) + (unsigned)src);
+}
 
 static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
   return (unsigned int)(((unsigned long long)a * b) >> 32);

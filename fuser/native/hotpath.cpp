@@ -188,7 +188,7 @@ void launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sc
   for (const at::Tensor& t : inputs) put(t.data_ptr());
   for (const at::Tensor& o : outs) put(o.data_ptr());
   const int32_t v = vec ? 1 : 0;
-  if (l.vec_off >= 0) std::memcpy(base + l.vec_off, &v, 4);  // row kernels have no vector flag
+  if (l.vec_off >= 0) std::memcpy(base + l.vec_off, &v, 4);
   if (!scalars.empty()) std::memcpy(base + l.scalars_off, scalars.data(), scalars.size() * sizeof(double));
   const auto grid = static_cast<unsigned>(vec ? l.grid_vec : l.grid_scalar);
   void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(l.device).native_handle();

@@ -77,11 +77,11 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
         struct = backend.struct
         args = row_launch.fill_args(struct, geo.rows, geo.cols, geo.lead, geo.strides, tensors, scalars, outputs)
         raw = ctypes.string_at(ctypes.addressof(args), ctypes.sizeof(args))
-        grid = max(1, min(geo.rows, backend.max_blocks))
-        n_ptrs = len(tensors) + len(outputs)
-        rec += [backend.kernel._function_ptr, cuda_launch.BLOCK_SIZE, grid, grid, 0,
-                cuda_launch.primary_context_handle(backend.kernel.device_index), struct.ptrs.offset, -1,
-                struct.scalars.offset, n_ptrs, *([0] * n_ptrs), len(raw), *raw]
+        grid = backend.grid(geo)
+        # the vector flag as for pointwise kernels: the geometry allows vectors, each call checks the pointers
+        rec += [backend.kernel._function_ptr, backend.block, grid, grid, int(bool(geo.vec_ok)),
+                cuda_launch.primary_context_handle(backend.kernel.device_index), struct.ptrs.offset,
+                struct.vec.offset, struct.scalars.offset, len(geo.vec_align), *geo.vec_align, len(raw), *raw]
         return rec, floats, backend
     loc = cuda_launch.LaunchArgs(backend._struct, backend.vec_align)
     loc.fill(geo, tensors, scalars, outputs)

@@ -23,11 +23,12 @@ class RowGeometry:
     ``executor.run`` asks of a geometry (``kernel.scalar_limits``, ``requires_grad``, ``device``)."""
 
     __slots__ = ("kernel", "rows", "cols", "lead", "strides", "out_shapes", "out_dtypes", "device", "cpu_args",
-                 "requires_grad")
+                 "requires_grad", "vec_ok", "vec_align")
 
     def __init__(self, p: RowPlan, kernel: launch.RowKernel):
         self.kernel, self.rows, self.cols, self.lead, self.strides = kernel, p.rows, p.cols, p.lead, p.strides
         self.out_shapes, self.out_dtypes = p.out_shapes, p.out_dtypes
+        self.vec_ok, self.vec_align = p.vec_ok, p.vec_align  # CUDA: whole vectors allowed (launch.vector_ok)
         self.device = p.tensors[0].device
         self.requires_grad = any(t.requires_grad for t in p.tensors)
         self.cpu_args = launch.CpuArgs(p) if kernel.target == "cpu" else None

@@ -1,10 +1,11 @@
 """The row kernel's source: a pure function from (group, input dtypes, node types, target) to C++ or CUDA.
 
 Per row, one pass along the row per reduction, in the group's order: the element-level nodes that reduction's
-input needs are computed again from the inputs in memory (correct for any row length; keeping the row in
-registers is a later optimization), accumulated per thread, and on CUDA combined across the block. Then the
-row-level nodes whose operands are ready. A last pass computes and stores the element-level outputs; the
-row-level outputs are stored once per row. Each node's statement is the pointwise codegen's
+input needs are computed again from the inputs (compute is cheap, bytes are not), accumulated per thread, and on
+CUDA combined across the row's threads. Then the row-level nodes whose operands are ready. A last pass computes and
+stores the element-level outputs; the row-level outputs are stored once per row. On CUDA a row that fits a
+thread's registers (``plan.CudaShape.held``) is read once: the inputs that several passes read are loaded into
+registers first, and the passes read those; a longer row is read again by each pass. Each node's statement is the pointwise codegen's
 (``codegen.body.node_statement``), so an op means the same in both kinds of kernel.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..codegen.cpu_vector import CpuVector
 from ..codegen import CPU_VECTORS_PER_TRIP as COPIES
 from ..descs import DENSE, TensorDesc, compute_type, storage_type
 from . import templates as t
-from .plan import row_level
+from .plan import CudaShape, held_values, needed as _needed, row_level, row_passes
 
 CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU row kernel splits its rows across threads
 
@@ -35,12 +36,13 @@ def accumulator_type(red: ops.Reduction, nt: NodeTypes, target: str) -> str:
 
 
 def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
-             name: str, n_scalar_slots: int, vectorize: bool = False, round_reduced: bool = False) -> str:
+             name: str, n_scalar_slots: int, vectorize: bool = False, round_reduced: bool = False,
+             shape: CudaShape = None) -> str:
     """Source of the row kernel ``name``; ``inputs``: the tensor inputs' dtypes. Raises NotFusable where an op
     has no expression for its types (the executor falls back). ``vectorize``: the CPU kernel's passes get
     at::vec loops (see :class:`_Vector`) where every node has a vector form. ``round_reduced``: as
     ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
-    always: once per row, it costs nothing)."""
+    always: once per row, it costs nothing). ``shape``: the CUDA kernel's (``plan.cuda_shape``)."""
     rows_v = row_level(group)
     vname: dict[int, str] = {}
     vtype: dict[int, str] = {}
@@ -77,41 +79,79 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                                                                         vname, vtype, vdtype, exact)
         vector_args[n.out.id] = (n, op, variant, nt, consts, pos, round_to)
 
-    producer = {n.out.id: n for n in group.nodes}
     order = {n.out.id: pos for pos, n in enumerate(group.nodes)}
 
     def needed(wanted: Sequence[ir.Value]) -> set:
-        """The element-level values (inputs and nodes) that computing ``wanted`` reads, ``wanted`` included."""
-        need, stack = set(), [v for v in wanted]
-        while stack:
-            v = stack.pop()
-            if v.id in need or v.id in rows_v:
-                continue
-            need.add(v.id)
-            if v.id in producer:
-                stack.extend(producer[v.id].values)
-        return need
+        return _needed(group, wanted)
 
     vector = _Vector(group, inputs, rows_v, vname, vdtype, vector_args, tensor_index, order) if (
         target == "cpu" and vectorize) else None
 
+    cuda = target == "cuda"
+    # CUDA, a row held in registers: per pass, the values it finds in registers (plan.held_values), in arrays
+    # h_<name>[items]; the pass being generated is counted in npass
+    holds = held_values(group) if cuda and shape.held else [frozenset()] * len(row_passes(group))
+    npass = [0]
+
     def element_lines(wanted: Sequence[ir.Value]) -> list[str]:
-        """Loads and statements of the element-level values ``wanted`` needs, in the group's order."""
-        need = needed(wanted)
+        """Loads and statements of the element-level values ``wanted`` needs, in the group's order. CUDA: inputs
+        come from the pass's loads (:func:`cuda_loads`), held values from registers, and the values later passes
+        hold are put there."""
+        held = holds[npass[0]] if cuda else frozenset()
+        need = _needed(group, wanted, held)
         lines = []
         for v in group.inputs:
-            if v.id in need and v.is_tensor:
+            if v.id in need and v.is_tensor and v.id not in held:
                 kk = tensor_index[v.id]
-                lines.append(f"const {vtype[v.id]} x{kk} = fz_ld(t{kk}[off{kk} + c * cs{kk}]);")
-        lines += [statement[i] for i in sorted(need - set(tensor_index) - {v.id for v in group.inputs},
+                per_item = cuda and shape.held and npass[0] > 0
+                src = (f"xl{kk}[{'' if per_item else f'i * {shape.vec} + '}v]" if cuda else
+                       f"fz_ld(t{kk}[off{kk} + c * cs{kk}])")
+                lines.append(f"const {vtype[v.id]} x{kk} = {src};")
+        lines += [f"const {vtype[i]} {vname[i]} = h_{vname[i]}[i * {shape.vec} + v];"
+                  for i in sorted(need & held, key=lambda i: (i in order, order.get(i, 0), vname[i]))]
+        lines += [statement[i] for i in sorted(need - held - set(tensor_index) - {v.id for v in group.inputs},
                                                 key=order.__getitem__)]
+        if cuda and npass[0] + 1 < len(holds):
+            lines += [f"h_{vname[i]}[i * {shape.vec} + v] = {vname[i]};"
+                      for i in sorted(holds[npass[0] + 1] - held, key=lambda i: (i in order, order.get(i, 0), vname[i]))]
         return lines
+
+    def cuda_loads(wanted: Sequence[ir.Value]) -> tuple[list[str], list[str]]:
+        """A CUDA pass's loads of the inputs it reads that are not held (``fz_row_trip``): (a trip's elements,
+        every load issued before the pass uses any; a vector's, per item). A held row's later passes read their
+        inputs per item (a weight and bias next to held values: registers for the held ones), others per trip."""
+        held = holds[npass[0]]
+        need = _needed(group, wanted, held)
+        per_item = shape.held and npass[0] > 0
+        n, at = (1, f"tb + i * {shape.tpr * shape.vec}") if per_item else (shape.items // shape.vec, "tb")
+        loads = [f"{vtype[v.id]} xl{tensor_index[v.id]}[{n * shape.vec}];\n"
+                 f"fz_row_trip<{n}, {shape.vec}, {shape.tpr}>(xl{tensor_index[v.id]}, t{tensor_index[v.id]}, "
+                 f"off{tensor_index[v.id]}, cs{tensor_index[v.id]}, {at}, lane, cols, live, args.vec);"
+                 for v in group.inputs if v.is_tensor and v.id in need and v.id not in held]
+        return ([], loads) if per_item else (loads, [])
+
+    def cuda_pass(acc_decl: str, wanted, body: list, after: list, item_decls: list = (), after_item: list = ()) -> str:
+        """A CUDA pass along the row (``templates.CUDA_PASS``): ``body`` per element, ``item_decls`` and
+        ``after_item`` around each item's vector of elements, ``after`` once the row is done."""
+        trips = ("for (int tb = 0; tb < 1; ++tb)" if shape.held else
+                 f"for (int tb = 0; tb < cols; tb += {shape.tpr * shape.items})")
+        loads, item_loads = cuda_loads(wanted)
+        npass[0] += 1
+        return t.CUDA_PASS.substitute(
+            acc_decl=acc_decl, trips=trips, nv=shape.items // shape.vec, tpr=shape.tpr, vec=shape.vec,
+            loads="\n".join("      " + ln for x in loads for ln in x.split("\n")),
+            item_decls="\n".join("        " + ln for x in [*item_loads, *item_decls] for ln in x.split("\n")),
+            body="\n".join("          " + ln for ln in body),
+            after_item="\n".join("        " + ln for ln in after_item), after="\n".join("    " + ln for ln in after))
+
+    def guarded(lines: list) -> list:
+        return ["if (live && cb + v < cols) {"] + ["  " + ln for ln in lines] + ["}"]
 
     indent = "      "
     phases: list[str] = []
     ready = {v.id for v in group.inputs if not v.is_tensor}
     shared = set()
-    cuda = target == "cuda"
+    reduce_fn = f"fz_row_reduce<{{}}, {shape.tpr}>" if cuda else None
     for n, pos, red, nt in reductions:
         u = n.args[0]
         acc_t = accumulator_type(red, nt, target)
@@ -120,27 +160,28 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             x = (f"fz_ld(fz_st<{storage_type(nt.compute)}>(({compute_type(vdtype[u.id])}){x}))"
                  if nt.compute in REDUCED else f"({compute_type(nt.compute)})({x})")
         ident = red.identity.replace("$A", acc_t)
-        body = element_lines([u]) + [f"acc{pos} = {red.combine}::f(acc{pos}, ({acc_t})({x}));"]
+        accumulate = f"acc{pos} = {red.combine}::f(acc{pos}, ({acc_t})({x}));"
         after = []
         if red.variance:  # a first pass for the row's mean; this pass sums the squared deviations from it
-            body = element_lines([u]) + [f"{{ const {acc_t} dv = ({acc_t})({x}) - mean{pos}; acc{pos} += dv * dv; }}"]
+            accumulate = f"{{ const {acc_t} dv = ({acc_t})({x}) - mean{pos}; acc{pos} += dv * dv; }}"
+            mean_body = element_lines([u]) + [f"accm{pos} += ({acc_t})({x});"]
             mean_after = [f"const {acc_t} mean{pos} = accm{pos} / ({acc_t})cols;"]
             if cuda:
-                mean_after.insert(0, f"accm{pos} = fz_block_reduce<fz_rsum>(accm{pos}, fz_sh_{acc_t});")
-            phases.append(t.PHASE.substitute(
-                acc_decl=f"{acc_t} accm{pos} = {ident};", first="threadIdx.x" if cuda else f"c0_{pos}m",
-                step="blockDim.x" if cuda else "1",
-                body="\n".join(indent + ln for ln in element_lines([u]) + [f"accm{pos} += ({acc_t})({x});"]),
-                after="\n".join("    " + ln for ln in mean_after)))
-            if not cuda:
-                phases[-1] = f"    const int64_t c0_{pos}m = 0;\n" + phases[-1]
+                shared.add(acc_t)
+                mean_after.insert(0, f"accm{pos} = {reduce_fn.format('fz_rsum')}(accm{pos}, fz_sh_{acc_t});")
+                phases.append(cuda_pass(f"{acc_t} accm{pos} = {ident};", [u], guarded(mean_body), mean_after))
+            else:
+                phases.append(f"    const int64_t c0_{pos}m = 0;\n" + t.PHASE.substitute(
+                    acc_decl=f"{acc_t} accm{pos} = {ident};", first=f"c0_{pos}m", step="1",
+                    body="\n".join(indent + ln for ln in mean_body),
+                    after="\n".join("    " + ln for ln in mean_after)))
             if vector is not None:
                 vector.on = False  # no vector form of the two passes (yet): scalar loops
         elif vector is not None:
             vector.reduction(u, red, pos, acc_t, vdtype[u.id] == nt.compute, needed([u]))
         if cuda:
             shared.add(acc_t)
-            after.append(f"acc{pos} = fz_block_reduce<{red.combine}>(acc{pos}, fz_sh_{acc_t});")
+            after.append(f"acc{pos} = {reduce_fn.format(red.combine)}(acc{pos}, fz_sh_{acc_t});")
         result = f"acc{pos} / ({acc_t})cols" if red.mean else f"acc{pos}"
         if red.variance:  # eager's divisor max(0, n - correction): n <= correction gives inf or NaN as eager's
             c = ops.correction(n.op, n.args)
@@ -155,13 +196,15 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                     v.id in ready for v in m.values):
                 after.append(statement[m.out.id])
                 ready.add(m.out.id)
+        body = element_lines([u]) + [accumulate]
+        if cuda:
+            phases.append(cuda_pass(f"{acc_t} acc{pos} = {ident};", [u], guarded(body), after))
+            continue
         vectorized = vector is not None and vector.on
         phases.append(t.PHASE.substitute(
-            acc_decl="" if vectorized else f"{acc_t} acc{pos} = {ident};",
-            first="threadIdx.x" if cuda else f"c0_{pos}", step="blockDim.x" if cuda else "1",
+            acc_decl="" if vectorized else f"{acc_t} acc{pos} = {ident};", first=f"c0_{pos}", step="1",
             body="\n".join(indent + ln for ln in body), after="\n".join("    " + ln for ln in after)))
-        if not cuda:
-            phases[-1] = (vector.parts[-1] if vectorized else f"    const int64_t c0_{pos} = 0;") + "\n" + phases[-1]
+        phases[-1] = (vector.parts[-1] if vectorized else f"    const int64_t c0_{pos} = 0;") + "\n" + phases[-1]
 
     position = {n.out.id: pos for pos, n in enumerate(group.nodes)}
     elem_out = [(m, o) for m, o in enumerate(group.outputs) if o.id not in rows_v]
@@ -171,21 +214,32 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         dt = node_types[position[o.id]].result
         return f"o{m}[{at}] = fz_st<{storage_type(dt)}>({vname[o.id]});"
 
-    if elem_out:
+    if elem_out and cuda:  # each item's values into a vector per output, stored whole where the launch allows
+        wanted = [o for _, o in elem_out]
+        decls = [f"fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}> w{m};" for m, o in elem_out]
+        body = guarded(element_lines(wanted) + [store(m, o, "v").replace(f"o{m}[v]", f"w{m}.v[v]")
+                                                for m, o in elem_out])
+        stores = ["if (live && cb < cols) {", "  if (args.vec) {"]
+        stores += [f"    *reinterpret_cast<fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}>*>("
+                   f"o{m} + row * cols + cb) = w{m};" for m, o in elem_out]
+        stores += ["  } else {", "#pragma unroll", f"    for (int v = 0; v < {shape.vec}; ++v) {{",
+                   "      if (cb + v < cols) {"]
+        stores += [f"        o{m}[row * cols + cb + v] = w{m}.v[v];" for m, _ in elem_out]
+        stores += ["      }", "    }", "  }", "}"]
+        phases.append(cuda_pass("", wanted, body, [], item_decls=decls, after_item=stores))
+    elif elem_out:
         body = element_lines([o for _, o in elem_out]) + [store(m, o, "row * cols + c") for m, o in elem_out]
-        phases.append(t.PHASE.substitute(acc_decl="", first="threadIdx.x" if cuda else "c0_out",
-                                          step="blockDim.x" if cuda else "1",
+        phases.append(t.PHASE.substitute(acc_decl="", first="c0_out", step="1",
                                           body="\n".join(indent + ln for ln in body), after=""))
-        if not cuda:
-            if vector is not None:
-                vector.stores([(m, o, node_types[position[o.id]].result) for m, o in elem_out],
-                              needed([o for _, o in elem_out]))
-            phases[-1] = (vector.parts[-1] if vector is not None and vector.on else
-                          "    const int64_t c0_out = 0;") + "\n" + phases[-1]
+        if vector is not None:
+            vector.stores([(m, o, node_types[position[o.id]].result) for m, o in elem_out],
+                          needed([o for _, o in elem_out]))
+        phases[-1] = (vector.parts[-1] if vector is not None and vector.on else
+                      "    const int64_t c0_out = 0;") + "\n" + phases[-1]
     if row_out:
         stores = [store(m, o, "row") for m, o in row_out]
         if cuda:
-            phases.append("    if (threadIdx.x == 0) {\n" + "\n".join("      " + s for s in stores) + "\n    }")
+            phases.append("    if (live && lane == 0) {\n" + "\n".join("      " + s for s in stores) + "\n    }")
         else:
             phases += ["    " + s for s in stores]
 
@@ -205,16 +259,21 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     offsets = t.OFFSETS.substitute(
         decls=", ".join(f"off{kk} = 0" for kk in range(n_in)) if n_in else "fz_unused = 0", size=size,
         accumulate="\n".join(f"        off{kk} += m * {stride(kk, 'd')};" for kk in range(n_in)),
+        accumulate1="\n".join(f"      off{kk} = row * {stride(kk, 0)};" for kk in range(n_in)),
         col_strides="\n".join(f"    const long long cs{kk} = {stride(kk, t.MAX_DIMS if cuda else 'rank')};"
                                for kk in range(n_in)))
     if cuda:
+        ever = sorted(set().union(*holds), key=lambda i: vname[i])
+        cache = [f"    {vtype[i]} h_{vname[i]}[{shape.items}];" for i in ever]
         return t.CUDA_KERNEL.substitute(
             name=name, prelude=cuda_t.PRELUDE, row_prelude=t.ROW_PRELUDE.substitute(
-                fn="__device__ __forceinline__", block_reduce=t.BLOCK_REDUCE),
+                fn="__device__ __forceinline__", row_reduce=t.ROW_REDUCE),
             max_dims=t.MAX_DIMS, n_stride_rows=max(1, n_in), n_ptrs=n_in + len(out_dtypes),
-            n_scalar_slots=max(1, n_scalar_slots), block_size=t.BLOCK_SIZE, params="\n".join(params),
-            shared="\n".join(f"  __shared__ {a} fz_sh_{a}[{t.BLOCK_SIZE}];" for a in sorted(shared)),
-            offsets=offsets, phases="\n".join(phases))
+            n_scalar_slots=max(1, n_scalar_slots), block=shape.block, 
+            tpr=shape.tpr, rpb=shape.block // shape.tpr,
+            items=shape.items, vec=shape.vec, params="\n".join(params),
+            shared="\n".join(f"  __shared__ {a} fz_sh_{a}[{max(1, shape.block // 32)}];" for a in sorted(shared)),
+            offsets=offsets, cache="\n".join(cache), phases="\n".join(phases))
     if vector is not None and not vector.on:  # some pass has no vector form: scalar loops throughout
         return generate(group, inputs, node_types, target, name, n_scalar_slots, vectorize=False,
                         round_reduced=round_reduced)
@@ -225,7 +284,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             [f"(cs{kk} == 0 || cs{kk} == 1)" for kk in range(n_in)] + ["true"]) + ";"
     return t.CPU_KERNEL.substitute(
         name=name, prelude=cpu_t.VECTOR_INCLUDE if vectorized else cpu_t.PRELUDE,
-        row_prelude=t.ROW_PRELUDE.substitute(fn="inline", block_reduce=""),
+        row_prelude=t.ROW_PRELUDE.substitute(fn="inline", row_reduce=""),
         vector_types=t.CPU_VECTOR_TYPES.substitute(vtype=vector.vtype) if vectorized else "",
         params="\n".join(params), parallel_threshold=max(1, CPU_PARALLEL_WORK // work), offsets=offsets,
         phases="\n".join(phases))

@@ -10,7 +10,7 @@ import torch
 from .. import codegen, ir
 from ..cuda import emulate
 from ..kernel_cache import STORE
-from . import launch, templates
+from . import launch
 from .plan import plan
 
 
@@ -46,14 +46,16 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
     if p.rows == 0:
         return outputs
     struct = launch.args_struct(len(p.tensors), len(p.tensors) + len(outputs), len(p.scalars))
-    args = launch.fill_args(struct, p.rows, p.cols, p.lead, p.strides, p.tensors, p.scalars, outputs)
+    vec = launch.vector_ok(p.vec_ok, p.vec_align, p.tensors, outputs)
+    args = launch.fill_args(struct, p.rows, p.cols, p.lead, p.strides, p.tensors, p.scalars, outputs, vec)
     # an empty tensor (a row of no elements: the kernel never reads or writes it) gets one element of memory,
     # as a GPU allocation would be a valid pointer, where the harness cannot copy nothing from a null pointer
     spans = [(x.data_ptr(), emulate._span(x) * x.element_size(), emulate._span_bytes(x)) if x.numel() else
              (x.data_ptr(), x.element_size(), bytes(x.element_size())) for x in p.tensors]
     spans += [(o.data_ptr(), max(1, o.numel()) * o.element_size(), None) for o in outputs]
-    grid = min(emulate.EMU_BLOCKS, p.rows)
-    results = emulator.run(name, grid, templates.BLOCK_SIZE, bytes(args), spans)
+    block = p.key.shape.block
+    grid = min(emulate.EMU_BLOCKS, -(-p.rows // (block // p.key.shape.tpr)))
+    results = emulator.run(name, grid, block, bytes(args), spans)
     for o, data in zip(outputs, results):
         if o.numel():
             o.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(o.dtype).view(o.shape))

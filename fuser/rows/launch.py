@@ -42,7 +42,7 @@ def source_for(spec, p: RowPlan) -> tuple[str, str]:
     from .. import compiler
     source = row_codegen.generate(decompose.expand(spec.group), [dt for dt, _ in p.key.inputs], p.types, p.key.target, name,
                                   len(p.scalars), vectorize=p.key.target == "cpu" and compiler._cpu_vectorize(),
-                                  round_reduced=settings.round_reduced)
+                                  round_reduced=settings.round_reduced, shape=p.key.shape)
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: row kernel {name} for {p.key}\n{source}", file=sys.stderr)
     return name, source
@@ -103,15 +103,21 @@ def args_struct(n_inputs: int, n_ptrs: int, n_scalars: int):
     class FzRowArgs(ctypes.Structure):
         _fields_ = [("rows", i64), ("cols", i64), ("sizes", i64 * t.MAX_DIMS),
                     ("strides", (i64 * (t.MAX_DIMS + 1)) * max(1, n_inputs)), ("rank", ctypes.c_int32),
-                    ("ptrs", ctypes.c_void_p * n_ptrs), ("scalars", ctypes.c_double * max(1, n_scalars))]
+                    ("vec", ctypes.c_int32), ("ptrs", ctypes.c_void_p * n_ptrs), ("scalars", ctypes.c_double * max(1, n_scalars))]
 
     return FzRowArgs
 
 
-def fill_args(struct, p_rows: int, p_cols: int, lead, strides, tensors, scalars, outputs):
+def vector_ok(vec_ok: bool, vec_align: tuple, tensors, outputs) -> bool:
+    """Whether a launch may take whole vectors: the geometry allows them (``RowPlan.vec_ok``) and every pointer
+    that is read or written in vectors is aligned for them."""
+    return vec_ok and all(not a or x.data_ptr() % a == 0 for a, x in zip(vec_align, (*tensors, *outputs)))
+
+
+def fill_args(struct, p_rows: int, p_cols: int, lead, strides, tensors, scalars, outputs, vec: bool = False):
     """An ``FzArgs`` for one launch: the rows, the row dims and each input's strides (the row stride last)."""
     a = struct()
-    a.rows, a.cols, a.rank = p_rows, p_cols, len(lead)
+    a.rows, a.cols, a.rank, a.vec = p_rows, p_cols, len(lead), int(vec)
     for d, s in enumerate(lead):
         a.sizes[d] = s
     for k, st in enumerate(strides):
@@ -131,34 +137,59 @@ def _load_cuda(source: str, name: str, p: RowPlan):
     n_in, n_out = len(p.key.inputs), len(p.out_dtypes)
     kernel = cuda_launch.CudaKernel(name, image, index, False, 0, n_in + n_out, len(p.scalars), 1,
                                     (0,) * (n_in + n_out))
-    return RowCudaKernel(kernel, args_struct(n_in, n_in + n_out, len(p.scalars))), compiled
+    return RowCudaKernel(kernel, args_struct(n_in, n_in + n_out, len(p.scalars)), p.key.shape), compiled
+
+
+ROW_WAVES = 8  # blocks a launch holds at most, in waves of the device's resident blocks (the kernel grid-strides)
 
 
 class RowCudaKernel:
-    """A loaded row kernel: the pointwise kernel's loading and launch, with the row kernel's arguments and grid
-    (one block per row, at most a few waves of blocks; the kernel grid-strides over the rest)."""
+    """A loaded row kernel: the pointwise kernel's loading (``fuser.cuda.launch.CudaKernel``), with the row
+    kernel's arguments, block (``plan.CudaShape.block``) and grid (a block per ``block // tpr`` rows, at most
+    :data:`ROW_WAVES` waves of resident blocks)."""
 
-    def __init__(self, kernel, struct):
+    def __init__(self, kernel, struct, shape):
+        from cuda.bindings import driver
         from ..cuda import launch as cuda_launch
-        if cuda_launch.BLOCK_SIZE != t.BLOCK_SIZE:  # the kernel's shared arrays and its tree assume its block size
-            raise RuntimeError(f"row kernels are written for {t.BLOCK_SIZE} threads a block, the launcher launches "
-                               f"{cuda_launch.BLOCK_SIZE}")
-        self.kernel, self.struct = kernel, struct
-        self.max_blocks = kernel.max_blocks if kernel.max_blocks < 2 ** 31 - 1 else 65535 * 32
+        self.kernel, self.struct, self.shape = kernel, struct, shape
+        self.block, self.rows_per_block = shape.block, shape.block // shape.tpr
+        with torch.cuda.device(kernel.device_index):
+            per_sm = cuda_launch.call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, kernel._function,
+                                      self.block, 0)
+        sms = torch.cuda.get_device_properties(kernel.device_index).multi_processor_count
+        self.max_blocks = max(1, per_sm) * sms * ROW_WAVES
         self._local = threading.local()
 
+    def grid(self, geo) -> int:
+        return max(1, min(-(-geo.rows // self.rows_per_block), self.max_blocks))
+
     def launch(self, geo, tensors, scalars, outputs) -> None:
-        from ..cuda import launch as cuda_launch
-        a = fill_args(self.struct, geo.rows, geo.cols, geo.lead, geo.strides, tensors, scalars, outputs)
+        vec = vector_ok(geo.vec_ok, geo.vec_align, tensors, outputs)
+        a = fill_args(self.struct, geo.rows, geo.cols, geo.lead, geo.strides, tensors, scalars, outputs, vec)
         params = (ctypes.c_void_p * 1)(ctypes.addressof(a))
         loc = getattr(self._local, "loc", None)
         if loc is None:
             loc = self._local.loc = _Loc()
         loc.args, loc.params, loc.params_addr = a, params, ctypes.addressof(params)
-        grid = max(1, min(geo.rows, self.max_blocks))
         index = self.kernel.device_index
         with torch.cuda.device(index):
-            self.kernel._do_launch(loc, grid, cuda_launch._raw_stream(index))
+            self._do_launch(loc, self.grid(geo), index)
+
+    def _do_launch(self, loc, grid: int, index: int) -> None:
+        from ..cuda import launch as cuda_launch
+        k = self.kernel
+        if not loc.context_ready:
+            cuda_launch._primary_context(index)
+            loc.context_ready = True
+        stream = cuda_launch._raw_stream(index)
+        if k._raw_launch is not None:
+            err = k._raw_launch(k._function_ptr, grid, 1, 1, self.block, 1, 1, 0, stream, loc.params_addr, None)
+        else:
+            err, = k._launch(k._function, grid, 1, 1, self.block, 1, 1, 0, stream, loc.params_addr, 0)
+            err = 0 if err == k._success else int(err)
+        if err:
+            from cuda.bindings import driver
+            cuda_launch.check(driver.CUresult(err), "cuLaunchKernel")
 
 
 class _Loc:

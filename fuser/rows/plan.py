@@ -27,14 +27,148 @@ MAX_LEAD_DIMS = 8  # compressed row dims (the CUDA argument struct's arrays)
 FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+REGISTER_ITEMS = 32  # 32-bit registers a CUDA thread gives to the row elements it holds
+MAX_TPR = 1024  # CUDA threads a row at most (a block's)
+MIN_TPR = 4
+MAX_CUDA_COLS = 2 ** 31 - 2 ** 16  # a CUDA row kernel's column index is an int, with room for a trip past the end
+
+
+@dataclass(frozen=True)
+class CudaShape:
+    """How a CUDA row kernel lays a row over threads: ``tpr`` consecutive threads share a row (a power of two), a
+    block of ``block`` threads holds ``block // tpr`` rows, a thread takes ``items`` elements a trip along the row
+    in vectors of ``vec`` elements (16 bytes of the widest tensor). ``held``: the row takes one trip, so the
+    inputs that several passes read are loaded once and kept in registers; otherwise each pass reads them again."""
+
+    tpr: int
+    items: int
+    vec: int
+    held: bool
+
+    @property
+    def block(self) -> int:
+        return max(self.tpr, 128)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def register_items(block: int, wide: bool) -> int:
+    """Row elements a CUDA thread may keep in registers at once in a block of ``block`` threads: what the register
+    file leaves each thread (64K registers a block's share, 255 at most) less about 40 for the rest of the
+    kernel, at most 32; halved for 8-byte values. (H100, one run each: 32 elements a thread in 128-thread blocks
+    took 128-168 registers without spilling; launch bounds asking for 768 or 1024 resident threads an SM made
+    softmax faster and layer_norm slower, through spills: the kernel leaves the registers to the compiler.)"""
+    regs = min(255, 65536 // block) - 40
+    return max(4, min(32, 1 << (regs.bit_length() - 1))) // (2 if wide else 1)
+
+
+def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0) -> CudaShape:
+    """The :class:`CudaShape` for rows of ``cols`` elements; ``sizes``: the element sizes of the tensor inputs and
+    outputs; ``width``: the most row values a pass holds per element (``pass_width``), ``first_loads``: the inputs
+    the first pass loads, all before it computes (counted where a block's registers are few: 512 threads or
+    more): a thread's ``items`` elements of each must fit :func:`register_items`."""
+    widest = max(sizes, default=4)
+    vec = max(1, 16 // widest)
+    width = max(1, width)
+    tpr = MIN_TPR
+    while tpr <= MAX_TPR:
+        block = max(tpr, 128)
+        items = max(vec, _pow2_at_least(-(-cols // tpr)))
+        need = items * max(width, first_loads if block >= 512 else 0)
+        if tpr * items >= cols and (need <= register_items(block, widest == 8) or (tpr == MAX_TPR and items == vec)):
+            return CudaShape(tpr, items, vec, True)
+        tpr *= 2
+    per = register_items(MAX_TPR, widest == 8) // width
+    return CudaShape(MAX_TPR, max(vec, 1 << (max(1, per).bit_length() - 1)), vec, False)
+
+
+def needed(group: ir.Group, wanted: Sequence[ir.Value], held: frozenset = frozenset()) -> set:
+    """ids of the element-level values (inputs and nodes) that computing ``wanted`` reads, ``wanted`` included; the
+    walk stops at the values in ``held`` (kept in registers: read, not computed)."""
+    rows_v = row_level(group)
+    producer = group._cache.get("producer")
+    if producer is None:
+        producer = group._cache["producer"] = {n.out.id: n for n in group.nodes}
+    need, stack = set(), list(wanted)
+    while stack:
+        v = stack.pop()
+        if v.id in need or v.id in rows_v:
+            continue
+        need.add(v.id)
+        if v.id in producer and v.id not in held:
+            stack.extend(producer[v.id].values)
+    return need
+
+
+def row_passes(group: ir.Group) -> list:
+    """The passes of a row kernel along the row, in order: per reduction the values it accumulates ([its input];
+    a variance takes two passes, the mean's and the squared deviations'), then the element-level outputs'."""
+    rows_v = row_level(group)
+    passes = []
+    for n in group.nodes:
+        red = ops.reduction(n.op)
+        if red is not None:
+            passes += [[n.args[0]]] * (2 if red.variance else 1)
+    elem_out = [o for o in group.outputs if o.id not in rows_v]
+    if elem_out:
+        passes.append(elem_out)
+    return passes
+
+
+def held_values(group: ir.Group) -> list:
+    """For a row held in registers (``CudaShape.held``): per pass of :func:`row_passes`, the ids of the element-level
+    values it finds in registers, kept by the passes before it. After each pass, what later passes read of what it
+    computed or read is kept: walking back from each later pass's values, the first values met that this pass
+    has (the cut). So a pass computes only what depends on the row-level values it is the first to see: softmax's
+    output pass reads exp(x - max) from registers and divides, layer_norm's keeps x + bias + residual, then x - mean."""
+    got = group._cache.get("held_values")
+    if got is not None:
+        return got
+    passes = row_passes(group)
+    held: frozenset = frozenset()
+    got = []
+    for i, wanted in enumerate(passes):
+        got.append(held)
+        has = frozenset(needed(group, wanted, held) | held)  # what this pass reads or computes, and finds held
+        keep: set = set()
+        for later in passes[i + 1:]:
+            keep |= needed(group, later, has) & has
+        held = frozenset(keep)
+    group._cache["held_values"] = got
+    return got
+
+
+def pass_width(group: ir.Group, held: bool) -> tuple[int, int]:
+    """(the most row values a pass of a CUDA row kernel holds per element, the inputs its first pass loads). A held
+    row (``held``): the values a pass finds held or holds for later passes (a later pass loads its inputs a
+    vector at a time); otherwise every pass loads what it reads, a trip at a time."""
+    passes = row_passes(group)
+    holds = held_values(group) if held else [frozenset()] * len(passes)
+    tensors = {v.id for v in group.inputs if v.is_tensor}
+    width, first = 0, 0
+    for i, wanted in enumerate(passes):
+        now = holds[i]
+        loads = tensors & needed(group, wanted, now) - now
+        later = holds[i + 1] - now if i + 1 < len(holds) else frozenset()
+        if i == 0:
+            first = len(loads)
+        # a pass's held values replace those it found element by element
+        width = max(width, len(now), len(later)) if held else max(width, len(loads))
+    return width, first
+
+
 @dataclass(frozen=True)
 class RowKey:
     """What a row kernel's source depends on: the target, the device, per tensor input its dtype and whether it
-    is 0-dim (type promotion treats those apart). Strides and sizes are launch arguments."""
+    is 0-dim (type promotion treats those apart), and on CUDA the row's :class:`CudaShape` (chosen from the row
+    length). Strides and the other sizes are launch arguments."""
 
     target: str
     device_index: Optional[int]
     inputs: tuple[tuple[torch.dtype, bool], ...]
+    shape: Optional[CudaShape] = None
 
 
 @dataclass
@@ -49,6 +183,8 @@ class RowPlan:
     out_shapes: list  # per group output
     out_dtypes: list
     types: list  # codegen.NodeTypes per node
+    vec_ok: bool = False  # CUDA: sizes and strides allow whole vectors (the pointers are checked per launch)
+    vec_align: tuple = ()  # CUDA, per pointer (inputs, outputs): bytes it must be aligned to for vectors (0: any)
 
 
 def row_level(group: ir.Group) -> frozenset:
@@ -206,7 +342,24 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
                     x.tensor() if isinstance(x, ir.TensorConst) else x for x in n.args)
             compute = torch.result_type(a, b)
         types.append(codegen.NodeTypes(val.dtype, compute))
-    key = RowKey(target, device.index, tuple((t.dtype, t.dim() == 0) for t in tensors))
-    return RowPlan(key, tensors, scalars, math.prod(lead_shape), math.prod(full[nd - k:]), lead,
-                   [ls + [cs] for ls, cs in zip(lead_st, col_strides)], [shape[v.id] for v in group.outputs],
-                   [dtype[v.id] for v in group.outputs], types)
+    rows, cols = math.prod(lead_shape), math.prod(full[nd - k:])
+    out_dtypes = [dtype[v.id] for v in group.outputs]
+    strides = [ls + [cs] for ls, cs in zip(lead_st, col_strides)]
+    cuda_sh, vec_ok, vec_align = None, False, ()
+    if target == "cuda":
+        if cols > MAX_CUDA_COLS:
+            return f"a row of {cols} elements (CUDA row kernels index a row with 32 bits)"
+        dts = [t.dtype for t in tensors] + out_dtypes
+        sizes = [torch.empty((), dtype=dt).element_size() for dt in dts]
+        cuda_sh = cuda_shape(cols, sizes, *pass_width(group, True))
+        if not cuda_sh.held:  # each pass loads what it reads
+            cuda_sh = cuda_shape(cols, sizes, pass_width(group, False)[0])
+        vec = cuda_sh.vec
+        vec_ok = cols % vec == 0 and all(st[-1] in (0, 1) and (st[-1] == 0 or all(x % vec == 0 for x in st[:-1]))
+                                         for st in strides)
+        size = lambda dt: min(16, torch.empty((), dtype=dt).element_size() * vec)  # noqa: E731
+        vec_align = tuple(size(t.dtype) if st[-1] == 1 else 0 for t, st in zip(tensors, strides)) + tuple(
+            size(dt) if v.id not in rows_v else 0 for v, dt in zip(group.outputs, out_dtypes))
+    key = RowKey(target, device.index, tuple((t.dtype, t.dim() == 0) for t in tensors), cuda_sh)
+    return RowPlan(key, tensors, scalars, rows, cols, lead, strides, [shape[v.id] for v in group.outputs],
+                   out_dtypes, types, vec_ok, vec_align)

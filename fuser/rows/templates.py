@@ -3,34 +3,75 @@
 CPU ABI (the pointwise kernels' signature, read differently): ``void name(int64_t rows, int64_t rank,
 const int64_t* sizes, const int64_t* strides, void* const* ptrs, const double* scalars)``; ``sizes``: the
 ``rank`` row dims, then the row length; ``strides``: per tensor input ``rank`` strides over the row dims, then its
-stride along the row. CUDA: one by-value ``FzArgs`` (mirrored by ``fuser.rows.launch.args_struct``); one block
-per row, grid-stride over rows. Both kernels start from their target's pointwise prelude (so the CUDA host
+stride along the row. CUDA: one by-value ``FzArgs`` (mirrored by ``fuser.rows.launch.args_struct``); a row is
+shared by a power of two of consecutive threads (``fuser.rows.plan.CudaShape``), a block holds one or more rows and
+grid-strides over them. Both kernels start from their target's pointwise prelude (so the CUDA host
 emulation swaps it as for every CUDA kernel) and add :data:`ROW_PRELUDE`.
 """
 from string import Template
 
 MAX_DIMS = 8  # row dims (fuser.rows.plan.MAX_LEAD_DIMS)
-BLOCK_SIZE = 256  # CUDA threads per row: a power of two (the block reduction halves it)
 
-# combine functions of the reductions (ops.Reduction.combine); CUDA: the block reduction through shared memory,
-# a fixed tree (deterministic), every thread gets the result
+# combine functions of the reductions (ops.Reduction.combine); CUDA adds the row reduction across a row's threads
 ROW_PRELUDE = Template(r"""
 struct fz_rsum { template <class A> static ${fn} A f(A a, A b) { return a + b; } };
 struct fz_rmax { template <class A> static ${fn} A f(A a, A b) { return fz_max(a, b); } };
 struct fz_rmin { template <class A> static ${fn} A f(A a, A b) { return fz_min(a, b); } };
-${block_reduce}""")
+${row_reduce}""")
 
-BLOCK_REDUCE = r"""template <class Op, class A> __device__ __forceinline__ A fz_block_reduce(A v, A* sh) {
-  const int t = threadIdx.x;
-  sh[t] = v;
-  __syncthreads();
-  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-    if (t < s) sh[t] = Op::f(sh[t], sh[t + s]);
+# CUDA: the TPR threads of a row (a power of two; TPR consecutive threads of the block) combine their partial
+# results: a butterfly of warp shuffles (a fixed order: deterministic), then, for rows wider than a warp, each
+# warp's result through shared memory, combined by every thread in warp order. Every thread of the block calls
+# it the same number of times (rows past the end take part with the identity), so the barriers are uniform.
+# Every thread of a row gets the value of the row's first lane (fz_max keeps its first operand on a tie, so the
+# butterfly's lanes may hold zeros of different signs).
+ROW_REDUCE = r"""template <class Op, int TPR, class A> __device__ __forceinline__ A fz_row_reduce(A v, A* sh) {
+  constexpr int W = TPR < 32 ? TPR : 32;
+#pragma unroll
+  for (int o = W / 2; o > 0; o >>= 1) v = Op::f(v, __shfl_xor_sync(0xffffffffu, v, o));
+  v = __shfl_sync(0xffffffffu, v, 0, W);
+  if (TPR > 32) {
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x / 32] = v;
     __syncthreads();
+    const int first = (threadIdx.x / TPR) * (TPR / 32);
+    v = sh[first];
+    for (int w = 1; w < TPR / 32; ++w) v = Op::f(v, sh[first + w]);
+    __syncthreads();  // sh is free for the next reduction
   }
-  const A r = sh[0];
-  __syncthreads();  // sh is free for the next reduction
-  return r;
+  return v;
+}
+
+// a thread's elements of one trip along a row (NV vectors of V elements, vector i at column
+// tb + (i * TPR + lane) * V), as the kernel's value type C, every load issued before any is used: whole vectors
+// where the launch allows them (args.vec: the row starts, the row length and the pointers suit them; a vector
+// past the row's end reads the row's last one instead, and is not used), a tensor that does not step along the
+// row gives its one element, otherwise element by element (0 past the row's end). No row: no loads.
+template <int NV, int V, int TPR, class C, class S> __device__ __forceinline__ void fz_row_trip(
+    C* dst, const S* __restrict__ p, long long off, long long cs, int tb, int lane, int cols, bool live, int vec) {
+  if (!live) return;
+  if (vec && cs) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      int cb = tb + (i * TPR + lane) * V;
+      cb = cb < cols ? cb : cols - V;
+      const fz_vec<S, V> w = *reinterpret_cast<const fz_vec<S, V>*>(p + off + cb);
+#pragma unroll
+      for (int v = 0; v < V; ++v) dst[i * V + v] = (C)fz_ld(w.v[v]);
+    }
+  } else if (vec) {
+    const C x = (C)fz_ld(p[off]);
+#pragma unroll
+    for (int k = 0; k < NV * V; ++k) dst[k] = x;
+  } else {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const int c = tb + (i * TPR + lane) * V + v;
+        dst[i * V + v] = c < cols ? (C)fz_ld(p[off + c * cs]) : (C)0;
+      }
+    }
+  }
 }
 """
 
@@ -60,25 +101,52 @@ struct FzArgs {
   long long sizes[${max_dims}];
   long long strides[${n_stride_rows}][${max_dims} + 1];  // per tensor input: row dims, then along the row
   int rank;
+  int vec;  // the launch may read and write whole vectors of ${vec} elements (fuser.rows.launch)
   void* ptrs[${n_ptrs}];
   double scalars[${n_scalar_slots}];
 };
 
-extern "C" __global__ void __launch_bounds__(${block_size}) ${name}(const FzArgs args) {
-  const long long rows = args.rows, cols = args.cols;
+// ${tpr} threads a row, ${rpb} rows a block; a thread holds ${items} elements of a row a trip, in vectors of ${vec}
+// (element i*${vec}+v of its trip: column ((i*${tpr} + lane)*${vec} + v))
+extern "C" __global__ void __launch_bounds__(${block}) ${name}(const FzArgs args) {
+  const long long rows = args.rows;
+  const int cols = (int)args.cols;  // below 2^31 (fuser.rows.plan)
   const int rank = args.rank;
+  const int lane = threadIdx.x % ${tpr};
 ${params}
 ${shared}
-  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+  for (long long base = (long long)blockIdx.x * ${rpb}; base < rows; base += (long long)gridDim.x * ${rpb}) {
+    const long long row = base + threadIdx.x / ${tpr};
+    const bool live = row < rows;
 ${offsets}
+${cache}
 ${phases}
   }
 }
 """)
 
-# the offsets of a row's first element in each input: one divmod walk over the row dims per row
+# one pass along the row: trips of ${items} elements a thread (one trip where the row is held in registers)
+CUDA_PASS = Template(r"""    ${acc_decl}
+    ${trips} {
+${loads}
+#pragma unroll
+      for (int i = 0; i < ${nv}; ++i) {
+        const int cb = tb + (i * ${tpr} + lane) * ${vec};
+${item_decls}
+#pragma unroll
+        for (int v = 0; v < ${vec}; ++v) {
+${body}
+        }
+${after_item}
+      }
+    }
+${after}""")
+
+# the offsets of a row's first element in each input: one divmod walk over the row dims per row (none for one)
 OFFSETS = Template(r"""    long long ${decls};
-    {
+    if (rank == 1) {
+${accumulate1}
+    } else {
       long long r = row;
       for (int d = (int)rank - 1; d >= 0; --d) {
         const long long q = r / ${size}, m = r - q * ${size};
@@ -88,7 +156,7 @@ ${accumulate}
     }
 ${col_strides}""")
 
-# one pass along the row: ${body} per element (the threads of a block share the row on CUDA)
+# the CPU kernel's pass along the row: ${body} per element
 PHASE = Template(r"""    ${acc_decl}
     for (long long c = ${first}; c < cols; c += ${step}) {
 ${body}
