@@ -523,3 +523,30 @@ def test_modes_and_options_are_accepted_and_ignored_cuda(kw):
 def test_mode_and_options_together_are_torch_compiles_own_error():
     with pytest.raises(RuntimeError, match="Either mode or options"):
         torch.compile(pointwise, backend="fuser", mode="reduce-overhead", options={"not_an_option": 1})
+
+
+# ---- dtype constants ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_reduced_precision_backward_casts_join_the_group(dtype):
+    """The decomposed GELU backward of a float16/bfloat16 value computes in float32 between two
+    ``_to_copy(x, dtype=...)`` casts; the dtype is a constant the group holds (a ScalarType code), so the
+    whole backward is one group, with gradients as close to float64's as eager's are."""
+    def f(x, b):
+        return F.gelu(x) * torch.sigmoid(b) + b
+
+    x, b = torch.randn(8, 24, dtype=dtype), torch.randn(24, dtype=dtype)  # b needs no gradient: no sum
+    grad = torch.randn(8, 24, dtype=dtype)
+    got, ref, ref64 = x.clone().requires_grad_(), x.clone().requires_grad_(), x.double().requires_grad_()
+    with recording() as graphs:
+        torch.compile(f, backend="fuser", dynamic=False)(got, b).backward(grad)
+    f(ref, b).backward(grad)
+    f(ref64, b.double()).backward(grad.double())
+    err = (got.grad.double() - ref64.grad).abs().max().item()
+    eager_err = (ref.grad.double() - ref64.grad).abs().max().item()
+    assert got.grad.dtype == dtype and err <= 2 * eager_err + torch.finfo(dtype).eps, (err, eager_err)
+    (_, _, fw, fw_specs), (_, _, bw, bw_specs) = graphs
+    casts = [n for r in bw.regions for n in r.nodes if n.target is torch.ops.aten._to_copy.default]
+    assert len(fw.regions) == 1 and len(bw.regions) == 1 and len(casts) >= 2
+    assert not any(n.target is torch.ops.aten._to_copy.default for n in bw.left_out), bw.left_out
+    assert_ran_fused(fw_specs + bw_specs)
