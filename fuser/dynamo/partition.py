@@ -225,7 +225,7 @@ class _Partitioner:
         n_args = len(self.inputs(ordered)) + len(outs)
         if n_args > MAX_GROUP_ARGS:
             return f"the input/output limit: joining would make {n_args} inputs and outputs (at most {MAX_GROUP_ARGS})"
-        rows = _row_refusal(ordered, outs)
+        rows = _row_refusal(ordered, self.inputs(ordered), outs)
         if rows is not None:  # a region with reductions: a row kernel's shapes
             if rows:
                 return rows
@@ -291,11 +291,13 @@ class _Partitioner:
         return Partition(regions, left_out)
 
 
-def _row_refusal(ordered: list, outs: list) -> Optional[str]:
+def _row_refusal(ordered: list, inputs: list, outs: list) -> Optional[str]:
     """For a region holding reductions (``fuser/rows/``): why its shapes are not a row kernel's, or "" when
     they are; None for a region without reductions. Every reduction reduces the same trailing dims of values of
     one shape F; every value broadcasts to F; the outputs are F-shaped, or row-shaped (F with the reduced dims
-    kept as 1 or dropped), and contiguous. The executor checks the rest per call and falls back otherwise."""
+    kept as 1 or dropped) and computed from reductions only (``rows.plan.row_level``: a row-shaped value of the
+    inputs alone is no row kernel's output), and contiguous. The executor checks the rest per call and falls
+    back otherwise."""
     reds = [n for n in ordered if ops.reduction(overload_name(n) or "") is not None]
     if not reds:
         return None
@@ -314,6 +316,15 @@ def _row_refusal(ordered: list, outs: list) -> Optional[str]:
             return f"its value {o.name} of shape {_pretty(_shape(o))} is needed outside, and is no row kernel's output"
         if not _contiguous(o):
             return f"its value {o.name} is not contiguous in eager, and a group writes its outputs densely"
+    if any(_shape(o) != full for o in outs):  # row-shaped outputs: a row kernel writes only row-level ones
+        from ..rows.plan import row_level
+        from .lower import lower  # lower.py imports this module
+        group = lower(Region(ordered, inputs, outs))
+        level = row_level(group)
+        for o, v in zip(outs, group.outputs):
+            if _shape(o) != full and v.id not in level:
+                return (f"its value {o.name} of shape {_pretty(_shape(o))} is needed outside, and a row kernel's "
+                        f"outputs have the rows' elements' shape {_pretty(full)} unless computed from a reduction")
     return ""
 
 
