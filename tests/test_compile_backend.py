@@ -477,3 +477,76 @@ def test_the_decomposition_table_keeps_the_ops_fuser_fuses_whole():
     names = {op.name() for op in table if isinstance(op, torch._ops.OpOverload)}
     assert "aten::gelu_backward" in names and "aten::native_layer_norm_backward" in names
     assert not any("scaled_dot_product" in n for n in names)
+
+
+# ---- torch.compile's mode and options ---------------------------------------------------------------------------
+
+_MODES = [dict(mode="reduce-overhead"), dict(mode="max-autotune"), dict(options={"not_an_option": 1})]
+
+
+def _check_mode(kw, device):
+    """torch.compile hands a backend other than Inductor its ``mode`` / ``options`` as keyword arguments (only when
+    given, and a mode other than "default"); this backend accepts and ignores them: the same fused graph as
+    without them (no CUDA graphs under "reduce-overhead", no autotuning under "max-autotune")."""
+    seen = []
+
+    def spy(gm, example_inputs, **given):
+        seen.append(given)
+        return aot.backend(gm, example_inputs, **given)
+
+    x, b = torch.randn(8, 16, device=device), torch.randn(16, device=device)
+    for backend in ("fuser", spy):
+        torch._dynamo.reset()
+        with recording() as graphs:
+            compiled = torch.compile(pointwise, backend=backend, dynamic=False, **kw)
+            out = compiled(x, b)
+            out = compiled(x, b)  # a second call: what "reduce-overhead" would replay from a CUDA graph
+        for o, r in zip(out, pointwise(x, b)):
+            torch.testing.assert_close(o, r, rtol=2e-5, atol=2e-5)
+        [(_, gm, part, specs)] = graphs
+        assert len(part.regions) == 1 and group_calls(gm) == 1
+        assert_ran_fused(specs, device)
+    assert seen == [kw]
+
+
+@pytest.mark.parametrize("kw", _MODES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_modes_and_options_are_accepted_and_ignored(kw):
+    _check_mode(kw, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", _MODES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_modes_and_options_are_accepted_and_ignored_cuda(kw):
+    _check_mode(kw, "cuda")
+
+
+def test_mode_and_options_together_are_torch_compiles_own_error():
+    with pytest.raises(RuntimeError, match="Either mode or options"):
+        torch.compile(pointwise, backend="fuser", mode="reduce-overhead", options={"not_an_option": 1})
+
+
+# ---- dtype constants ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_reduced_precision_backward_casts_join_the_group(dtype):
+    """The decomposed GELU backward of a float16/bfloat16 value computes in float32 between two
+    ``_to_copy(x, dtype=...)`` casts; the dtype is a constant the group holds (a ScalarType code), so the
+    whole backward is one group, with gradients as close to float64's as eager's are."""
+    def f(x, b):
+        return F.gelu(x) * torch.sigmoid(b) + b
+
+    x, b = torch.randn(8, 24, dtype=dtype), torch.randn(24, dtype=dtype)  # b needs no gradient: no sum
+    grad = torch.randn(8, 24, dtype=dtype)
+    got, ref, ref64 = x.clone().requires_grad_(), x.clone().requires_grad_(), x.double().requires_grad_()
+    with recording() as graphs:
+        torch.compile(f, backend="fuser", dynamic=False)(got, b).backward(grad)
+    f(ref, b).backward(grad)
+    f(ref64, b.double()).backward(grad.double())
+    err = (got.grad.double() - ref64.grad).abs().max().item()
+    eager_err = (ref.grad.double() - ref64.grad).abs().max().item()
+    assert got.grad.dtype == dtype and err <= 2 * eager_err + torch.finfo(dtype).eps, (err, eager_err)
+    (_, _, fw, fw_specs), (_, _, bw, bw_specs) = graphs
+    casts = [n for r in bw.regions for n in r.nodes if n.target is torch.ops.aten._to_copy.default]
+    assert len(fw.regions) == 1 and len(bw.regions) == 1 and len(casts) >= 2
+    assert not any(n.target is torch.ops.aten._to_copy.default for n in bw.left_out), bw.left_out
+    assert_ran_fused(fw_specs + bw_specs)

@@ -6,8 +6,13 @@ limits it shares): a node joins when :mod:`.support` takes it and the merged reg
 * spans no side effect (a mutation, a random op: see ``support.is_barrier``), whose order stays eager's;
 * closes no cycle: no path leaves the region and comes back (each region runs as one call, so a node that needs
   one of its values and feeds another of its nodes could run neither before nor after it);
-* keeps every output at the region's one broadcast shape, and contiguous as eager lays it out (a group's kernel
-  writes each output over the whole map, densely; an output of another shape would make every call fall back);
+* keeps every output at the region's one broadcast shape (a group's kernel writes each output over the whole
+  map; an output of another shape would make every call fall back), with the strides eager gives it: the
+  executor allocates outputs with the strides ``fuser/layout.py`` computes from the inputs' (TensorIterator's
+  rule), so the region's layouts are computed from its inputs' fake strides and compared with its outputs'
+  (a transposed or channels_last region fuses; one whose layouts would differ is refused). Where a size or
+  stride is symbolic (reading it would install a guard), outputs must be contiguous in eager, as must a row
+  kernel's;
 * stays within the group's limit of inputs plus outputs.
 
 Regions of fewer than ``MIN_GROUP_KERNELS`` ops are dropped (one op saves no launch). Every node left out keeps
@@ -24,7 +29,7 @@ import torch
 import torch.fx
 
 from ..graph_fuser import MAX_GROUP_ARGS, MIN_GROUP_KERNELS
-from .. import ops
+from .. import layout, ops
 from .support import Support, fake, is_barrier, overload_name, reduced_dims, tensor_constant
 
 
@@ -92,6 +97,47 @@ def _contiguous(node) -> bool:
             return False
         expect = expect * size
     return True
+
+
+def _concrete(node) -> Optional[tuple]:
+    """(sizes, strides) of a node's fake tensor as ints; None where one is symbolic (or the node no tensor)."""
+    v = fake(node)
+    if v is None:
+        return None
+    sizes, strides = tuple(_dim(s) for s in v.shape), tuple(_dim(s) for s in v.stride())
+    return (sizes, strides) if all(type(x) is int for x in sizes + strides) else None
+
+
+def _layout_refusal(ordered: list, inputs: list, outs: list) -> Optional[str]:
+    """Why the group of ``ordered`` would not give its outputs eager's strides, or None when it would. The
+    executor's rule (``executor._output_layouts``): contiguous inputs give contiguous outputs; otherwise
+    ``layout.group_layouts`` of the inputs' layouts. Those are the fake values' here (Dynamo guards on its inputs'
+    strides, and every other value's follow from them), so with concrete shapes the run-time strides are these."""
+    in_lays, out_lays = [_concrete(a) for a in inputs], [_concrete(o) for o in outs]
+    if None in in_lays or None in out_lays:  # symbolic sizes: the conservative rule, no guard
+        for o in outs:
+            if not _contiguous(o):
+                return (f"its value {o.name} is not contiguous in eager, and with symbolic sizes a group's "
+                        "outputs must be")
+        return None
+    if all(st == layout.contiguous_strides(sz) for sz, st in in_lays):
+        got = [(sz, layout.contiguous_strides(sz)) for sz, _ in out_lays]
+    else:
+        from .lower import lower  # lower.py imports this module
+        try:
+            group = lower(Region(ordered, inputs, outs))
+            metas = [torch.empty_strided(sz, st, dtype=fake(a).dtype, device="meta")
+                     for a, (sz, st) in zip(inputs, in_lays)]
+            got = layout.group_layouts(group, metas)
+        except Exception as e:  # noqa: BLE001 (an op the layout rule does not know: refused, never wrong)
+            got = f"{type(e).__name__}: {e}"
+        if isinstance(got, str):
+            return f"its outputs' strides are not known before the call ({got})"
+    for o, (sz, st), (want_sz, want_st) in zip(outs, got, out_lays):
+        if (tuple(sz), tuple(st)) != (want_sz, want_st):
+            return (f"its value {o.name} has strides {_pretty(want_st)} as traced (eager's meta kernels), and "
+                    f"the group would write {_pretty(st)}")
+    return None
 
 
 class _Partitioner:
@@ -179,7 +225,7 @@ class _Partitioner:
         n_args = len(self.inputs(ordered)) + len(outs)
         if n_args > MAX_GROUP_ARGS:
             return f"the input/output limit: joining would make {n_args} inputs and outputs (at most {MAX_GROUP_ARGS})"
-        rows = _row_refusal(ordered, outs)
+        rows = _row_refusal(ordered, self.inputs(ordered), outs)
         if rows is not None:  # a region with reductions: a row kernel's shapes
             if rows:
                 return rows
@@ -194,8 +240,9 @@ class _Partitioner:
             if _shape(o) != full:
                 return (f"its value {o.name} of shape {_pretty(_shape(o))} is needed outside, and a group's outputs "
                         f"have the group's shape {_pretty(full)}")
-            if not _contiguous(o):
-                return f"its value {o.name} is not contiguous in eager, and a group writes its outputs densely"
+        why = _layout_refusal(ordered, self.inputs(ordered), outs)
+        if why is not None:
+            return why
         if self._closes_cycle(consumer, producer, merged):
             return "a cycle: a node outside the group both needs a group value and feeds the group"
         return None
@@ -244,11 +291,13 @@ class _Partitioner:
         return Partition(regions, left_out)
 
 
-def _row_refusal(ordered: list, outs: list) -> Optional[str]:
+def _row_refusal(ordered: list, inputs: list, outs: list) -> Optional[str]:
     """For a region holding reductions (``fuser/rows/``): why its shapes are not a row kernel's, or "" when
     they are; None for a region without reductions. Every reduction reduces the same trailing dims of values of
     one shape F; every value broadcasts to F; the outputs are F-shaped, or row-shaped (F with the reduced dims
-    kept as 1 or dropped), and contiguous. The executor checks the rest per call and falls back otherwise."""
+    kept as 1 or dropped) and computed from reductions only (``rows.plan.row_level``: a row-shaped value of the
+    inputs alone is no row kernel's output), and contiguous. The executor checks the rest per call and falls
+    back otherwise."""
     reds = [n for n in ordered if ops.reduction(overload_name(n) or "") is not None]
     if not reds:
         return None
@@ -267,6 +316,15 @@ def _row_refusal(ordered: list, outs: list) -> Optional[str]:
             return f"its value {o.name} of shape {_pretty(_shape(o))} is needed outside, and is no row kernel's output"
         if not _contiguous(o):
             return f"its value {o.name} is not contiguous in eager, and a group writes its outputs densely"
+    if any(_shape(o) != full for o in outs):  # row-shaped outputs: a row kernel writes only row-level ones
+        from ..rows.plan import row_level
+        from .lower import lower  # lower.py imports this module
+        group = lower(Region(ordered, inputs, outs))
+        level = row_level(group)
+        for o, v in zip(outs, group.outputs):
+            if _shape(o) != full and v.id not in level:
+                return (f"its value {o.name} of shape {_pretty(_shape(o))} is needed outside, and a row kernel's "
+                        f"outputs have the rows' elements' shape {_pretty(full)} unless computed from a reduction")
     return ""
 
 

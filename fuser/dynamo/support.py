@@ -19,6 +19,7 @@ import torch.fx
 
 from .. import ir, ops
 from ..descs import DTYPES, family
+from ..frontend.datatype import SCALAR_TYPE_CODE
 
 _CONSTANT_TYPES = (type(None), bool, int, float, str)
 DEVICE_TYPES = ("cpu", "cuda")
@@ -150,7 +151,8 @@ def reason(node: torch.fx.Node) -> Optional[str]:
                 return f"{name}: argument {p.name} has dtype {_dtype(v.dtype)}, which fuser's kernels do not hold"
             if v.device != device:
                 return f"{name}: argument {p.name} is on {v.device}, the result on {device}"
-        elif not isinstance(a, _CONSTANT_TYPES) or not ir._accepts(p.type, a, numbers_as_tensors=True):
+        elif not isinstance(constant(a), _CONSTANT_TYPES) or not ir._accepts(p.type, constant(a),
+                                                                               numbers_as_tensors=True):
             return f"{name}: argument {p.name} is {type(a).__name__} {a!r}, not a constant a group holds"
         elif op.variant_arg is not None and p is ir.params(name)[op.variant_arg] and a not in op.exprs:
             return f"{name}: {p.name}={a!r} has no expression in the op table"
@@ -188,7 +190,11 @@ def reduced_dims(node: torch.fx.Node) -> Optional[tuple]:
 
 
 def constant(a):
-    """A constant argument as the group IR holds it: a list of ints (dims, a normalized shape) as a tuple."""
+    """A constant argument as the group IR holds it: a list of ints (dims, a normalized shape) as a tuple, a dtype
+    (``_to_copy(x, dtype=torch.float32)``, which decompositions put around reduced-precision steps) as its c10
+    ScalarType code, as TorchScript gives it."""
+    if isinstance(a, torch.dtype):
+        return SCALAR_TYPE_CODE.get(a, a)
     return tuple(a) if isinstance(a, list) else a
 
 
