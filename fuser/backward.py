@@ -122,7 +122,7 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
             raise _Unsupported(name)
         gy = grads[n.out.id]
         xs = [D.V(b, mapped(a)) for a in n.args]
-        if n.op == MEAN:  # the row's length: see derivatives._mean
+        if n.op == MEAN or name in ("var", "std"):  # the row's length: see derivatives._mean
             if row_length is None:
                 row_length = b.input(ir.FLOAT)
             xs.append(D.V(b, row_length))

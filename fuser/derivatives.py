@@ -382,6 +382,30 @@ def _rms_norm(g, x, y):
     return [ga, None, None if w.is_none else g * (a * r), None]
 
 
+def _var_grad(g, x):
+    """eager's var_backward over listed dims: (2 / (n - correction)) * grad * (x - mean(x)), n the row's length (a
+    float input, as for a mean: ``x[4]``), the factor formed in grad's dtype (eager forms it in double on the host,
+    then converts it; n - correction is exact either way); every dim (dim None or empty) is eager's other branch:
+    not here."""
+    a, dims, c = x[0], x[1].constant(), x[2]
+    if not dims or isinstance(c.value, ir.Value):
+        return UNSUPPORTED
+    c = c.constant()
+    c = 1.0 if c is None else float(c)  # var.correction's None, var.dim's unbiased (True: 1)
+    n = op("aten::type_as", where(g.eq(g), x[4], x[4]), g)  # the row's length as a row-level value of grad's dtype
+    scale = op("aten::reciprocal", n - c) * 2.0  # (exact: 2 / d rounds as 1 / d does, times 2)
+    return (g * scale) * (a - reduce_mean(a, tuple(dims)))
+
+
+def _var(g, x, y):
+    return [_var_grad(g, x), None, None, None]
+
+
+def _std(g, x, y):
+    # eager's std_backward: var_backward of (grad / (2 * std)), zero where std is zero
+    return [_var_grad(where(y.eq(0.0), 0.0, g / (y * 2.0)), x), None, None, None]
+
+
 _LN2, _LN10, _TWO_OVER_SQRT_PI = math.log(2.0), math.log(10.0), 2.0 / math.sqrt(math.pi)
 
 DERIVATIVES: dict[str, Callable] = {
@@ -457,6 +481,8 @@ DERIVATIVES: dict[str, Callable] = {
     "log_softmax": _log_softmax,
     "layer_norm": _layer_norm,
     "rms_norm": _rms_norm,
+    "var": _var,
+    "std": _std,
 }
 
 # ops whose results are never differentiable (bool results): gradients stop there
