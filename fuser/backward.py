@@ -9,7 +9,10 @@ A group with reductions (a row kernel's, ``fuser/rows/``) gets a backward that i
 keeps its dims (the forward's are recomputed with keepdim; a dropped-dims output's gradient comes with its dims
 restored: ``Backward.grad_unsqueeze``), so every row-level value is [rows..., 1...] and broadcasts along the row.
 Where an element-level node reads a row-level value, that value's gradient is summed along the row in the group
-(eager's sum_to_size of a broadcast, here a reduction of the same row), before it flows on.
+(eager's sum_to_size of a broadcast, here a reduction of the same row), before it flows on. A normalization
+(softmax, log_softmax, layer_norm, rms_norm) is recomputed as its steps (``fuser/rows/decompose.py``), and its
+formula reads the statistics those steps form (layer_norm's mean and rstd) as eager's backward reads the ones its
+forward saved.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from . import derivatives as D
 from . import ir, ops
 from .kernel_cache import STORE, KernelSpec
 from .rows import decompose
+from .rows.plan import row_level
 
 @dataclass(frozen=True)
 class Backward:
@@ -195,13 +199,10 @@ def _name(op: str) -> Optional[str]:
     return None if entry is None else entry.name
 
 
-_NORMALIZATIONS = ("softmax", "log_softmax", "layer_norm", "rms_norm")  # composites whose result is element-level
-
-
 def _keepdim_at(op: str) -> Optional[int]:
     """The position of a reduction's keepdim argument (None: not a reduction, or a normalization, which has none)."""
     red = ops.reduction(op)
-    if red is None or red.kind in _NORMALIZATIONS:
+    if red is None or red.kind in ops.NORMALIZATIONS:
         return None
     return 3 if red.kind in ("var", "std") else 2
 
@@ -224,26 +225,13 @@ def _normalization_steps(b: ir.Builder, n: ir.Node, args: list) -> Optional[tupl
     return None
 
 
-def _row_level(fwd: ir.Group) -> frozenset:
-    """ids of ``fwd``'s row-level values (``fuser.rows.plan.row_level`` for a group whose normalizations are not
-    expanded: their results are element-level)."""
-    rows: set = set()
-    floats = {v.id for v in fwd.inputs if not v.is_tensor}
-    for n in fwd.nodes:
-        red = ops.reduction(n.op)
-        ids = {v.id for v in n.values} - floats
-        if (red is not None and red.kind not in _NORMALIZATIONS) or (red is None and ids and ids <= rows):
-            rows.add(n.out.id)
-    return frozenset(rows)
-
-
 class _Rows:
     """What the backward of a group with reductions needs of the forward: which values are row-level, the
     reduced dims (every reduction's: the row kernel's plan holds them equal), and the row-level values whose
     reduced dims are dropped (keepdim off)."""
 
     def __init__(self, fwd: ir.Group):
-        self.row = _row_level(fwd)
+        self.row = row_level(fwd)
         reductions = [n for n in fwd.nodes if ops.reduction(n.op) is not None]
         self.dims = ops.reduced_dims(reductions[0].op, reductions[0].args)
         self._dropped: dict[int, int] = {}
