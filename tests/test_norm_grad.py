@@ -256,6 +256,62 @@ def test_a_gradient_only_for_the_weight():
     _assert_grads([got], [want], torch.float64)
 
 
+def _special_rows(dt, n):
+    """Rows holding inf, NaN and -inf, a constant row (variance 0), then ordinary rows."""
+    x = 3 * torch.randn(6, n, dtype=dt)
+    x[0, 3], x[1, 5], x[2, 2], x[3] = float("inf"), float("nan"), -float("inf"), 1.5
+    return x
+
+
+@pytest.mark.parametrize("op,eager", [
+    ("aten::softmax.int", lambda x: torch.softmax(x, 1)), ("aten::log_softmax.int", lambda x: torch.log_softmax(x, 1)),
+    ("aten::std.correction", lambda x: torch.std(x, (1,), correction=1)),
+    ("aten::layer_norm", lambda x: F.layer_norm(x, (x.shape[-1],)))], ids=lambda a: a if isinstance(a, str) else "")
+def test_special_values_and_constant_rows_as_eager(op, eager, _backwards):
+    """NaN, inf and -inf in a row (softmax's positive dim), and a constant row (std's masked zero, layer_norm's
+    zero variance): eager's gradients, NaN where eager's are."""
+    def group(n):
+        b = ir.Builder()
+        x = b.input()
+        args = {"aten::std.correction": ((1,), 1, False), "aten::layer_norm": ((n,), None, None, 1e-5, True)}
+        return b.build([b.call("aten::mul", b.add(op, x, *args.get(op, (1, None))), 2.0)])
+
+    case = Case(op, group, lambda dt, n: [_special_rows(dt, n)], lambda x: [eager(x) * 2])
+    got, want = _fused_and_eager64(case, case.inputs(torch.float32, 9), 9)
+    _assert_grads(got, want, torch.float32)
+    assert row_backward_keys(_backwards)
+
+
+def test_layer_norm_with_one_of_weight_and_bias_and_softmax_to_another_dtype(_backwards):
+    """layer_norm with a weight and no bias, and with a bias and no weight; softmax of float16 computed in float32
+    (its dtype argument: eager converts x first, and the gradient back)."""
+    n = 40
+
+    def group(w, c):
+        b = ir.Builder()
+        x, v = b.input(), b.input()
+        return b.build([b.add("aten::layer_norm", x, (n,), v if w else None, v if c else None, 1e-5, True)])
+
+    for w, c in ((True, False), (False, True)):
+        case = Case(f"layer_norm-{w}-{c}", lambda _, w=w, c=c: group(w, c),
+                    lambda dt, _: [torch.randn(3, n, dtype=dt), torch.randn(n, dtype=dt)],
+                    lambda x, v, w=w, c=c: [F.layer_norm(x, (n,), v if w else None, v if c else None, 1e-5)])
+        got, want = _fused_and_eager64(case, case.inputs(torch.float32, n), n)
+        _assert_grads(got, want, torch.float32)
+    b = ir.Builder()
+    x = b.input()
+    spec = STORE.get(STORE.register(b.build([b.add("aten::softmax.int", x, -1, 6)])))  # 6: float32
+    x = torch.randn(3, n, dtype=torch.float16, requires_grad=True)
+    (out,) = fuser.run_fusion(spec.key, [x])
+    assert out.dtype == torch.float32 and out.grad_fn.name() in FUSED_BACKWARD
+    gy = torch.randn_like(out)
+    (got,) = torch.autograd.grad(out, x, gy)
+    (want,) = torch.autograd.grad(torch.softmax(x, -1, dtype=torch.float32), x, gy)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, want, **tolerances(torch.float16))
+    assert len(row_backward_keys(_backwards)) == 3
+
+
 _SMALL = [c for c in CASES if c.id in ("softmax", "log_softmax", "layer_norm", "rms_norm", "std.dim-True-drop")]
 
 
