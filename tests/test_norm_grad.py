@@ -389,9 +389,9 @@ def _block(x, wq, wk, wv, wo, g1, b1, w1, c1, w2, c2, g2, b2):
     return F.layer_norm(h, (32,), g2, b2, 1e-5)
 
 
-def _train(device: str, backwards: list):
+def _train(device: str, backwards: list, rtol: float):
     block = fuser.fuse(torch.jit.script(_block))
-    mine, x = train_block_alongside_eager(block, _block, device, rtol=1e-5, atol=1e-7)
+    mine, x = train_block_alongside_eager(block, _block, device, rtol=rtol, atol=rtol / 100)
     g = fuser.graph_for(block, x, *mine[:-1])
     kinds = [[n.kind() for n in fg.g("Subgraph").nodes()] for fg in g.findAllNodes("prim::FusionGroup")]
     assert sum("aten::layer_norm" in k for k in kinds) == 2 and sum("aten::softmax" in k for k in kinds) == 1, kinds
@@ -401,12 +401,14 @@ def _train(device: str, backwards: list):
 
 
 def test_transformer_block_training_losses_match_eager_step_by_step(_backwards):
-    _train("cpu", _backwards)
+    _train("cpu", _backwards, 1e-5)
 
 
 @pytest.mark.gpu
 def test_transformer_block_training_losses_match_eager_step_by_step_on_the_gpu(_backwards):
-    _train("cuda", _backwards)
+    """(eager's CUDA layer_norm keeps Welford statistics, the row kernel two passes: rtol 1e-4, as the written-out
+    block's CPU test in tests/test_reduction_grad.py)"""
+    _train("cuda", _backwards, 1e-4)
 
 
 # ------------------------------------------------------------------------------------------- the benchmark rows
