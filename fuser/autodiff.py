@@ -88,17 +88,23 @@ def _floating_values(spec: KernelSpec, sig: tuple) -> frozenset:
 
 def _reduction_dtypes(spec: KernelSpec, sig: tuple) -> list:
     """Each node's result dtype for a group with reductions: the group run on meta tensors of ones along every
-    dim its reductions name (the pointwise probe's empty tensors would make amax raise)."""
-    rank = 1
+    dim its reductions name (the pointwise probe's empty tensors would make amax raise), ending in a
+    normalization's normalized_shape (its weight and bias: of that shape)."""
+    rank, trailing, weights = 1, (), set()
     for n in spec.group.nodes:
-        if ops.reduction(n.op) is not None and n.args[1]:
-            rank = max([rank] + [d + 1 if d >= 0 else -d for d in n.args[1]])
+        dims = ops.reduced_dims(n.op, n.args)
+        if dims:
+            rank = max([rank] + [d + 1 if d >= 0 else -d for d in dims])
+        if n.op in ops.COMPOSITE_TENSOR_ARGS:
+            trailing = max(trailing, tuple(n.args[1]), key=len)
+            weights |= {n.args[k].id for k in ops.COMPOSITE_TENSOR_ARGS[n.op] if isinstance(n.args[k], ir.Value)}
     dtypes = iter(sig)
     samples = []
-    for is_t in spec.input_is_tensor:
+    for v, is_t in zip(spec.group.inputs, spec.input_is_tensor):
         if is_t:
             dt, zero_dim = next(dtypes)
-            samples.append(torch.empty(() if zero_dim else (1,) * rank, dtype=dt, device="meta"))
+            shape = () if zero_dim else trailing if v.id in weights else (1,) * (rank - len(trailing)) + trailing
+            samples.append(torch.empty(shape, dtype=dt, device="meta"))
         else:
             samples.append(1.0)
     values = fallback.evaluate(spec.group, samples, every_value=True)[len(spec.group.outputs):]
@@ -230,7 +236,7 @@ def _row_length(spec: KernelSpec, shapes: tuple) -> int:
     value's shape is the broadcast of what it reads)."""
     consts = [tuple(a.shape) for n in spec.group.nodes for a in n.args if isinstance(a, ir.TensorConst)]
     full = broadcast_shapes(*shapes, *consts)
-    dims = next(n.args[1] for n in spec.group.nodes if ops.reduction(n.op) is not None)
+    dims = next(ops.reduced_dims(n.op, n.args) for n in spec.group.nodes if ops.reduction(n.op) is not None)
     if not dims:
         return math.prod(full)
     return math.prod(full[d] for d in {d % len(full) for d in dims}) if full else 1

@@ -9,7 +9,10 @@ A group with reductions (a row kernel's, ``fuser/rows/``) gets a backward that i
 keeps its dims (the forward's are recomputed with keepdim; a dropped-dims output's gradient comes with its dims
 restored: ``Backward.grad_unsqueeze``), so every row-level value is [rows..., 1...] and broadcasts along the row.
 Where an element-level node reads a row-level value, that value's gradient is summed along the row in the group
-(eager's sum_to_size of a broadcast, here a reduction of the same row), before it flows on.
+(eager's sum_to_size of a broadcast, here a reduction of the same row), before it flows on. A normalization
+(softmax, log_softmax, layer_norm, rms_norm) is recomputed as its steps (``fuser/rows/decompose.py``), and its
+formula reads the statistics those steps form (layer_norm's mean and rstd) as eager's backward reads the ones its
+forward saved.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Optional, Sequence
 from . import derivatives as D
 from . import ir, ops
 from .kernel_cache import STORE, KernelSpec
+from .rows import decompose
 from .rows.plan import row_level
 
 @dataclass(frozen=True)
@@ -83,10 +87,16 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
         return tuple(env[x.id] if isinstance(x, ir.Value) else x for x in a) if isinstance(a, tuple) else a
 
     rows = _Rows(fwd) if spec.has_reduction else None
+    saved: dict[int, list] = {}  # a normalization's statistics, as eager's kernel saves them (its formula reads them)
     for n in fwd.nodes:  # the forward, recomputed from the saved inputs, rounded where the forward rounds
         args = list(map(mapped, n.args))
-        if rows is not None and ops.reduction(n.op) is not None:
-            args[2] = True  # keepdim (see the module's doc)
+        k = _keepdim_at(n.op)
+        if rows is not None and k is not None:
+            args[k] = True  # keepdim (see the module's doc)
+        steps = _normalization_steps(b, n, args)
+        if steps is not None:
+            env[n.out.id], saved[n.out.id] = steps
+            continue
         with b.steps_of(n.origin):
             env[n.out.id] = b.add(n.op, *args)
 
@@ -116,10 +126,11 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
             raise _Unsupported(name)
         gy = grads[n.out.id]
         xs = [D.V(b, mapped(a)) for a in n.args]
-        if n.op == MEAN:  # the row's length: see derivatives._mean
+        if n.op == MEAN or name in ("var", "std"):  # the row's length: see derivatives._mean
             if row_length is None:
                 row_length = b.input(ir.FLOAT)
             xs.append(D.V(b, row_length))
+        xs += [D.V(b, v) for v in saved.get(n.out.id, ())]
         res = f(gy, xs, D.V(b, env[n.out.id]))
         for inp, r in zip(n.args, res):
             if not isinstance(inp, ir.Value) or inp.id not in carries:
@@ -188,6 +199,32 @@ def _name(op: str) -> Optional[str]:
     return None if entry is None else entry.name
 
 
+def _keepdim_at(op: str) -> Optional[int]:
+    """The position of a reduction's keepdim argument (None: not a reduction, or a normalization, which has none)."""
+    red = ops.reduction(op)
+    if red is None or red.kind in ops.NORMALIZATIONS:
+        return None
+    return 3 if red.kind in ("var", "std") else 2
+
+
+def _normalization_steps(b: ir.Builder, n: ir.Node, args: list) -> Optional[tuple]:
+    """A normalization node recomputed as its steps (fuser/rows/decompose.py, the row kernel's own): (its result,
+    the statistics its formula reads: layer_norm's mean and rstd, rms_norm's rstd). The backward recomputes them
+    from the saved input in its own row kernel rather than saving them from the forward: a group's forward
+    saves only its inputs (this module's doc), and the backward's kernel reads the row anyway. None: not one."""
+    red = ops.reduction(n.op)
+    kind = None if red is None else red.kind
+    if kind in ("softmax", "log_softmax"):
+        return getattr(decompose, kind)(b, args[0], args[1], args[2]), []
+    if kind == "layer_norm":
+        y, mu, r = decompose.layer_norm_stats(b, *args[:5])
+        return y, [mu, r]
+    if kind == "rms_norm":
+        y, r = decompose.rms_norm_stats(b, *args[:4])
+        return y, [r]
+    return None
+
+
 class _Rows:
     """What the backward of a group with reductions needs of the forward: which values are row-level, the
     reduced dims (every reduction's: the row kernel's plan holds them equal), and the row-level values whose
@@ -196,14 +233,15 @@ class _Rows:
     def __init__(self, fwd: ir.Group):
         self.row = row_level(fwd)
         reductions = [n for n in fwd.nodes if ops.reduction(n.op) is not None]
-        self.dims = reductions[0].args[1]
+        self.dims = ops.reduced_dims(reductions[0].op, reductions[0].args)
         self._dropped: dict[int, int] = {}
         for n in fwd.nodes:
             if n.out.id not in self.row:
                 continue
-            if ops.reduction(n.op) is not None:
+            k = _keepdim_at(n.op)
+            if k is not None:
                 d = n.args[1]
-                self._dropped[n.out.id] = 0 if n.args[2] else (len(d) if d else 0)
+                self._dropped[n.out.id] = 0 if n.args[k] else (len(d) if d else 0)
             else:
                 self._dropped[n.out.id] = max((self._dropped.get(v.id, 0) for v in n.values), default=0)
 

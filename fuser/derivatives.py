@@ -334,6 +334,78 @@ def _amax_amin(g, x, y):
     return [(g / reduce_sum(mask, x[1].value)) * mask, None, None]
 
 
+MEAN = "aten::mean.dim"
+
+
+def reduce_mean(v: V, dims) -> V:
+    """``mean(v, dims, keepdim=True)``: a reduction of the backward group (it divides by the row's length)."""
+    return V(v.builder, v.builder.add(MEAN, v.value, dims, True, None))
+
+
+# ---- normalizations (composite reductions, ``ops.Reduction.composite``): fuser/backward.py recomputes the forward
+# op as its steps (fuser/rows/decompose.py) and passes what eager's kernels save (layer_norm's mean and rstd,
+# rms_norm's rstd) as extra entries of ``x``; each backward is a row group: reductions along the row, then an
+# epilogue. The gradients of weight and bias are element-level here ([rows..., cols]): eager's sum_to_size after
+# the kernel sums them over the rows (fuser/autodiff.py), as for any input broadcast across rows.
+
+def _softmax(g, x, y):
+    # eager's softmax_backward: (grad - sum(grad * out)) * out
+    return [(g - reduce_sum(g * y, (x[1].constant(),))) * y, None, None]
+
+
+def _log_softmax(g, x, y):
+    # eager's log_softmax_backward: grad - exp(out) * sum(grad)
+    return [g - exp(y) * reduce_sum(g, (x[1].constant(),)), None, None]
+
+
+def _norm_dims(x) -> tuple:
+    return tuple(range(-len(x[1].constant()), 0))
+
+
+def _layer_norm(g, x, y):
+    # x: input, normalized_shape, weight, bias, eps, cudnn_enable, then the recomputed mean and rstd (keepdim).
+    # dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)), gw = grad * weight, xhat = (x - mean) * rstd
+    a, w, c, mu, r = x[0], x[2], x[3], x[6], x[7]
+    dims = _norm_dims(x)
+    xhat = (a - mu) * r
+    gw = g if w.is_none else g * w
+    ga = r * ((gw - reduce_mean(gw, dims)) - xhat * reduce_mean(gw * xhat, dims))
+    return [ga, None, None if w.is_none else g * xhat, None if c.is_none else g, None, None]
+
+
+def _rms_norm(g, x, y):
+    # x: input, normalized_shape, weight, eps, then the recomputed rstd (keepdim).
+    # dx = rstd * (gw - x * rstd^2 * mean(gw * x)), gw = grad * weight
+    a, w, r = x[0], x[2], x[4]
+    gw = g if w.is_none else g * w
+    ga = r * (gw - a * ((r * r) * reduce_mean(gw * a, _norm_dims(x))))
+    return [ga, None, None if w.is_none else g * (a * r), None]
+
+
+def _var_grad(g, x):
+    """eager's var_backward over listed dims: (2 / (n - correction)) * grad * (x - mean(x)), n the row's length (a
+    float input, as for a mean: ``x[4]``), the factor formed in grad's dtype (eager forms it in double on the host,
+    then converts it; n - correction is exact either way); every dim (dim None or empty) is eager's other branch:
+    not here."""
+    a, dims, c = x[0], x[1].constant(), x[2]
+    if not dims or isinstance(c.value, ir.Value):
+        return UNSUPPORTED
+    c = c.constant()
+    c = 1.0 if c is None else float(c)  # var.correction's None, var.dim's unbiased (True: 1)
+    n = op("aten::type_as", where(g.eq(g), x[4], x[4]), g)  # the row's length as a row-level value of grad's dtype
+    scale = op("aten::reciprocal", n - c) * 2.0  # (exact: 2 / d rounds as 1 / d does, times 2)
+    return (g * scale) * (a - reduce_mean(a, tuple(dims)))
+
+
+def _var(g, x, y):
+    return [_var_grad(g, x), None, None, None]
+
+
+def _std(g, x, y):
+    # eager's std_backward: var_backward of (grad / (2 * std)), zero where std is zero
+    return [_var_grad(where(y.eq(0.0), 0.0, g / (y * 2.0)), x), None, None, None]
+
+
 _LN2, _LN10, _TWO_OVER_SQRT_PI = math.log(2.0), math.log(10.0), 2.0 / math.sqrt(math.pi)
 
 DERIVATIVES: dict[str, Callable] = {
@@ -405,6 +477,12 @@ DERIVATIVES: dict[str, Callable] = {
     "mean": _mean,
     "amax": _amax_amin,
     "amin": _amax_amin,
+    "softmax": _softmax,
+    "log_softmax": _log_softmax,
+    "layer_norm": _layer_norm,
+    "rms_norm": _rms_norm,
+    "var": _var,
+    "std": _std,
 }
 
 # ops whose results are never differentiable (bool results): gradients stop there

@@ -422,6 +422,9 @@ REDUCTIONS: dict[str, Reduction] = {
     "aten::rms_norm": _composite("rms_norm"),
 }
 
+# composites whose result has the input's shape (a normalization: every element of the row, not one per row)
+NORMALIZATIONS = frozenset({"softmax", "log_softmax", "layer_norm", "rms_norm"})
+
 # per composite: the positions of its optional tensor arguments (weight, bias), which need not be constants
 COMPOSITE_TENSOR_ARGS: dict[str, tuple[int, ...]] = {"aten::layer_norm": (2, 3), "aten::rms_norm": (2,)}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import pytest
 import torch
 
 from fuser import ops
@@ -498,3 +499,81 @@ def written_layer_norm():
         return [d * r * w + c, mu, r]
 
     return group, eager
+
+
+# ---- backward groups under test (tests/test_reduction_grad.py, tests/test_norm_grad.py)
+
+def record_backward_runs(monkeypatch) -> list:
+    """The backward groups that run as kernels from now on (their specs), for a fixture: every ``executor.run`` of
+    a backward group that returned outputs (None: the fallback ran it). A backward of a sum alone is pointwise
+    (the gradient broadcast back); one with a reduction in it (softmax's, a mean's count) is a row kernel."""
+    from fuser import executor
+    from fuser.backward import _backward_keys
+    ran = []
+    real = executor.run
+
+    def run(spec, args, rng_state=None):
+        out = real(spec, args, rng_state)
+        if out is not None and spec.key in _backward_keys:
+            ran.append(spec)
+        return out
+
+    monkeypatch.setattr(executor, "run", run)
+    return ran
+
+
+def row_backward_keys(backwards) -> set:
+    """The keys of the backward groups in ``backwards`` (from :func:`record_backward_runs`) that ran as row
+    kernels."""
+    return {s.key for s in backwards if s.has_reduction}
+
+
+def backward_and_args(spec, inputs: list, eager_fn):
+    """The backward of group ``spec`` for ``inputs`` (its float tensors require grad): (bw, its arguments, eager's
+    gradients of ``eager_fn`` for the same random output gradients), for running the backward group by itself
+    (the CUDA host emulation)."""
+    from fuser import autodiff
+    args = [a.requires_grad_() if isinstance(a, torch.Tensor) else a for a in inputs]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    ref = eager_fn(*args)
+    grads = [torch.randn_like(r) for r in ref]
+    want = torch.autograd.grad(ref, tensors, grads)
+    needs = tuple(isinstance(a, torch.Tensor) for a in args)
+    sig = tuple((t.dtype, t.dim() == 0) for t in tensors)
+    bw = autodiff.backward_for(spec, needs, spec.all_outputs_defined, sig)
+    assert bw is not None and bw.spec.has_reduction
+    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    return bw, autodiff.backward_args(spec, bw, detached, grads, [t.shape for t in tensors]), want
+
+
+def train_block_alongside_eager(block, eager_block, device: str = "cpu", rtol: float = 1e-4, atol: float = 1e-6):
+    """12 SGD steps of a transformer block (x, wq, wk, wv, wo, g1, b1, w1, c1, w2, c2, g2, b2: dim 32, hidden 64),
+    ``block`` (fused) beside ``eager_block`` from the same parameters on the same batches: each step's loss within
+    ``rtol`` (and ``atol``) of eager's, the parameters after it within ``rtol`` and ``10 * atol``. Returns the
+    fused side's parameters and a batch (for ``fuser.graph_for``)."""
+    batch, seq, dim, hidden, steps = 4, 16, 32, 64, 12
+
+    def w(*s):
+        return torch.randn(*s) * (1 / s[0] ** 0.5)
+
+    params = [w(dim, dim), w(dim, dim), w(dim, dim), w(dim, dim), 1 + 0.1 * torch.randn(dim), 0.1 * torch.randn(dim),
+              w(dim, hidden), 0.1 * torch.randn(hidden), w(hidden, dim), 0.1 * torch.randn(dim),
+              1 + 0.1 * torch.randn(dim), 0.1 * torch.randn(dim), w(dim, 1)]
+    mine = [p.clone().to(device).requires_grad_() for p in params]
+    ref = [p.clone().to(device).requires_grad_() for p in params]
+    xs = torch.randn(steps, batch, seq, dim).to(device)
+    target = torch.randn(steps, batch, seq, 1).to(device)
+    opt_m, opt_r = torch.optim.SGD(mine, lr=0.05), torch.optim.SGD(ref, lr=0.05)
+    for step in range(steps):
+        losses = []
+        for fn, p, opt in ((block, mine, opt_m), (eager_block, ref, opt_r)):
+            y = fn(xs[step], *p[:-1])
+            loss = ((y @ p[-1] - target[step]) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=rtol, abs=atol), (step, losses)
+        for a, b in zip(mine, ref):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=rtol, atol=10 * atol)
+    return mine, xs[0]

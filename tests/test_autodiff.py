@@ -55,12 +55,9 @@ def _supported(case) -> bool:
 def test_every_op_has_a_derivative_or_none():
     """(cat has no formula: autodiff passes its gradient's slices straight to the pieces)"""
     concat = {n for n, op in ops.OPS_BY_NAME.items() if op.concat}
-    reductions = {r.kind for r in ops.REDUCTIONS.values()}  # (fuser/rows/; tests/test_reduction_grad.py)
-    # no formula yet: a group holding one is differentiated by eager's autograd, op by op (tests/test_normalizations)
-    eager_autograd = {r.kind for r in ops.REDUCTIONS.values() if r.composite or r.variance}
-    assert not eager_autograd & set(derivatives.DERIVATIVES)
-    assert set(ops.OPS_BY_NAME) | reductions == (set(derivatives.DERIVATIVES) | derivatives.NOT_DIFFERENTIABLE | concat
-                                                 | eager_autograd)
+    # reductions and normalizations: fuser/rows/; tests/test_reduction_grad.py, tests/test_norm_grad.py
+    reductions = {r.kind for r in ops.REDUCTIONS.values()}
+    assert set(ops.OPS_BY_NAME) | reductions == (set(derivatives.DERIVATIVES) | derivatives.NOT_DIFFERENTIABLE | concat)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -382,8 +382,9 @@ def test_what_the_steps_would_change_falls_back():
     torch.testing.assert_close(fuser.run_fusion(spec.key, args)[0], case.eager(*args)[0], rtol=1e-12, atol=1e-15)
 
 
-def test_autograd_runs_through_eagers_ops():
-    """Under autograd a group holding layer_norm runs eager's layer_norm: eager's gradients."""
+def test_autograd_gives_eagers_gradients():
+    """Under autograd a group holding layer_norm gives eager's gradients (its backward is a fused row group:
+    tests/test_norm_grad.py)."""
     case = CASES[3]
     spec = _spec(_group(case, 33))
     args = [a.double().requires_grad_() for a in case.inputs(torch.float32, 33)]

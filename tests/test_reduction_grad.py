@@ -13,11 +13,11 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import FUSED_BACKWARD, REDUCE_EAGER, REDUCE_OPS, reduce_node, written_layer_norm, written_softmax
+from helpers import (FUSED_BACKWARD, REDUCE_EAGER, REDUCE_OPS, backward_and_args, record_backward_runs, reduce_node,
+                     row_backward_keys, train_block_alongside_eager, written_layer_norm, written_softmax)
 
 import fuser
-from fuser import autodiff, executor, ir
-from fuser.backward import _backward_keys
+from fuser import ir
 from fuser.cuda import emulate
 from fuser.kernel_cache import STORE
 from fuser.rows import decompose
@@ -34,25 +34,10 @@ def _needs_cpu_fusion():
 
 @pytest.fixture
 def _backwards(monkeypatch):
-    """The backward groups that ran as kernels while the test ran (their specs): every ``executor.run`` of a
-    backward group that returned outputs (None: the fallback ran it). A backward of a sum alone is pointwise
-    (the gradient broadcast back); one with a reduction in it (softmax's, a mean's count) is a row kernel."""
-    ran = []
-    real = executor.run
-
-    def run(spec, args, rng_state=None):
-        out = real(spec, args, rng_state)
-        if out is not None and spec.key in _backward_keys:
-            ran.append(spec)
-        return out
-
-    monkeypatch.setattr(executor, "run", run)
-    return ran
+    return record_backward_runs(monkeypatch)
 
 
-def _rows(backwards) -> set:
-    """The keys of the backward groups in ``backwards`` that ran as row kernels."""
-    return {s.key for s in backwards if s.has_reduction}
+_rows = row_backward_keys
 
 
 # ---------------------------------------------------------------------------------------------- the cases
@@ -363,17 +348,7 @@ EMULATED = [(c, dt) for c, dt in PARAMS if not c.id.startswith(POINTWISE_BACKWAR
 
 def _emulated_backward(case: Case, dtype):
     """The backward of ``case`` for its inputs in ``dtype``: (bw, its arguments, eager's gradients)."""
-    spec = _spec(_GROUPS[case.id])
-    args = _leaves(case.inputs(dtype))
-    ref = case.eager(*args)
-    grads = [torch.randn_like(r) for r in ref]
-    want = torch.autograd.grad(ref, _tensors(args), grads)
-    needs = tuple(isinstance(a, torch.Tensor) for a in args)
-    sig = tuple((t.dtype, t.dim() == 0) for t in _tensors(args))
-    bw = autodiff.backward_for(spec, needs, spec.all_outputs_defined, sig)
-    assert bw is not None and bw.spec.has_reduction
-    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-    return bw, autodiff.backward_args(spec, bw, detached, grads, [t.shape for t in _tensors(args)]), want
+    return backward_and_args(_spec(_GROUPS[case.id]), case.inputs(dtype), case.eager)
 
 
 @pytest.fixture(scope="module")
@@ -471,33 +446,9 @@ def _block(x, wq, wk, wv, wo, g1, b1, w1, c1, w2, c2, g2, b2):
 
 
 def test_transformer_block_training_losses_match_eager_step_by_step(_backwards):
-    batch, seq, dim, hidden, steps = 4, 16, 32, 64, 12
     block = fuser.fuse(torch.jit.script(_block))
-
-    def w(*s):
-        return torch.randn(*s) * (1 / s[0] ** 0.5)
-
-    params = [w(dim, dim), w(dim, dim), w(dim, dim), w(dim, dim), 1 + 0.1 * torch.randn(dim), 0.1 * torch.randn(dim),
-              w(dim, hidden), 0.1 * torch.randn(hidden), w(hidden, dim), 0.1 * torch.randn(dim),
-              1 + 0.1 * torch.randn(dim), 0.1 * torch.randn(dim), w(dim, 1)]
-    mine = [p.clone().requires_grad_() for p in params]
-    ref = [p.clone().requires_grad_() for p in params]
-    xs = torch.randn(steps, batch, seq, dim)
-    target = torch.randn(steps, batch, seq, 1)
-    opt_m, opt_r = torch.optim.SGD(mine, lr=0.05), torch.optim.SGD(ref, lr=0.05)
-    for step in range(steps):
-        losses = []
-        for fn, p, opt in ((block, mine, opt_m), (_block, ref, opt_r)):
-            y = fn(xs[step], *p[:-1])
-            loss = ((y @ p[-1] - target[step]) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        assert losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-6), (step, losses)
-        for a, b in zip(mine, ref):
-            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-4, atol=1e-5)
-    g = fuser.graph_for(block, xs[0], *mine[:-1])
+    mine, x = train_block_alongside_eager(block, _block)
+    g = fuser.graph_for(block, x, *mine[:-1])
     groups = g.findAllNodes("prim::FusionGroup")
     assert sum(any(n.kind() in ("aten::amax", "aten::mean") for n in fg.g("Subgraph").nodes()) for fg in groups) >= 3
     assert len(_rows(_backwards)) >= 3, "the softmax and layer norms' backwards did not run as row kernels"

@@ -74,12 +74,9 @@ def layer_norm(b: ir.Builder, x: ir.Value, normalized_shape: Sequence[int], weig
     return layer_norm_stats(b, x, normalized_shape, weight, bias, eps)[0]
 
 
-def rms_norm(b: ir.Builder, x: ir.Value, normalized_shape: Sequence[int], weight: Optional[ir.Value],
-             eps: Optional[float]) -> ir.Value:
-    """``aten::rms_norm``: x * rsqrt(mean(x * x) + eps), times weight when given, over the last
-    ``len(normalized_shape)`` dims, computed in float for float16/bfloat16. ``eps`` None: eager takes the
-    machine epsilon of the computation dtype, float32's below float64 (``FLOAT32_EPS``; the row plan falls back
-    for a float64 one, see ``fuser.rows.plan``)."""
+def rms_norm_stats(b: ir.Builder, x: ir.Value, normalized_shape: Sequence[int], weight: Optional[ir.Value],
+                   eps: Optional[float]) -> tuple:
+    """(y, rstd) of rms_norm (rstd keepdim: what its backward reads)."""
     dims = tuple(range(-len(normalized_shape), 0))
     with b.steps_of("aten::rms_norm"):
         ms = b.add("aten::mean.dim", b.call("aten::mul", x, x), dims, True, None)
@@ -87,7 +84,16 @@ def rms_norm(b: ir.Builder, x: ir.Value, normalized_shape: Sequence[int], weight
         y = b.call("aten::mul", x, r)
         if weight is not None:
             y = b.call("aten::mul", y, weight)
-        return y
+        return y, r
+
+
+def rms_norm(b: ir.Builder, x: ir.Value, normalized_shape: Sequence[int], weight: Optional[ir.Value],
+             eps: Optional[float]) -> ir.Value:
+    """``aten::rms_norm``: x * rsqrt(mean(x * x) + eps), times weight when given, over the last
+    ``len(normalized_shape)`` dims, computed in float for float16/bfloat16. ``eps`` None: eager takes the
+    machine epsilon of the computation dtype, float32's below float64 (``FLOAT32_EPS``; the row plan falls back
+    for a float64 one, see ``fuser.rows.plan``)."""
+    return rms_norm_stats(b, x, normalized_shape, weight, eps)[0]
 
 
 def std(b: ir.Builder, op: str, x: ir.Value, dim, c, keepdim) -> ir.Value:

@@ -195,7 +195,8 @@ def row_level(group: ir.Group) -> frozenset:
         floats = {v.id for v in group.inputs if not v.is_tensor}  # the same for every row and element
         for n in group.nodes:
             ids = {v.id for v in n.values} - floats
-            if ops.reduction(n.op) is not None or (ids and ids <= rows):
+            red = ops.reduction(n.op)
+            if (red is not None and red.kind not in ops.NORMALIZATIONS) or (red is None and ids and ids <= rows):
                 rows.add(n.out.id)
         got = group._cache["row_level"] = frozenset(rows)
     return got
