@@ -27,7 +27,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m fuser.bench", description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes and few iterations (smoke test)")
-    p.add_argument("--only", default="", help="run only workloads whose name contains this substring")
+    p.add_argument("--only", default="", help="run only workloads whose name contains this substring; a comma list "
+                   "of them, each a substring or, after '=', an exact name (--only =softmax_scale,=sum0_mul)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list from {','.join(SYSTEMS)}")
     p.add_argument("--json", default="bench_results.json", help="where to write all raw numbers")
     p.add_argument("--png", default="bench_results.png", help="where to draw the chart (needs matplotlib)")
@@ -61,7 +62,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return models.main(args)
     device = torch.device(args.device)
     cfg = QUICK if args.quick else CPU if device.type == "cpu" else FULL
-    workloads = [wl for wl in WORKLOADS if args.only in wl.name]
+    workloads = [wl for wl in WORKLOADS if _selected(wl.name, args.only)]
     if not workloads:
         print(f"no workload matches --only {args.only!r}", file=sys.stderr)
         return 2
@@ -116,3 +117,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     skipped = draw_chart(rows, args.systems, args.png, title)
     print(f"skipped {args.png}: {skipped}" if skipped else f"wrote {args.png}")
     return 0
+
+
+def _selected(name: str, only: str) -> bool:
+    """Whether ``--only`` selects workload ``name``: any of its comma-separated parts, a substring or '=' a name."""
+    return any(name == part[1:] if part.startswith("=") else part in name for part in only.split(","))
