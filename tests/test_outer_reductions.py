@@ -1,10 +1,11 @@
 """Reductions over the leading dims (issue 12's outer reductions, fuser/rows/outer*.py): groups built from the IR
 alone (sum, mean, amax, amin over dim 0 or dims 0 and 1, keepdim both ways, sum's and mean's dtype argument, a
-pointwise prologue, an epilogue on the reduced value, an element-level output beside the reduction) run as one
-column kernel on the CPU backend and through the CUDA host emulation (both of its stages), against eager on seeded
-random inputs and a float64 reference, at reduced lengths 1, 31, 32, 1024 and 65537 and 1, 3 and 4096 columns, with
-non-contiguous, broadcast and permuted inputs, empty dims (eager's result or eager's error) and the forms the
-column kernel does not take (eager's result). The CUDA twins are marked gpu."""
+pointwise prologue, an epilogue on the reduced value that may read inputs of one value a column, an element-level
+output beside the reduction) run as one column kernel on the CPU backend and through the CUDA host emulation (both
+of its stages), against eager on seeded random inputs and a float64 reference, at reduced lengths 1, 31, 32, 1024
+and 65537 and 1, 3 and 4096 columns, with non-contiguous, broadcast and permuted inputs, empty dims (eager's result
+or eager's error) and the forms the column kernel does not take (eager's result); the TorchScript pass makes one
+group of a leading reduction and its pointwise neighbours. The CUDA twins are marked gpu."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -74,6 +75,24 @@ def _prologue_epilogue() -> Case:
                                                               0.75], eager, ALL_DTYPES)
 
 
+def _bias_epilogue() -> Case:
+    """Inputs of one value a column in the epilogue: (x * y).sum(0) + b, and sigmoid(w) * amax(x, 0, keepdim) with
+    w of shape [1, cols] (an element-level op of an input, computed once a column)."""
+    def group():
+        b = ir.Builder()
+        x, y, c, w = b.input(), b.input(), b.input(), b.input()
+        s = reduce_node(b, "sum", b.call("aten::mul", x, y), (0,), False)
+        m = reduce_node(b, "amax", x, (0,), True)
+        return b.build([b.call("aten::add", s, c, 1), b.call("aten::mul", b.call("aten::sigmoid", w), m)])
+
+    def eager(x, y, c, w):
+        return [(x * y).sum(0) + c, torch.sigmoid(w) * x.amax(0, keepdim=True)]
+
+    return Case("bias-epilogue", group, lambda dt, r, c: [torch.randn(r, c, dtype=dt), torch.randn(r, c, dtype=dt),
+                                                          torch.randn(c, dtype=dt), torch.randn(1, c, dtype=dt)],
+                eager)
+
+
 def _element_output() -> Case:
     """The prologue's value as an output beside the amax and the mean of it (keepdim): one pass stores all."""
     def group():
@@ -103,7 +122,7 @@ def _two_dims() -> Case:
 
 CASES = [_single("sum", True, ALL_DTYPES), _single("mean", False), _single("amax", False), _single("amin", True),
          _single("sum", False, (torch.float32, torch.float16), 7), _single("mean", True, (torch.bfloat16,), 6),
-         _prologue_epilogue(), _element_output(), _two_dims()]
+         _prologue_epilogue(), _bias_epilogue(), _element_output(), _two_dims()]
 PARAMS = [(c, dt) for c in CASES for dt in c.dtypes]
 IDS = [f"{c.id}-{str(dt)[6:]}" for c, dt in PARAMS]
 _GROUPS = {c.id: c.group() for c in CASES}

@@ -12,8 +12,8 @@ from .. import codegen, ir
 from ..cuda import emulate
 from ..kernel_cache import STORE
 from . import decompose, launch, outer_launch, templates
-from .outer import OuterPlan
-from .plan import plan, row_level
+from .outer import OuterPlan, column_level
+from .plan import plan
 
 N_SM = 132  # the column kernels' split is planned as for an H100's multiprocessors (fuser.rows.outer_launch)
 
@@ -84,7 +84,7 @@ def _run_columns(emulator: emulate.Emulator, name: str, spec, p: OuterPlan, outp
     ws = torch.empty(max(1, g.workspace), dtype=torch.float64)
     struct = outer_launch.args_struct(len(p.tensors), len(p.tensors) + len(outputs) + 1, len(p.scalars))
     steps = decompose.expand(spec.group)
-    col_level = [o.id in row_level(steps) for o in steps.outputs]
+    col_level = [o.id in column_level(steps) for o in steps.outputs]
     for stage, grid in ((0, g.grid0), (1, g.grid1)):
         if not grid:
             continue

@@ -5,9 +5,11 @@
 here one value per column); where the reduced dims are not F's trailing dims it asks :func:`plan` here. The form
 this supports: the reduced dims, size-1 dims aside, come before every kept dim of size > 1 (so an element's place
 in F is ``r * cols + c``); every reduction is a sum, mean, amax or amin of an element-level value of shape F (no
-variance: it needs the column's mean first); element-level values are the prologue and never read a column-level
-value (that needs a second pass over the column: ``x - x.mean(0)`` falls back); column-level values have F's kept
-dims (with the reduced dims kept as 1, or dropped) and feed the epilogue and the column-level outputs. Each input
+variance: it needs the column's mean first). Column-level values (:func:`column_level`: the reductions and every
+value computed from one) have F's kept dims (with the reduced dims kept as 1, or dropped: one value per column);
+they form the epilogue, which may read inputs of that shape too (``(x * y).sum(0) + b``), and the column-level
+outputs. A value of shape F never reads a column-level value (that needs a second pass over the column:
+``x - x.mean(0)`` falls back). Each input
 walks the reduced dims with one stride, and the kept dims in at most :data:`MAX_COL_DIMS` compressed dims.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Optional, Union
 import torch
 
 from .. import executor, ir, ops
-from .plan import broadcasts_to
+from .plan import broadcasts_to, row_level
 
 MAX_COL_DIMS = 8  # compressed column dims (the CUDA argument struct's arrays)
 
@@ -48,12 +50,25 @@ class OuterPlan:
     types: list  # codegen.NodeTypes per node
 
 
+def column_level(group: ir.Group) -> frozenset:
+    """ids of the values a column kernel computes once per column: ``plan.row_level``'s (the reductions, and nodes
+    that read only such values) and every node that reads one of them (the plan checks that these have one value a
+    column; their other operands are computed once a column too)."""
+    got = group._cache.get("column_level")
+    if got is None:
+        cols = set(row_level(group))
+        for n in group.nodes:
+            if any(v.id in cols for v in n.values):
+                cols.add(n.out.id)
+        got = group._cache["column_level"] = frozenset(cols)
+    return got
+
+
 def plan(group: ir.Group, key: tuple, tensors: list, scalars: list, metas: list, shape: dict, dtype: dict,
-         rows_v: frozenset, full: tuple, dims: list, types: list) -> Union[OuterPlan, str]:
+         full: tuple, dims: list, types: list) -> Union[OuterPlan, str]:
     """The column plan of ``group`` (the row plan's group: composite ops expanded) for inputs of full shape ``full``
     (every tensor input broadcasts to it: the row plan checked)
-    whose reductions reduce ``dims``; ``shape``/``dtype``: per value id, eager's; ``rows_v``: the column-level
-    values (``plan.row_level``); ``metas``: the tensor inputs as meta tensors; ``key``: (target, device index,
+    whose reductions reduce ``dims``; ``shape``/``dtype``: per value id, eager's; ``metas``: the tensor inputs as meta tensors; ``key``: (target, device index,
     per input (dtype, 0-dim)); ``types``: the nodes' ``codegen.NodeTypes``. Or why not."""
     nd = len(full)
     big = [d for d in range(nd) if full[d] != 1]
@@ -69,18 +84,20 @@ def plan(group: ir.Group, key: tuple, tensors: list, scalars: list, metas: list,
     keep = tuple(1 if d in dims else full[d] for d in range(nd))
     drop = tuple(full[d] for d in kept)
 
+    cols_v = column_level(group)
     for n in group.nodes:
         s = shape[n.out.id]
-        col_args = [shape[v.id] for v in n.values if v.id in rows_v]
-        if n.out.id in rows_v:
-            if s not in (keep, drop) or any(a != s for a in col_args):
-                return f"a column-level value of shape {list(s)} (columns {list(drop)})"
-        elif col_args:
-            return f"{n.op} reads a reduced value per element (a second pass over the column)"
+        if n.out.id in cols_v:  # (right-aligned, keep and drop shapes index the columns alike)
+            if s not in (keep, drop):
+                what = "reads a reduced value per element (a second pass over the column)" if broadcasts_to(
+                    s, full) and s != drop else f"gives shape {list(s)} (columns {list(drop)})"
+                return f"{n.op} {what}"
         elif not broadcasts_to(s, full):
             return f"{n.op} gives shape {list(s)}, not the reduced shape {list(full)}"
+        if ops.reduction(n.op) is not None and n.args[0].id in cols_v:
+            return f"{n.op} of a column-level value (a reduction of a reduction)"
     for v in group.outputs:
-        if v.id not in rows_v and shape[v.id] != full:
+        if v.id not in cols_v and shape[v.id] != full:
             return f"an output of shape {list(shape[v.id])} (the elements are {list(full)})"
 
     # each input's strides: views of it broadcast to F, over the reduced dims (one stride) and the kept dims
@@ -100,4 +117,4 @@ def plan(group: ir.Group, key: tuple, tensors: list, scalars: list, metas: list,
                      [shape[v.id] for v in group.outputs], [dtype[v.id] for v in group.outputs], types)
 
 
-__all__ = ["MAX_COL_DIMS", "OuterKey", "OuterPlan", "plan"]
+__all__ = ["MAX_COL_DIMS", "OuterKey", "OuterPlan", "column_level", "plan"]

@@ -21,7 +21,7 @@ from ..cuda import templates as cuda_t
 from ..descs import compute_type, storage_type
 from . import outer_templates as t
 from . import templates as row_t
-from .plan import row_level
+from .outer import column_level
 
 CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU column kernel splits its chunks across threads
 
@@ -41,7 +41,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
     always: once per column, it costs nothing)."""
     cuda = target == "cuda"
-    cols_v = row_level(group)
+    cols_v = column_level(group)
     vname: dict[int, str] = {}
     vtype: dict[int, str] = {}
     vdtype: dict = {}
@@ -82,23 +82,27 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     elem_out = [(m, o) for m, o in enumerate(group.outputs) if o.id not in cols_v]
     col_out = [(m, o) for m, o in enumerate(group.outputs) if o.id in cols_v]
 
-    need, stack = set(), [n.args[0] for n, *_ in reductions] + [o for _, o in elem_out]
-    while stack:  # the element-level values the pass computes (they never read a column-level value)
-        v = stack.pop()
-        if v.id in need or v.id in cols_v:
-            continue
-        need.add(v.id)
-        if v.id in producer:
-            stack.extend(producer[v.id].values)
+    def element_lines(wanted: Sequence[ir.Value], row: str) -> list[str]:
+        """Loads (of row ``row``) and statements of the element-level values ``wanted`` needs (they never read a
+        column-level value), in the group's order."""
+        need, stack = set(), list(wanted)
+        while stack:
+            v = stack.pop()
+            if v.id in need or v.id in cols_v:
+                continue
+            need.add(v.id)
+            if v.id in producer:
+                stack.extend(producer[v.id].values)
+        lines = [f"const {vtype[v.id]} x{tensor_index[v.id]} = fz_ld(t{tensor_index[v.id]}[{'off' if cuda else 'coff'}"
+                 f"{tensor_index[v.id]}{'' if cuda else '[j]'}{row.replace('#', str(tensor_index[v.id]))}]);"
+                 for v in group.inputs if v.is_tensor and v.id in need]
+        return lines + [statement[i] for i in sorted(need & set(statement), key=order.__getitem__)]
 
     def store(m: int, o: ir.Value, at: str) -> str:
         return f"o{m}[{at}] = fz_st<{storage_type(node_types[position[o.id]].result)}>({vname[o.id]});"
 
     # the pass: per element of the column
-    body = [f"const {vtype[v.id]} x{tensor_index[v.id]} = fz_ld(t{tensor_index[v.id]}[{'coff' if not cuda else 'off'}"
-            f"{tensor_index[v.id]}{'[j]' if not cuda else ''} + r * rs{tensor_index[v.id]}]);"
-            for v in group.inputs if v.is_tensor and v.id in need]
-    body += [statement[i] for i in sorted(need & set(statement), key=order.__getitem__)]
+    body = element_lines([n.args[0] for n, *_ in reductions] + [o for _, o in elem_out], " + r * rs#")
     acc = (lambda pos: f"acc{pos}") if cuda else (lambda pos: f"acc{pos}[j]")
     for n, pos, red, nt, acc_t in reductions:
         u = n.args[0]
@@ -118,7 +122,10 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             if nt.result in REDUCED and not n.origin:  # an eager op of its own: its result is stored in its dtype
                 result = f"fz_ld(fz_st<{storage_type(nt.result)}>((float)({result})))"
             lines.append(f"const {rtype} v{pos} = ({rtype})({result});")
-        lines += [statement[m.out.id] for m in group.nodes if m.out.id in cols_v and m.out.id in statement]
+        epilogue = [m for m in group.nodes if m.out.id in cols_v and m.out.id in statement]
+        # their element-level operands: one value a column (the plan checked), read at the column's first row
+        lines += element_lines([v for m in epilogue for v in m.values if v.id not in cols_v], "")
+        lines += [statement[m.out.id] for m in epilogue]
         return lines + [store(m, o, "c") for m, o in col_out]
 
     out_dtypes = [node_types[position[o.id]].result for o in group.outputs]
@@ -149,6 +156,9 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                 accumulate="\n".join(f"{indent}    off{kk} += m * args.strides[{kk}][d];" for kk in range(n_in)))
             + "\n" + block([f"const long long rs{kk} = args.strides[{kk}][{t.MAX_DIMS}];" for kk in range(n_in)],
                            indent),
+            offsets1=t.OFFSETS.substitute(
+                indent=indent, decls=decls, column="c", size="args.sizes[d]",
+                accumulate="\n".join(f"{indent}    off{kk} += m * args.strides[{kk}][d];" for kk in range(n_in))),
             acc_decls=block([f"{a} acc{pos} = {red.identity.replace('$A', a)};" for pos, red, a in accs], indent),
             body=block(body, indent + "    "),
             lane_reduce=block([f"acc{pos} = fz_lane_reduce<{red.combine}>(acc{pos}, fz_sh_{a}, tile);"

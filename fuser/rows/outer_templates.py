@@ -129,6 +129,7 @@ ${partial}
     }
   } else {
     for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += (long long)gridDim.x * blockDim.x) {
+${offsets1}
 ${acc_decls}
       for (long long s = 0; s < args.splits; ++s) {
 ${combine}

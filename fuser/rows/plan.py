@@ -187,7 +187,7 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
     if dims != list(range(nd - k, nd)):  # a column kernel's form (fuser/rows/outer.py), or why not
         from . import outer
         return outer.plan(group, (target, device.index, tuple((t.dtype, t.dim() == 0) for t in tensors)), tensors,
-                          scalars, metas_list, shape, dtype, rows_v, full, dims,
+                          scalars, metas_list, shape, dtype, full, dims,
                           _types(group, args, metas_list, values))
     lead_shape = full[:nd - k]
     keep, drop = lead_shape + (1,) * k, lead_shape
