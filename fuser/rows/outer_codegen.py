@@ -163,7 +163,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             body=block(body, indent + "    "),
             lane_reduce=block([f"acc{pos} = fz_lane_reduce<{red.combine}>(acc{pos}, fz_sh_{a}, tile);"
                                for pos, red, a in accs], indent),
-            finish=block(finish(acc), indent + "    "),
+            finish=block(finish(acc), indent + "    "), finish1=block(finish(acc), indent),
             partial=block([f"ws[(split * {len(accs)} + {i}) * cols + c] = (double)acc{pos};"
                            for i, (pos, _, _) in enumerate(accs)], indent + "    "),
             combine=block([f"acc{pos} = {red.combine}::f(acc{pos}, ({a})ws[(s * {len(accs)} + {i}) * cols + c]);"

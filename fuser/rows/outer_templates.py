@@ -134,7 +134,7 @@ ${acc_decls}
       for (long long s = 0; s < args.splits; ++s) {
 ${combine}
       }
-${finish}
+${finish1}
     }
   }
 }
