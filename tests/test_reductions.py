@@ -330,10 +330,6 @@ def test_the_pass_fuses_a_trailing_reduction_with_its_prologue_and_epilogue(fn):
     torch.testing.assert_close(scripted(*other), fn(*other))  # another rank: the same group
 
 
-    for node in g.findAllNodes("prim::FusionGroup"):
-        assert not any(n.kind() == "aten::sum" for n in node.g("Subgraph").nodes())
-
-
 def test_the_reduction_schemas_are_torchs():
     from fuser import ops
     for schema in ops.REDUCTION_DEFS:
