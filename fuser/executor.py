@@ -380,7 +380,7 @@ def run(spec: KernelSpec, args: Sequence, rng_state: Optional[list] = None) -> O
             geo = _NOT_FUSABLE
         elif spec.has_reduction:  # a row kernel (fuser/rows/)
             from . import rows
-            geo = rows.RowGeometry(p, kernel)
+            geo = rows.geometry(p, kernel)
         else:
             geo = Geometry(p, kernel)
         if len(spec.geometries) >= MAX_SIGNATURES:

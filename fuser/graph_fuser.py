@@ -88,7 +88,8 @@ def reduced_dims(node: torch._C.Node) -> Optional[tuple]:
     """The dims a reduction, or an op made of reductions (softmax, layer_norm, rms_norm, std: ``ops.Reduction``),
     reduces, when it may join a group: its arguments constants (a normalization's weight and bias may be
     tensors), the dims the last k of any rank (-1, or -2 and -1, ...; the row kernels reduce trailing dims, and
-    this holds for every input's rank). None otherwise. The executor checks the rest per call (the shapes, and
+    this holds for every input's rank), or for a plain reduction the first k (0, or 0 and 1: column kernels).
+    None otherwise. The executor checks the rest per call (the shapes, and
     eager's own checks of a normalization's arguments) and falls back when the form does not hold."""
     op = ops.lookup_reduction(node.schema())
     if op is None:
@@ -103,9 +104,14 @@ def reduced_dims(node: torch._C.Node) -> Optional[tuple]:
         else:
             return None
     dims = ops.reduced_dims(op.name, consts)
-    if dims is None or sorted(dims) != list(range(-len(dims), 0)):
+    if dims is None:
         return None
-    return tuple(sorted(dims))
+    if sorted(dims) == list(range(-len(dims), 0)):
+        return tuple(sorted(dims))
+    # or the first k dims, for a sum, mean, amax or amin: a column kernel's form (fuser/rows/outer.py)
+    red = op.reduction
+    return tuple(sorted(dims)) if sorted(dims) == list(range(len(dims))) and not (red.variance or red.composite) \
+        else None
 
 
 def concat_list(cat: torch._C.Node) -> Optional[torch._C.Node]:

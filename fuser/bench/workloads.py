@@ -221,3 +221,20 @@ NORM_TRAIN_WORKLOADS = tuple(
     for op, src in _NORM_SOURCES.items() for suffix, (rows, cols) in _ROW_LENGTHS.items()
 )
 WORKLOADS += NORM_TRAIN_WORKLOADS
+
+
+# ---- issue 12: outer reductions (column kernels, fuser/rows/outer*.py). A sum over dim 0 with its pointwise
+# prologue: a bias gradient's form, [16384 x 4096] -> [4096]. Its copy floor (fuser/bench/rows.py) is the inputs read
+# once and the output written: the reduction's one pass reads each element once, and the column results are small.
+OUTER_WORKLOADS = frozenset(["sum0_mul"])
+ROW_WORKLOADS = ROW_WORKLOADS | OUTER_WORKLOADS  # (groups with reductions: tests/test_normalizations.py emulates them)
+WORKLOADS += (
+    Workload(
+        "sum0_mul",
+        "def sum0_mul(x: Tensor, y: Tensor) -> Tensor:\n"
+        "    return (x * y).sum(0)\n",
+        _norm_shapes(16384, 4096),
+        lambda s, dt, dev: [_randn(s, dt, dev), _randn(s, dt, dev)],
+        dtypes=(torch.float32, torch.bfloat16),
+    ),
+)

@@ -48,8 +48,8 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     path must hand such calls over."""
     kernel = getattr(geo, "kernel", None)
     rows = hasattr(geo, "rows")  # a row kernel's geometry (fuser.rows.RowGeometry)
-    if kernel is None or (not rows and (geo.concat is not None or kernel.random)) or len(outputs) != len(
-            kernel.out_dtypes):
+    if kernel is None or not getattr(geo, "hot_path", True) or (  # hot_path False: a column kernel's geometry
+            not rows and (geo.concat is not None or kernel.random)) or len(outputs) != len(kernel.out_dtypes):
         return None
     device = geo.device
     if device.type not in ("cpu", "cuda") or any(t.device != device for t in (*tensors, *outputs)):

@@ -6,15 +6,21 @@ and an epilogue that reads the row-level results broadcast back along the row. `
 inputs, or why not) → ``codegen.py`` and ``templates.py`` (the kernel text per target) → ``launch.py`` (build and
 launch). ``fuser.executor`` plans, caches a :class:`RowGeometry` per input signature and runs it for such groups,
 with the same checks as for pointwise groups. ``emulate.py`` runs the CUDA row kernels on the CPU for CI.
+
+Reductions over the leading dims instead ("outer" reductions: a bias gradient ``(x * y).sum(0)``) run as column
+kernels: ``outer.py`` (the [red, cols] view, asked by ``plan.plan`` where the reduced dims are not trailing) →
+``outer_codegen.py`` and ``outer_templates.py`` → ``outer_launch.py`` (its :class:`OuterGeometry`);
+:func:`kernel_for` and :func:`geometry` take either kind of plan.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ..kernel_cache import KernelSpec
-from . import launch
+from . import launch, outer_launch
+from .outer import OuterPlan
 from .plan import RowPlan, plan
 
 
@@ -45,8 +51,17 @@ class RowGeometry:
         return outputs
 
 
-def kernel_for(spec: KernelSpec, p: RowPlan) -> Optional[launch.RowKernel]:
+def kernel_for(spec: KernelSpec, p: Union[RowPlan, OuterPlan]) -> Optional[launch.RowKernel]:
+    if isinstance(p, OuterPlan):  # (its key is of a class of its own: never a row kernel's cache entry)
+        return spec.kernel_for(p.key, lambda: outer_launch.build(spec, p))
     return spec.kernel_for(p.key, lambda: launch.build(spec, p))
 
 
-__all__ = ["RowGeometry", "RowPlan", "kernel_for", "plan"]
+def geometry(p: Union[RowPlan, OuterPlan], kernel) -> Union[RowGeometry, outer_launch.OuterGeometry]:
+    """The executor's cached geometry of a plan and its kernel."""
+    if isinstance(p, OuterPlan):
+        return outer_launch.OuterGeometry(p, kernel)
+    return RowGeometry(p, kernel)
+
+
+__all__ = ["OuterPlan", "RowGeometry", "RowPlan", "geometry", "kernel_for", "plan"]

@@ -3,6 +3,7 @@
 after another, each thread a fiber, ``__syncthreads`` and ``__shared__`` emulated, under the sanitizers."""
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional, Sequence
 
 import torch
@@ -10,8 +11,11 @@ import torch
 from .. import codegen, ir
 from ..cuda import emulate
 from ..kernel_cache import STORE
-from . import launch
+from . import decompose, launch, outer_launch, outer_templates
+from .outer import OuterPlan, column_level
 from .plan import plan
+
+N_SM = 132  # the column kernels' split is planned as for an H100's multiprocessors (fuser.rows.outer_launch)
 
 
 def kernel_for(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] = None) -> Optional[str]:
@@ -24,7 +28,7 @@ def kernel_for(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emu
     if isinstance(p, str):
         return None
     try:
-        name, source = launch.source_for(spec, p)
+        name, source = (outer_launch.source_for if isinstance(p, OuterPlan) else launch.source_for)(spec, p)
     except codegen.NotFusable:
         return None
     emulator.add(name, source)
@@ -43,6 +47,9 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
     with torch.no_grad():
         p = plan(spec, list(inputs), target="cuda")
     outputs = [torch.empty(s, dtype=dt) for s, dt in zip(p.out_shapes, p.out_dtypes)]
+    if isinstance(p, OuterPlan):
+        _run_columns(emulator, name, spec, p, outputs)
+        return outputs
     if p.rows == 0:
         return outputs
     struct = launch.args_struct(len(p.tensors), len(p.tensors) + len(outputs), len(p.scalars))
@@ -60,6 +67,43 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
         if o.numel():
             o.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(o.dtype).view(o.shape))
     return outputs
+
+
+def _spans(tensors) -> list:
+    """(address, bytes, bytes to send) of input tensors: an empty one gets one element of memory (see ``run``)."""
+    return [(x.data_ptr(), emulate._span(x) * x.element_size(), emulate._span_bytes(x)) if x.numel() else
+            (x.data_ptr(), x.element_size(), bytes(x.element_size())) for x in tensors]
+
+
+def _run_columns(emulator: emulate.Emulator, name: str, spec, p: OuterPlan, outputs: list) -> None:
+    """A column kernel's launches as ``outer_launch.OuterCudaKernel`` makes them (stage 0, then stage 1 where the
+    columns are split): the same grid decision, arguments and workspace. Stage 1 gets the element-level outputs
+    and the workspace as inputs, so the harness checks it leaves them alone."""
+    if p.cols == 0:
+        return
+    geo = SimpleNamespace(red=p.red, cols=p.cols, col_sizes=p.col_sizes, strides=p.strides)
+    g = outer_launch.cuda_grid(p.red, p.cols, outer_launch.n_reductions(spec), N_SM, emulate.EMU_BLOCKS)
+    ws = torch.empty(max(1, g.workspace), dtype=torch.float64)
+    struct = outer_launch.args_struct(len(p.tensors), len(p.tensors) + len(outputs) + 1, len(p.scalars))
+    steps = decompose.expand(spec.group)
+    col_level = [o.id in column_level(steps) for o in steps.outputs]
+    for stage, grid in ((0, g.grid0), (1, g.grid1)):
+        if not grid:
+            continue
+        args = outer_launch.fill_args(struct, geo, g, stage, p.tensors, p.scalars, outputs, ws.data_ptr())
+        if stage == 0:
+            spans = _spans(p.tensors) + [(o.data_ptr(), max(1, o.numel()) * o.element_size(), None)
+                                         for o in (*outputs, ws)]
+            written = [*outputs, ws]
+        else:
+            spans = _spans(p.tensors) + [(o.data_ptr(), max(1, o.numel()) * o.element_size(), None) if col else
+                                         _spans([o])[0] for o, col in zip(outputs, col_level)] + _spans([ws])
+            written = [o for o, col in zip(outputs, col_level) if col]
+        results = emulator.run(name, grid, outer_templates.BLOCK_SIZE, bytes(args), spans)
+        for o, data in zip(written, results):
+            if o.numel():
+                o.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8)[:o.numel() * o.element_size()]
+                        .view(o.dtype).view(o.shape))
 
 
 __all__ = ["kernel_for", "run"]

@@ -228,6 +228,33 @@ def _steps_differ(group: ir.Group, steps: ir.Group, meta_args: list, values: lis
     return ""
 
 
+def broadcasts_to(s: tuple, full: tuple) -> bool:
+    """Whether shape ``s`` broadcasts to ``full`` (and is no larger)."""
+    try:
+        return torch.broadcast_shapes(s, full) == torch.Size(full)
+    except RuntimeError:
+        return False
+
+
+def _types(group: ir.Group, args: Sequence, metas_list: list, values: list) -> list:
+    """Each node's ``codegen.NodeTypes``, as the compiler's probe gives them (comparisons compute in their operands'
+    common dtype); a reduction computes in its result's dtype: eager converts the input to it first (sum's dtype
+    argument)."""
+    meta_of = {v.id: m for v, m in zip([v for v in group.inputs if v.is_tensor], metas_list)}
+    meta_of.update({v.id: float(a) for v, a in zip(group.inputs, args) if not v.is_tensor})
+    meta_of.update({n.out.id: val for n, val in zip(group.nodes, values)})
+    types = []
+    for n, val in zip(group.nodes, values):
+        op = ops.of(n.op)
+        compute = val.dtype
+        if op is not None and op.compute == "common":
+            a, b = (meta_of[x.id] if isinstance(x, ir.Value) else
+                    x.tensor() if isinstance(x, ir.TensorConst) else x for x in n.args)
+            compute = torch.result_type(a, b)
+        types.append(codegen.NodeTypes(val.dtype, compute))
+    return types
+
+
 def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Union[RowPlan, str]:
     """A :class:`RowPlan` for ``args``, or the reason to fall back. ``target``: as for ``executor.plan`` (the
     CUDA emulator plans "cuda" kernels for CPU tensors)."""
@@ -291,20 +318,20 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
         elif shape[u.id] != full or d != dims:
             return "reductions of different shapes or dims in one group"
     nd, k = len(full), len(dims)
-    if dims != list(range(nd - k, nd)):
-        return f"reduced dims {dims} of a rank-{nd} value are not its trailing dims"
+    for v in group.inputs:
+        if v.is_tensor and not broadcasts_to(shape[v.id], full):
+            return f"an input of shape {list(shape[v.id])} is larger than the reduced shape {list(full)}"
+    if dims != list(range(nd - k, nd)):  # a column kernel's form (fuser/rows/outer.py), or why not
+        from . import outer
+        return outer.plan(group, (target, device.index, tuple((t.dtype, t.dim() == 0) for t in tensors)), tensors,
+                          scalars, metas_list, shape, dtype, full, dims,
+                          _types(group, args, metas_list, values))
     lead_shape = full[:nd - k]
     keep, drop = lead_shape + (1,) * k, lead_shape
 
     def broadcasts(s) -> bool:
-        try:
-            return torch.broadcast_shapes(s, full) == torch.Size(full)
-        except RuntimeError:
-            return False
+        return broadcasts_to(s, full)
 
-    for v in group.inputs:
-        if v.is_tensor and not broadcasts(shape[v.id]):
-            return f"an input of shape {list(shape[v.id])} is larger than the reduced shape {list(full)}"
     for n in group.nodes:
         s = shape[n.out.id]
         row_args = [shape[v.id] for v in n.values if v.id in rows_v]
@@ -329,20 +356,7 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
     if len(lead) > MAX_LEAD_DIMS:
         return f"{len(lead)} row dims after compression (row kernels take {MAX_LEAD_DIMS})"
 
-    # compute types as the compiler's probe gives them (comparisons compute in their operands' common dtype);
-    # a reduction computes in its result's dtype: eager converts the input to it first (sum's dtype argument)
-    meta_of = {v.id: m for v, m in zip([v for v in group.inputs if v.is_tensor], metas_list)}
-    meta_of.update({v.id: float(a) for v, a in zip(group.inputs, args) if not v.is_tensor})
-    meta_of.update({n.out.id: val for n, val in zip(group.nodes, values)})
-    types = []
-    for n, val in zip(group.nodes, values):
-        op = ops.of(n.op)
-        compute = val.dtype
-        if op is not None and op.compute == "common":
-            a, b = (meta_of[x.id] if isinstance(x, ir.Value) else
-                    x.tensor() if isinstance(x, ir.TensorConst) else x for x in n.args)
-            compute = torch.result_type(a, b)
-        types.append(codegen.NodeTypes(val.dtype, compute))
+    types = _types(group, args, metas_list, values)
     rows, cols = math.prod(lead_shape), math.prod(full[nd - k:])
     out_dtypes = [dtype[v.id] for v in group.outputs]
     strides = [ls + [cs] for ls, cs in zip(lead_st, col_strides)]

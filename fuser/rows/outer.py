@@ -1,0 +1,120 @@
+"""The column plan: a group whose reductions reduce the LEADING dims of one full shape F, viewed as [red, cols]
+(issue 12's outer reductions: a bias gradient ``(x * y).sum(0)``), or the reason it must fall back.
+
+``fuser.rows.plan.plan`` runs the group on meta tensors and classifies its values (element-level, or row-level:
+here one value per column); where the reduced dims are not F's trailing dims it asks :func:`plan` here. The form
+this supports: the reduced dims, size-1 dims aside, come before every kept dim of size > 1 (so an element's place
+in F is ``r * cols + c``); every reduction is a sum, mean, amax or amin of an element-level value of shape F (no
+variance: it needs the column's mean first). Column-level values (:func:`column_level`: the reductions and every
+value computed from one) have F's kept dims (with the reduced dims kept as 1, or dropped: one value per column);
+they form the epilogue, which may read inputs of that shape too (``(x * y).sum(0) + b``), and the column-level
+outputs. A value of shape F never reads a column-level value (that needs a second pass over the column:
+``x - x.mean(0)`` falls back). Each input
+walks the reduced dims with one stride, and the kept dims in at most :data:`MAX_COL_DIMS` compressed dims.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from .. import executor, ir, ops
+from .plan import broadcasts_to, row_level
+
+MAX_COL_DIMS = 8  # compressed column dims (the CUDA argument struct's arrays)
+
+
+@dataclass(frozen=True)
+class OuterKey:
+    """What a column kernel's source depends on (as ``plan.RowKey``, a class of its own so that a row kernel and a
+    column kernel of one group never share a cache entry)."""
+
+    target: str
+    device_index: Optional[int]
+    inputs: tuple[tuple[torch.dtype, bool], ...]
+
+
+@dataclass
+class OuterPlan:
+    key: OuterKey
+    tensors: list
+    scalars: list
+    red: int  # elements each column reduces
+    cols: int  # columns: the product of F's kept dims
+    col_sizes: list  # the compressed sizes of the kept dims (row-major)
+    strides: list  # per tensor input: its strides over ``col_sizes``, then its one stride along the reduced dims
+    out_shapes: list  # per group output
+    out_dtypes: list
+    types: list  # codegen.NodeTypes per node
+
+
+def column_level(group: ir.Group) -> frozenset:
+    """ids of the values a column kernel computes once per column: ``plan.row_level``'s (the reductions, and nodes
+    that read only such values) and every node that reads one of them (the plan checks that these have one value a
+    column; their other operands are computed once a column too)."""
+    got = group._cache.get("column_level")
+    if got is None:
+        cols = set(row_level(group))
+        for n in group.nodes:
+            if any(v.id in cols for v in n.values):
+                cols.add(n.out.id)
+        got = group._cache["column_level"] = frozenset(cols)
+    return got
+
+
+def plan(group: ir.Group, key: tuple, tensors: list, scalars: list, metas: list, shape: dict, dtype: dict,
+         full: tuple, dims: list, types: list) -> Union[OuterPlan, str]:
+    """The column plan of ``group`` (the row plan's group: composite ops expanded) for inputs of full shape ``full``
+    (every tensor input broadcasts to it: the row plan checked)
+    whose reductions reduce ``dims``; ``shape``/``dtype``: per value id, eager's; ``metas``: the tensor inputs as meta tensors; ``key``: (target, device index,
+    per input (dtype, 0-dim)); ``types``: the nodes' ``codegen.NodeTypes``. Or why not."""
+    nd = len(full)
+    big = [d for d in range(nd) if full[d] != 1]
+    if any(d in dims for d in big[sum(1 for d in big if d in dims):]):
+        return f"reduced dims {dims} of a rank-{nd} value are neither its trailing nor its leading dims"
+    for n in group.nodes:
+        red = ops.reduction(n.op)
+        if red is None:
+            continue
+        if red.variance or red.composite:
+            return f"{n.op} over leading dims (a column kernel makes one pass over the column)"
+    kept = [d for d in range(nd) if d not in dims]
+    keep = tuple(1 if d in dims else full[d] for d in range(nd))
+    drop = tuple(full[d] for d in kept)
+
+    cols_v = column_level(group)
+    for n in group.nodes:
+        s = shape[n.out.id]
+        if n.out.id in cols_v:  # (right-aligned, keep and drop shapes index the columns alike)
+            if s not in (keep, drop):
+                what = "reads a reduced value per element (a second pass over the column)" if broadcasts_to(
+                    s, full) and s != drop else f"gives shape {list(s)} (columns {list(drop)})"
+                return f"{n.op} {what}"
+        elif not broadcasts_to(s, full):
+            return f"{n.op} gives shape {list(s)}, not the reduced shape {list(full)}"
+        if ops.reduction(n.op) is not None and n.args[0].id in cols_v:
+            return f"{n.op} of a column-level value (a reduction of a reduction)"
+    for v in group.outputs:
+        if v.id not in cols_v and shape[v.id] != full:
+            return f"an output of shape {list(shape[v.id])} (the elements are {list(full)})"
+
+    # each input's strides: views of it broadcast to F, over the reduced dims (one stride) and the kept dims
+    # (compressed as the pointwise map compresses its dims)
+    wide = [m.expand(full).stride() for m in metas]
+    base = torch.empty(0, device="meta")
+    red_shape = tuple(full[d] for d in dims)
+    _, red_st = executor._compress(red_shape, [base.as_strided(red_shape, [w[d] for d in dims]) for w in wide])
+    if any(len(st) > 1 for st in red_st):
+        return "an input does not walk the reduced dims with one stride"
+    col_sizes, col_st = executor._compress(drop, [base.as_strided(drop, [w[d] for d in kept]) for w in wide])
+    if len(col_sizes) > MAX_COL_DIMS:
+        return f"{len(col_sizes)} column dims after compression (column kernels take {MAX_COL_DIMS})"
+    target, index, inputs = key
+    return OuterPlan(OuterKey(target, index, inputs), tensors, scalars, math.prod(red_shape), math.prod(drop),
+                     col_sizes, [cs + [rs[0] if rs else 0] for cs, rs in zip(col_st, red_st)],
+                     [shape[v.id] for v in group.outputs], [dtype[v.id] for v in group.outputs], types)
+
+
+__all__ = ["MAX_COL_DIMS", "OuterKey", "OuterPlan", "column_level", "plan"]

@@ -1,0 +1,185 @@
+"""The column kernel's source (``fuser/rows/outer.py``'s plans): a pure function from (group, input dtypes, node
+types, target) to C++ or CUDA.
+
+One pass down each column: per element the prologue (the element-level nodes the reductions and the element-level
+outputs need, loaded from the inputs in memory), every reduction accumulated (they all reduce the same column), the
+element-level outputs stored; then per column the reductions' results (a mean divides by the column's length), the
+epilogue (the column-level nodes, in the group's order) and the column-level outputs. Each node's statement is the
+pointwise codegen's (``codegen.body.node_statement``), so an op means the same in every kind of kernel.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from .. import ir, ops
+from ..codegen import REDUCED, KernelOptions, NodeTypes, NotFusable, value_type
+from ..codegen.body import node_statement
+from ..cpu import templates as cpu_t
+from ..cuda import templates as cuda_t
+from ..descs import compute_type, storage_type
+from . import outer_templates as t
+from . import templates as row_t
+from .outer import column_level
+
+CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU column kernel splits its chunks across threads
+
+
+def accumulator(red: ops.Reduction, nt: NodeTypes, target: str) -> str:
+    """The C type a reduction accumulates in: ``ops.Reduction.wide`` ones in float on CUDA (double for float64)
+    and in double on the CPU; max and min in the compute type (they are exact)."""
+    if not red.wide:
+        return compute_type(nt.compute)
+    return "double" if target == "cpu" or nt.compute == torch.float64 else "float"
+
+
+def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
+             name: str, n_scalar_slots: int, round_reduced: bool = False) -> str:
+    """Source of the column kernel ``name``; ``inputs``: the tensor inputs' dtypes. Raises NotFusable where an op
+    has no expression for its types (the executor falls back). ``round_reduced``: as
+    ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
+    always: once per column, it costs nothing)."""
+    cuda = target == "cuda"
+    cols_v = column_level(group)
+    vname: dict[int, str] = {}
+    vtype: dict[int, str] = {}
+    vdtype: dict = {}
+    tensor_index: dict[int, int] = {}
+    k = j = 0
+    for v in group.inputs:
+        if v.is_tensor:
+            vname[v.id], vtype[v.id], vdtype[v.id] = f"x{k}", value_type(inputs[k], target), inputs[k]
+            tensor_index[v.id] = k
+            k += 1
+        else:
+            vname[v.id], vtype[v.id], vdtype[v.id] = f"s{j}", "double", None
+            j += 1
+    n_in = len(inputs)
+
+    statement: dict[int, str] = {}
+    exact: set = {v.id for v in group.inputs}  # (see codegen.body.generate)
+    reductions = []  # (node, position, reduction, node types, accumulator type)
+    options = KernelOptions(index32=False, vectorize=False, round_reduced=round_reduced)
+    for pos, (n, nt) in enumerate(zip(group.nodes, node_types)):
+        red = ops.reduction(n.op)
+        if red is not None:
+            if red.variance or red.composite:
+                raise NotFusable(f"{n.op} in a column kernel")
+            vname[n.out.id], vtype[n.out.id], vdtype[n.out.id] = f"v{pos}", value_type(nt.result, target), nt.result
+            if nt.result in REDUCED and not n.origin:
+                exact.add(n.out.id)
+            reductions.append((n, pos, red, nt, accumulator(red, nt, target)))
+            continue
+        op = ops.of(n.op)
+        if op is None or op.random or op.concat:
+            raise NotFusable(f"{n.op} in a column kernel")
+        statement[n.out.id] = node_statement(group, n, op, nt, pos, target, options, vname, vtype, vdtype, exact)[0]
+
+    producer = {n.out.id: n for n in group.nodes}
+    order = {n.out.id: pos for pos, n in enumerate(group.nodes)}
+    position = order
+    elem_out = [(m, o) for m, o in enumerate(group.outputs) if o.id not in cols_v]
+    col_out = [(m, o) for m, o in enumerate(group.outputs) if o.id in cols_v]
+
+    def element_lines(wanted: Sequence[ir.Value], row: str) -> list[str]:
+        """Loads (of row ``row``) and statements of the element-level values ``wanted`` needs (they never read a
+        column-level value), in the group's order."""
+        need, stack = set(), list(wanted)
+        while stack:
+            v = stack.pop()
+            if v.id in need or v.id in cols_v:
+                continue
+            need.add(v.id)
+            if v.id in producer:
+                stack.extend(producer[v.id].values)
+        lines = [f"const {vtype[v.id]} x{tensor_index[v.id]} = fz_ld(t{tensor_index[v.id]}[{'off' if cuda else 'coff'}"
+                 f"{tensor_index[v.id]}{'' if cuda else '[j]'}{row.replace('#', str(tensor_index[v.id]))}]);"
+                 for v in group.inputs if v.is_tensor and v.id in need]
+        return lines + [statement[i] for i in sorted(need & set(statement), key=order.__getitem__)]
+
+    def store(m: int, o: ir.Value, at: str) -> str:
+        return f"o{m}[{at}] = fz_st<{storage_type(node_types[position[o.id]].result)}>({vname[o.id]});"
+
+    # the pass: per element of the column
+    body = element_lines([n.args[0] for n, *_ in reductions] + [o for _, o in elem_out], " + r * rs#")
+    acc = (lambda pos: f"acc{pos}") if cuda else (lambda pos: f"acc{pos}[j]")
+    for n, pos, red, nt, acc_t in reductions:
+        u = n.args[0]
+        x = vname[u.id]
+        if vdtype[u.id] != nt.compute:  # eager converts the input to the reduction's dtype first
+            x = (f"fz_ld(fz_st<{storage_type(nt.compute)}>(({compute_type(vdtype[u.id])}){x}))"
+                 if nt.compute in REDUCED else f"({compute_type(nt.compute)})({x})")
+        body.append(f"{acc(pos)} = {red.combine}::f({acc(pos)}, ({acc_t})({x}));")
+    body += [store(m, o, "r * cols + c") for m, o in elem_out]
+
+    def finish(acc: Callable[[int], str]) -> list[str]:
+        """Per column: the reductions' results, the epilogue, the column-level outputs."""
+        lines = []
+        for n, pos, red, nt, acc_t in reductions:
+            result = f"{acc(pos)} / ({acc_t})red" if red.mean else acc(pos)
+            rtype = value_type(nt.result, target)
+            if nt.result in REDUCED and not n.origin:  # an eager op of its own: its result is stored in its dtype
+                result = f"fz_ld(fz_st<{storage_type(nt.result)}>((float)({result})))"
+            lines.append(f"const {rtype} v{pos} = ({rtype})({result});")
+        epilogue = [m for m in group.nodes if m.out.id in cols_v and m.out.id in statement]
+        # their element-level operands: one value a column (the plan checked), read at the column's first row
+        lines += element_lines([v for m in epilogue for v in m.values if v.id not in cols_v], "")
+        lines += [statement[m.out.id] for m in epilogue]
+        return lines + [store(m, o, "c") for m, o in col_out]
+
+    out_dtypes = [node_types[position[o.id]].result for o in group.outputs]
+    ptrs, scalars = ("args.ptrs", "args.scalars") if cuda else ("ptrs", "scalars")
+    params = [f"const {storage_type(dt)}* __restrict__ t{kk} = (const {storage_type(dt)}*){ptrs}[{kk}];"
+              for kk, dt in enumerate(inputs)]
+    params += [f"{storage_type(dt)}* __restrict__ o{m} = ({storage_type(dt)}*){ptrs}[{n_in + m}];"
+               for m, dt in enumerate(out_dtypes)]
+    params += [f"const double s{jj} = {scalars}[{jj}];" for jj in range(j)]
+    params = ["  " + p for p in params]
+    decls = ", ".join(f"off{kk} = 0" for kk in range(n_in)) if n_in else "fz_unused = 0"
+
+    def block(lines: Sequence[str], indent: str) -> str:
+        return "\n".join(indent + ln for ln in lines)
+
+    if cuda:
+        indent = "      "
+        accs = [(pos, red, acc_t) for _, pos, red, _, acc_t in reductions]
+        return t.CUDA_KERNEL.substitute(
+            name=name, prelude=cuda_t.PRELUDE,
+            row_prelude=row_t.ROW_PRELUDE.substitute(fn="__device__ __forceinline__", row_reduce=t.LANE_REDUCE),
+            max_dims=t.MAX_DIMS, n_stride_rows=max(1, n_in), n_ptrs=n_in + len(out_dtypes) + 1,
+            n_scalar_slots=max(1, n_scalar_slots), block_size=t.BLOCK_SIZE, params="\n".join(params),
+            ws_index=n_in + len(out_dtypes),
+            shared="\n".join(f"  __shared__ {a} fz_sh_{a}[{t.BLOCK_SIZE}];" for a in sorted({a for *_, a in accs})),
+            offsets=t.OFFSETS.substitute(
+                indent=indent, decls=decls, column="live ? c : 0", size="args.sizes[d]",
+                accumulate="\n".join(f"{indent}    off{kk} += m * args.strides[{kk}][d];" for kk in range(n_in)))
+            + "\n" + block([f"const long long rs{kk} = args.strides[{kk}][{t.MAX_DIMS}];" for kk in range(n_in)],
+                           indent),
+            offsets1=t.OFFSETS.substitute(
+                indent=indent, decls=decls, column="c", size="args.sizes[d]",
+                accumulate="\n".join(f"{indent}    off{kk} += m * args.strides[{kk}][d];" for kk in range(n_in))),
+            acc_decls=block([f"{a} acc{pos} = {red.identity.replace('$A', a)};" for pos, red, a in accs], indent),
+            body=block(body, indent + "    "),
+            lane_reduce=block([f"acc{pos} = fz_lane_reduce<{red.combine}>(acc{pos}, fz_sh_{a}, tile);"
+                               for pos, red, a in accs], indent),
+            finish=block(finish(acc), indent + "    "), finish1=block(finish(acc), indent),
+            partial=block([f"ws[(split * {len(accs)} + {i}) * cols + c] = (double)acc{pos};"
+                           for i, (pos, _, _) in enumerate(accs)], indent + "    "),
+            combine=block([f"acc{pos} = {red.combine}::f(acc{pos}, ({a})ws[(s * {len(accs)} + {i}) * cols + c]);"
+                           for i, (pos, red, a) in enumerate(accs)], indent + "  "))
+    indent = "      "
+    work = 1 + len(statement) + len(reductions)
+    return t.CPU_KERNEL.substitute(
+        name=name, prelude=cpu_t.PRELUDE, row_prelude=row_t.ROW_PRELUDE.substitute(fn="inline", row_reduce=""),
+        params="\n".join(params), chunk=t.CPU_CHUNK, parallel_threshold=max(1, CPU_PARALLEL_WORK // work),
+        red_strides=block([f"const int64_t rs{kk} = strides[{kk} * (rank + 1) + rank];" for kk in range(n_in)], "  "),
+        col_arrays=block([f"int64_t coff{kk}[{t.CPU_CHUNK}];" for kk in range(n_in)]
+                         + [f"{a} acc{pos}[{t.CPU_CHUNK}];" for _, pos, _, _, a in reductions], "    "),
+        offsets=t.OFFSETS.substitute(
+            indent=indent, decls=decls, column="c0 + j", size="sizes[d]",
+            accumulate="\n".join(f"{indent}    off{kk} += m * strides[{kk} * (rank + 1) + d];" for kk in range(n_in))),
+        col_store=block([f"coff{kk}[j] = off{kk};" for kk in range(n_in)]
+                        + [f"acc{pos}[j] = {red.identity.replace('$A', a)};" for _, pos, red, _, a in reductions],
+                        indent),
+        body=block(body, indent + "  "), finish=block(finish(acc), indent))

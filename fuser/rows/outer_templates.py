@@ -1,0 +1,141 @@
+"""Source templates of the column kernels (``fuser/rows/outer.py``: reductions over the leading dims, F viewed as
+[red, cols]), data filled by ``fuser.rows.outer_codegen`` with strict substitution.
+
+CPU ABI (the pointwise and row kernels' signature): ``void name(int64_t red, int64_t rank, const int64_t* sizes,
+const int64_t* strides, void* const* ptrs, const double* scalars)``; ``sizes``: the ``rank`` compressed column
+dims, then their product (the columns); ``strides``: per tensor input ``rank`` strides over the column dims, then its stride along the
+reduced dims. Blocks of :data:`CPU_CHUNK` columns: per row, the chunk's columns (consecutive in a row-major
+input), each column's accumulators in an array; chunks split across threads.
+
+CUDA: one by-value ``FzArgs`` (mirrored by ``fuser.rows.outer_launch.args_struct``); one 1-D grid, 256 threads
+a block seen as ``tile`` columns (consecutive threads, consecutive columns: coalesced) times ``256 / tile``
+lanes, each lane accumulating every ``lanes``-th row of its split of the column; the lanes combine through
+shared memory in a fixed tree. ``stage`` 0 with one split stores the results; with ``splits`` > 1 each block
+writes its partial results to the workspace (double: a float accumulator converts to it and back exactly) and
+``stage`` 1 (a second launch, one thread a column) combines the splits in order: deterministic, no atomics.
+"""
+from string import Template
+
+MAX_DIMS = 8  # column dims (fuser.rows.outer.MAX_COL_DIMS)
+BLOCK_SIZE = 256  # CUDA threads a block: a power of two (the lanes' tree halves it)
+CPU_CHUNK = 64  # columns a CPU chunk accumulates at once
+
+# the lanes of a block combined per column: after it every thread holds its column's result
+LANE_REDUCE = r"""template <class Op, class A> __device__ __forceinline__ A fz_lane_reduce(A v, A* sh, int tile) {
+  const int t = threadIdx.x;
+  sh[t] = v;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s >= tile; s >>= 1) {  // s is a multiple of tile: t and t + s share a column
+    if (t < s) sh[t] = Op::f(sh[t], sh[t + s]);
+    __syncthreads();
+  }
+  const A r = sh[t % tile];
+  __syncthreads();  // sh is free for the next reduction
+  return r;
+}
+"""
+
+# the offsets of column c's first element in each input: a divmod walk over the column dims
+OFFSETS = Template(r"""${indent}long long ${decls};
+${indent}{
+${indent}  long long q0 = ${column};
+${indent}  for (int d = (int)rank - 1; d >= 0; --d) {
+${indent}    const long long q = q0 / ${size}, m = q0 - q * ${size};
+${indent}    q0 = q;
+${accumulate}
+${indent}  }
+${indent}}""")
+
+CPU_KERNEL = Template(r"""// fuser CPU column kernel ${name}
+${prelude}
+${row_prelude}
+extern "C" void ${name}(int64_t red, int64_t rank, const int64_t* sizes, const int64_t* strides,
+                        void* const* ptrs, const double* scalars) {
+  (void)scalars;
+${params}
+  const int64_t cols = sizes[rank];
+${red_strides}
+  const int64_t chunks = (cols + ${chunk} - 1) / ${chunk};
+#pragma omp parallel for schedule(static) if (chunks > 1 && red * cols >= ${parallel_threshold})
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    const int64_t c0 = chunk * ${chunk};
+    const int64_t nc = cols - c0 < ${chunk} ? cols - c0 : ${chunk};
+${col_arrays}
+    for (int64_t j = 0; j < nc; ++j) {
+${offsets}
+${col_store}
+    }
+    for (int64_t r = 0; r < red; ++r) {
+      for (int64_t j = 0; j < nc; ++j) {
+        const int64_t c = c0 + j;
+${body}
+      }
+    }
+    for (int64_t j = 0; j < nc; ++j) {
+      const int64_t c = c0 + j;
+${finish}
+    }
+  }
+}
+""")
+
+CUDA_KERNEL = Template(r"""// fuser CUDA column kernel ${name}
+${prelude}
+${row_prelude}
+struct FzArgs {
+  long long red;
+  long long cols;
+  long long splits;  // blocks along each column (stage 0)
+  long long rows_per_split;
+  long long sizes[${max_dims}];
+  long long strides[${n_stride_rows}][${max_dims} + 1];  // per tensor input: column dims, then along the column
+  int rank;
+  int stage;
+  int tile;  // columns a block: a power of two, at most 32
+  void* ptrs[${n_ptrs}];  // inputs, outputs, the workspace
+  double scalars[${n_scalar_slots}];
+};
+
+extern "C" __global__ void __launch_bounds__(${block_size}) ${name}(const FzArgs args) {
+  const long long red = args.red, cols = args.cols;
+  const int rank = args.rank;
+${params}
+  double* __restrict__ ws = (double*)args.ptrs[${ws_index}];
+${shared}
+  if (args.stage == 0) {
+    const int tile = args.tile, lanes = (int)blockDim.x / tile;
+    const int tx = (int)threadIdx.x % tile, ty = (int)threadIdx.x / tile;
+    const long long tiles = (cols + tile - 1) / tile;
+    for (long long b = blockIdx.x; b < tiles * args.splits; b += gridDim.x) {
+      const long long split = b / tiles;
+      const long long c = (b - split * tiles) * tile + tx;
+      const bool live = c < cols;
+${offsets}
+      const long long r1 = (split + 1) * args.rows_per_split < red ? (split + 1) * args.rows_per_split : red;
+${acc_decls}
+      if (live) {
+        for (long long r = split * args.rows_per_split + ty; r < r1; r += lanes) {
+${body}
+        }
+      }
+${lane_reduce}
+      if (ty == 0 && live) {
+        if (args.splits == 1) {
+${finish}
+        } else {
+${partial}
+        }
+      }
+    }
+  } else {
+    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += (long long)gridDim.x * blockDim.x) {
+${offsets1}
+${acc_decls}
+      for (long long s = 0; s < args.splits; ++s) {
+${combine}
+      }
+${finish1}
+    }
+  }
+}
+""")
