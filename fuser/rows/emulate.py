@@ -55,11 +55,8 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
     struct = launch.args_struct(len(p.tensors), len(p.tensors) + len(outputs), len(p.scalars))
     vec = launch.vector_ok(p.vec_ok, p.vec_align, p.tensors, outputs)
     args = launch.fill_args(struct, p.rows, p.cols, p.lead, p.strides, p.tensors, p.scalars, outputs, vec)
-    # an empty tensor (a row of no elements: the kernel never reads or writes it) gets one element of memory,
-    # as a GPU allocation would be a valid pointer, where the harness cannot copy nothing from a null pointer
-    spans = [(x.data_ptr(), emulate._span(x) * x.element_size(), emulate._span_bytes(x)) if x.numel() else
-             (x.data_ptr(), x.element_size(), bytes(x.element_size())) for x in p.tensors]
-    spans += [(o.data_ptr(), max(1, o.numel()) * o.element_size(), None) for o in outputs]
+    spans = _spans(p.tensors, empty=0) + [(o.data_ptr(), max(1, o.numel()) * o.element_size(), None)
+                                          for o in outputs]
     block = p.key.shape.block
     grid = min(emulate.EMU_BLOCKS, -(-p.rows // (block // p.key.shape.tpr)))
     results = emulator.run(name, grid, block, bytes(args), spans)
@@ -69,10 +66,12 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
     return outputs
 
 
-def _spans(tensors) -> list:
-    """(address, bytes, bytes to send) of input tensors: an empty one gets one element of memory (see ``run``)."""
+def _spans(tensors, empty: int = 1) -> list:
+    """(address, bytes, bytes to send) of input tensors. An empty one gets ``empty`` elements of memory: none for a
+    row kernel (on CUDA an empty tensor's pointer is null: a kernel must not read it, and the harness's buffer of
+    no bytes makes any read an ASan error), one for a column kernel's stage (a valid pointer it never reads)."""
     return [(x.data_ptr(), emulate._span(x) * x.element_size(), emulate._span_bytes(x)) if x.numel() else
-            (x.data_ptr(), x.element_size(), bytes(x.element_size())) for x in tensors]
+            (x.data_ptr(), empty * x.element_size(), bytes(empty * x.element_size())) for x in tensors]
 
 
 def _run_columns(emulator: emulate.Emulator, name: str, spec, p: OuterPlan, outputs: list) -> None:

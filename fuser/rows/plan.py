@@ -370,7 +370,7 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
         if not cuda_sh.held:  # each pass loads what it reads
             cuda_sh = cuda_shape(cols, sizes, pass_width(group, False)[0])
         vec = cuda_sh.vec
-        vec_ok = cols % vec == 0 and all(st[-1] in (0, 1) and (st[-1] == 0 or all(x % vec == 0 for x in st[:-1]))
+        vec_ok = cols > 0 and cols % vec == 0 and all(st[-1] in (0, 1) and (st[-1] == 0 or all(x % vec == 0 for x in st[:-1]))
                                          for st in strides)
         size = lambda dt: min(16, torch.empty((), dtype=dt).element_size() * vec)  # noqa: E731
         vec_align = tuple(size(t.dtype) if st[-1] == 1 else 0 for t, st in zip(tensors, strides)) + tuple(

@@ -45,10 +45,11 @@ ROW_REDUCE = r"""template <class Op, int TPR, class A> __device__ __forceinline_
 // tb + (i * TPR + lane) * V), as the kernel's value type C, every load issued before any is used: whole vectors
 // where the launch allows them (args.vec: the row starts, the row length and the pointers suit them; a vector
 // past the row's end reads the row's last one instead, and is not used), a tensor that does not step along the
-// row gives its one element, otherwise element by element (0 past the row's end). No row: no loads.
+// row gives its one element, otherwise element by element (0 past the row's end). No row, or an empty one: no
+// loads.
 template <int NV, int V, int TPR, class C, class S> __device__ __forceinline__ void fz_row_trip(
     C* dst, const S* __restrict__ p, long long off, long long cs, int tb, int lane, int cols, bool live, int vec) {
-  if (!live) return;
+  if (!live || cols <= 0) return;  // an empty row reads nothing (on CUDA an empty tensor's pointer is null)
   if (vec && cs) {
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
