@@ -204,11 +204,16 @@ def test_cuda_row_kernel_emulated_matches_eager(case, dtype, emulated):
         _check(out, case, args)
 
 
-def test_cuda_row_kernel_emulated_on_a_long_row(emulated):
-    """A row of 65537 elements (more than 256 threads' worth, not a multiple of it) through the emulation."""
+@pytest.mark.parametrize("n", (65537, 65536))
+def test_cuda_row_kernel_emulated_on_a_long_row(emulated, n):
+    """A row longer than the registers hold (each pass reads it again): 65537 elements (not a multiple of a trip:
+    the last trip checks its columns) and 65536 (whole trips: the kernel checks none, ``CudaShape.full``)."""
+    from fuser.rows.plan import cuda_shape, pass_width
     case = CASES[0]
-    args = [8 * torch.randn(1, 65537), torch.randn(65537)]
-    out = row_emulate.run(_group(case, 65537), args, emulated)
+    shape = cuda_shape(n, [4], pass_width(_group(case, n), False)[0])
+    assert not shape.held and shape.full == (n == 65536)
+    args = [8 * torch.randn(2, n), torch.randn(n)]
+    out = row_emulate.run(_group(case, n), args, emulated)
     assert out is not None
     _check(out, case, args)
 

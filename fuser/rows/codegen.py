@@ -125,7 +125,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         per_item = shape.held and npass[0] > 0
         n, at = (1, f"tb + i * {shape.tpr * shape.vec}") if per_item else (shape.items // shape.vec, "tb")
         loads = [f"{vtype[v.id]} xl{tensor_index[v.id]}[{n * shape.vec}];\n"
-                 f"fz_row_trip<{n}, {shape.vec}, {shape.tpr}>(xl{tensor_index[v.id]}, t{tensor_index[v.id]}, "
+                 f"fz_row_trip<{n}, {shape.vec}, {shape.tpr}, {str(shape.full).lower()}>(xl{tensor_index[v.id]}, t{tensor_index[v.id]}, "
                  f"off{tensor_index[v.id]}, cs{tensor_index[v.id]}, {at}, lane, cols, live, args.vec);"
                  for v in group.inputs if v.is_tensor and v.id in need and v.id not in held]
         return ([], loads) if per_item else (loads, [])
@@ -144,8 +144,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             body="\n".join("          " + ln for ln in body),
             after_item="\n".join("        " + ln for ln in after_item), after="\n".join("    " + ln for ln in after))
 
-    def guarded(lines: list) -> list:
-        return ["if (live && cb + v < cols) {"] + ["  " + ln for ln in lines] + ["}"]
+    def guarded(lines: list) -> list:  # CUDA: an element of a live row, before the row's end
+        return [f"if (live{'' if shape.full else ' && cb + v < cols'}) {{"] + ["  " + ln for ln in lines] + ["}"]
 
     indent = "      "
     phases: list[str] = []
@@ -219,11 +219,11 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         decls = [f"fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}> w{m};" for m, o in elem_out]
         body = guarded(element_lines(wanted) + [store(m, o, "v").replace(f"o{m}[v]", f"w{m}.v[v]")
                                                 for m, o in elem_out])
-        stores = ["if (live && cb < cols) {", "  if (args.vec) {"]
+        stores = [f"if (live{'' if shape.full else ' && cb < cols'}) {{", "  if (args.vec) {"]
         stores += [f"    *reinterpret_cast<fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}>*>("
                    f"o{m} + row * cols + cb) = w{m};" for m, o in elem_out]
         stores += ["  } else {", "#pragma unroll", f"    for (int v = 0; v < {shape.vec}; ++v) {{",
-                   "      if (cb + v < cols) {"]
+                   f"      if ({'true' if shape.full else 'cb + v < cols'}) {{"]
         stores += [f"        o{m}[row * cols + cb + v] = w{m}.v[v];" for m, _ in elem_out]
         stores += ["      }", "    }", "  }", "}"]
         phases.append(cuda_pass("", wanted, body, [], item_decls=decls, after_item=stores))

@@ -29,13 +29,16 @@ def _cast(b: ir.Builder, x: ir.Value, dtype) -> ir.Value:
 
 
 def softmax(b: ir.Builder, x: ir.Value, dim: int, dtype=None) -> ir.Value:
-    """``aten::softmax.int(x, dim, dtype)``: exp(x - max) over its sum (``x`` converted to ``dtype`` first)."""
+    """``aten::softmax.int(x, dim, dtype)``: exp(x - max) times the reciprocal of its sum (``x`` converted to
+    ``dtype`` first)."""
     if dtype is not None:
         x = _cast(b, x, dtype)
     with b.steps_of("aten::softmax"):
         m = b.add("aten::amax", x, _dims(dim), True)
         e = b.call("aten::exp", b.call("aten::sub", x, m, 1))
-        return b.call("aten::div", e, b.add("aten::sum.dim_IntList", e, _dims(dim), True, None))
+        # times the sum's reciprocal (once a row, as CPU eager's kernel does; CUDA eager divides, within an ulp):
+        # a division per element is a kernel's most costly step after exp
+        return b.call("aten::mul", e, b.call("aten::reciprocal", b.add("aten::sum.dim_IntList", e, _dims(dim), True, None)))
 
 
 def log_softmax(b: ir.Builder, x: ir.Value, dim: int, dtype=None) -> ir.Value:

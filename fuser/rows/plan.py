@@ -38,12 +38,15 @@ class CudaShape:
     """How a CUDA row kernel lays a row over threads: ``tpr`` consecutive threads share a row (a power of two), a
     block of ``block`` threads holds ``block // tpr`` rows, a thread takes ``items`` elements a trip along the row
     in vectors of ``vec`` elements (16 bytes of the widest tensor). ``held``: the row takes one trip, so the
-    inputs that several passes read are loaded once and kept in registers; otherwise each pass reads them again."""
+    inputs that several passes read are loaded once and kept in registers; otherwise each pass reads them again.
+    ``full``: the row length is a whole number of trips (``tpr * items`` elements), so no element of a trip is past
+    the row's end and the kernel checks none (the row length is part of the kernel's key through its shape)."""
 
     tpr: int
     items: int
     vec: int
     held: bool
+    full: bool = False
 
     @property
     def block(self) -> int:
@@ -61,7 +64,7 @@ def register_items(block: int, wide: bool) -> int:
     took 128-168 registers without spilling; launch bounds asking for 768 or 1024 resident threads an SM made
     softmax faster and layer_norm slower, through spills: the kernel leaves the registers to the compiler.)"""
     regs = min(255, 65536 // block) - 40
-    return max(4, min(32, 1 << (regs.bit_length() - 1))) // (2 if wide else 1)
+    return max(4, min(REGISTER_ITEMS, 1 << (regs.bit_length() - 1))) // (2 if wide else 1)
 
 
 def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0) -> CudaShape:
@@ -78,10 +81,11 @@ def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0
         items = max(vec, _pow2_at_least(-(-cols // tpr)))
         need = items * max(width, first_loads if block >= 512 else 0)
         if tpr * items >= cols and (need <= register_items(block, widest == 8) or (tpr == MAX_TPR and items == vec)):
-            return CudaShape(tpr, items, vec, True)
+            return CudaShape(tpr, items, vec, True, cols == tpr * items)
         tpr *= 2
     per = register_items(MAX_TPR, widest == 8) // width
-    return CudaShape(MAX_TPR, max(vec, 1 << (max(1, per).bit_length() - 1)), vec, False)
+    items = max(vec, 1 << (max(1, per).bit_length() - 1))
+    return CudaShape(MAX_TPR, items, vec, False, cols > 0 and cols % (MAX_TPR * items) == 0)
 
 
 def needed(group: ir.Group, wanted: Sequence[ir.Value], held: frozenset = frozenset()) -> set:

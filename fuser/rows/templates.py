@@ -46,15 +46,15 @@ ROW_REDUCE = r"""template <class Op, int TPR, class A> __device__ __forceinline_
 // where the launch allows them (args.vec: the row starts, the row length and the pointers suit them; a vector
 // past the row's end reads the row's last one instead, and is not used), a tensor that does not step along the
 // row gives its one element, otherwise element by element (0 past the row's end). No row, or an empty one: no
-// loads.
-template <int NV, int V, int TPR, class C, class S> __device__ __forceinline__ void fz_row_trip(
+// loads. FULL: the row is a whole number of trips (fuser.rows.plan.CudaShape.full): no element is past its end.
+template <int NV, int V, int TPR, bool FULL, class C, class S> __device__ __forceinline__ void fz_row_trip(
     C* dst, const S* __restrict__ p, long long off, long long cs, int tb, int lane, int cols, bool live, int vec) {
-  if (!live || cols <= 0) return;  // an empty row reads nothing (on CUDA an empty tensor's pointer is null)
+  if (!live || (!FULL && cols <= 0)) return;  // an empty row reads nothing (an empty tensor's pointer is null)
   if (vec && cs) {
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       int cb = tb + (i * TPR + lane) * V;
-      cb = cb < cols ? cb : cols - V;
+      if (!FULL) cb = cb < cols ? cb : cols - V;
       const fz_vec<S, V> w = *reinterpret_cast<const fz_vec<S, V>*>(p + off + cb);
 #pragma unroll
       for (int v = 0; v < V; ++v) dst[i * V + v] = (C)fz_ld(w.v[v]);
@@ -69,7 +69,7 @@ template <int NV, int V, int TPR, class C, class S> __device__ __forceinline__ v
 #pragma unroll
       for (int v = 0; v < V; ++v) {
         const int c = tb + (i * TPR + lane) * V + v;
-        dst[i * V + v] = c < cols ? (C)fz_ld(p[off + c * cs]) : (C)0;
+        dst[i * V + v] = FULL || c < cols ? (C)fz_ld(p[off + c * cs]) : (C)0;
       }
     }
   }
