@@ -21,17 +21,10 @@ from ..cuda import templates as cuda_t
 from ..descs import compute_type, storage_type
 from . import outer_templates as t
 from . import templates as row_t
+from .codegen import accumulator_type, input_names
 from .outer import column_level
 
 CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU column kernel splits its chunks across threads
-
-
-def accumulator(red: ops.Reduction, nt: NodeTypes, target: str) -> str:
-    """The C type a reduction accumulates in: ``ops.Reduction.wide`` ones in float on CUDA (double for float64)
-    and in double on the CPU; max and min in the compute type (they are exact)."""
-    if not red.wide:
-        return compute_type(nt.compute)
-    return "double" if target == "cpu" or nt.compute == torch.float64 else "float"
 
 
 def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
@@ -42,19 +35,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     always: once per column, it costs nothing)."""
     cuda = target == "cuda"
     cols_v = column_level(group)
-    vname: dict[int, str] = {}
-    vtype: dict[int, str] = {}
-    vdtype: dict = {}
-    tensor_index: dict[int, int] = {}
-    k = j = 0
-    for v in group.inputs:
-        if v.is_tensor:
-            vname[v.id], vtype[v.id], vdtype[v.id] = f"x{k}", value_type(inputs[k], target), inputs[k]
-            tensor_index[v.id] = k
-            k += 1
-        else:
-            vname[v.id], vtype[v.id], vdtype[v.id] = f"s{j}", "double", None
-            j += 1
+    vname, vtype, vdtype, tensor_index, j = input_names(group, inputs, target)
     n_in = len(inputs)
 
     statement: dict[int, str] = {}
@@ -69,7 +50,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             vname[n.out.id], vtype[n.out.id], vdtype[n.out.id] = f"v{pos}", value_type(nt.result, target), nt.result
             if nt.result in REDUCED and not n.origin:
                 exact.add(n.out.id)
-            reductions.append((n, pos, red, nt, accumulator(red, nt, target)))
+            reductions.append((n, pos, red, nt, accumulator_type(red, nt, target)))
             continue
         op = ops.of(n.op)
         if op is None or op.random or op.concat:
