@@ -292,8 +292,9 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         offsets += "\n    const bool vec_ok = " + " && ".join(
             [f"(cs{kk} == 0 || cs{kk} == 1)" for kk in range(n_in)] + ["true"]) + ";"
     return t.CPU_KERNEL.substitute(
-        name=name, prelude=cpu_t.VECTOR_INCLUDE if vectorized else cpu_t.PRELUDE,
-        row_prelude=t.ROW_PRELUDE.substitute(fn="inline", row_reduce=""),
+        name=name, head=t.CPU_HEAD.substitute(
+            prelude=cpu_t.VECTOR_INCLUDE if vectorized else cpu_t.PRELUDE,
+            row_prelude=t.ROW_PRELUDE.substitute(fn="inline", row_reduce=""), name=name, count="rows"),
         vector_types=t.CPU_VECTOR_TYPES.substitute(vtype=vector.vtype) if vectorized else "",
         params="\n".join(params), parallel_threshold=max(1, CPU_PARALLEL_WORK // work), offsets=offsets,
         phases="\n".join(phases))

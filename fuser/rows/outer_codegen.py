@@ -152,7 +152,9 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     indent = "      "
     work = 1 + len(statement) + len(reductions)
     return t.CPU_KERNEL.substitute(
-        name=name, prelude=cpu_t.PRELUDE, row_prelude=row_t.ROW_PRELUDE.substitute(fn="inline", row_reduce=""),
+        name=name, head=row_t.CPU_HEAD.substitute(
+            prelude=cpu_t.PRELUDE, row_prelude=row_t.ROW_PRELUDE.substitute(fn="inline", row_reduce=""), name=name,
+            count="red"),
         params="\n".join(params), chunk=t.CPU_CHUNK, parallel_threshold=max(1, CPU_PARALLEL_WORK // work),
         red_strides=block([f"const int64_t rs{kk} = strides[{kk} * (rank + 1) + rank];" for kk in range(n_in)], "  "),
         col_arrays=block([f"int64_t coff{kk}[{t.CPU_CHUNK}];" for kk in range(n_in)]
