@@ -23,6 +23,7 @@ from . import outer_templates as t
 from . import templates as row_t
 from .codegen import accumulator_type, input_names
 from .outer import column_level
+from .plan import needed
 
 CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU column kernel splits its chunks across threads
 
@@ -57,7 +58,6 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             raise NotFusable(f"{n.op} in a column kernel")
         statement[n.out.id] = node_statement(group, n, op, nt, pos, target, options, vname, vtype, vdtype, exact)[0]
 
-    producer = {n.out.id: n for n in group.nodes}
     order = {n.out.id: pos for pos, n in enumerate(group.nodes)}
     position = order
     elem_out = [(m, o) for m, o in enumerate(group.outputs) if o.id not in cols_v]
@@ -66,14 +66,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     def element_lines(wanted: Sequence[ir.Value], row: str) -> list[str]:
         """Loads (of row ``row``) and statements of the element-level values ``wanted`` needs (they never read a
         column-level value), in the group's order."""
-        need, stack = set(), list(wanted)
-        while stack:
-            v = stack.pop()
-            if v.id in need or v.id in cols_v:
-                continue
-            need.add(v.id)
-            if v.id in producer:
-                stack.extend(producer[v.id].values)
+        need = needed(group, wanted, level=cols_v)
         lines = [f"const {vtype[v.id]} x{tensor_index[v.id]} = fz_ld(t{tensor_index[v.id]}[{'off' if cuda else 'coff'}"
                  f"{tensor_index[v.id]}{'' if cuda else '[j]'}{row.replace('#', str(tensor_index[v.id]))}]);"
                  for v in group.inputs if v.is_tensor and v.id in need]
