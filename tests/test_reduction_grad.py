@@ -13,8 +13,8 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (FUSED_BACKWARD, REDUCE_EAGER, REDUCE_OPS, backward_and_args, record_backward_runs, reduce_node,
-                     row_backward_keys, train_block_alongside_eager, written_layer_norm, written_softmax)
+from helpers import (FUSED_BACKWARD, REDUCE_EAGER, REDUCE_OPS, backward_and_args, reduce_node, row_backward_keys,
+                     train_block_alongside_eager, written_layer_norm, written_softmax)
 
 import fuser
 from fuser import ir
@@ -26,15 +26,7 @@ from fuser.rows import emulate as row_emulate
 DTYPES = (torch.float64, torch.float32)
 
 
-@pytest.fixture(autouse=True)
-def _needs_cpu_fusion():
-    if not fuser.can_fuse_on_cpu():
-        pytest.fail("the CPU backend needs a C++ compiler on this machine")
-
-
-@pytest.fixture
-def _backwards(monkeypatch):
-    return record_backward_runs(monkeypatch)
+pytestmark = pytest.mark.usefixtures("needs_cpu_fusion")  # (tests/conftest.py; _backwards too)
 
 
 _rows = row_backward_keys
