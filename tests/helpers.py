@@ -456,6 +456,52 @@ def reduce_node(b, kind: str, x, dims, keepdim, dtype=None):
     return b.add(REDUCE_OPS[kind], *args)
 
 
+def reduction_alone(kind: str, dims, keepdim: bool):
+    """(group builder, eager): one reduction of ``kind`` over ``dims`` of the one input."""
+    from fuser import ir
+
+    def group():
+        b = ir.Builder()
+        x = b.input()
+        return b.build([reduce_node(b, kind, x, dims, keepdim)])
+
+    def eager(x):
+        return [REDUCE_EAGER[kind](x, dim=tuple(dims), keepdim=keepdim)]
+
+    return group, eager
+
+
+def affine_sums():
+    """(group builder, eager): the sum and the mean over the last dim of x * w + b (keepdim off; w and b broadcast
+    along the rows)."""
+    from fuser import ir
+
+    def group():
+        b = ir.Builder()
+        x, w, c = b.input(), b.input(), b.input()
+        y = b.call("aten::add", b.call("aten::mul", x, w), c, 1)
+        return b.build([reduce_node(b, "sum", y, (-1,), False), reduce_node(b, "mean", y, (-1,), False)])
+
+    def eager(x, w, c):
+        y = x * w + c
+        return [y.sum(-1), y.mean(-1)]
+
+    return group, eager
+
+
+def decomposed_group(kind: str, normalized: tuple):
+    """A group of fuser/rows/decompose.py's steps for ``kind``: softmax or log_softmax over the last dim, or
+    layer_norm over ``normalized`` with a weight and a bias (eps 1e-5)."""
+    from fuser import ir
+    from fuser.rows import decompose
+    b = ir.Builder()
+    x = b.input()
+    if kind == "layer_norm":
+        w, c = b.input(), b.input()
+        return b.build([decompose.layer_norm(b, x, normalized, w, c, 1e-5)])
+    return b.build([getattr(decompose, kind)(b, x, -1)])
+
+
 def written_softmax():
     """(group builder, eager): softmax over the last dim written out (amax, exp(x - max), its sum, the quotient),
     and the row sums (keepdim) as a second output."""
