@@ -427,15 +427,29 @@ ARITH_IR = """graph(%x : Tensor, %y : Tensor, %z : Tensor):
   return (%d)"""
 
 
+def fused_run(spec, args) -> list:
+    """The outputs of ``executor.run(spec, args)``, which must run the group's kernel, not fall back (else the
+    assertion says the plan's reason)."""
+    from fuser import executor
+    out = executor.run(spec, args)
+    assert out is not None, executor.plan(spec, args)
+    return out
+
+
+def row_kernels(spec) -> list:
+    """The row kernels (fuser/rows/launch.py) ``spec`` has built."""
+    from fuser.rows import launch
+    return [k for k in spec.kernels().values() if isinstance(k, launch.RowKernel)]
+
+
 def row_kernels_on_both(group, args) -> list:
     """The outputs of ``group``'s CPU row kernel and of its CUDA one through the host emulation (fuser/rows/); both
     must run fused (the plan says why not)."""
-    from fuser import executor, rows
+    from fuser import rows
     from fuser.kernel_cache import STORE
     from fuser.rows import emulate as row_emulate
     spec = STORE.get(STORE.register(group))
-    cpu = executor.run(spec, args)
-    assert cpu is not None, executor.plan(spec, args)
+    cpu = fused_run(spec, args)
     cuda = row_emulate.run(group, args)
     if any(n.op == "aten::rms_norm" for n in group.nodes):  # eager's CUDA kernel differs on overflowing rows
         assert cuda is None and "rms_norm on CUDA" in rows.plan(spec, args, "cuda")

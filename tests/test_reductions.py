@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import fuser
-from helpers import (REDUCE_EAGER, affine_sums, decomposed_group, reduce_node, reduction_alone, row_kernels_on_both,
-                     written_layer_norm, written_softmax)
+from helpers import (REDUCE_EAGER, affine_sums, decomposed_group, fused_run, reduce_node, reduction_alone, row_kernels,
+                     row_kernels_on_both, written_layer_norm, written_softmax)
 from fuser import executor, ir, rows
 from fuser.cuda import emulate
 from fuser.kernel_cache import STORE
@@ -100,10 +100,8 @@ def test_row_kernel_on_the_cpu_matches_eager(case, dtype):
     spec = _spec(_GROUPS[case.id])
     for n in LENGTHS:
         args = case.inputs(dtype, n)
-        out = executor.run(spec, args)
-        assert out is not None, executor.plan(spec, args)  # the row kernel ran, not the fallback
-        _check(out, case, args)
-    assert any(isinstance(k, rows.launch.RowKernel) for k in spec.kernels().values())
+        _check(fused_run(spec, args), case, args)  # the row kernel ran, not the fallback
+    assert row_kernels(spec)
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +133,7 @@ def test_cuda_row_kernel_matches_eager(case, dtype):
     spec = _spec(_GROUPS[case.id])
     for n in LENGTHS:
         args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in case.inputs(dtype, n)]
-        out = executor.run(spec, args)
-        assert out is not None, executor.plan(spec, args)
+        out = fused_run(spec, args)
         _check([o.cpu() for o in out], case, [a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
 
 
@@ -299,7 +296,7 @@ def _kinds(g):
 def _row_kernels_of(group_node) -> list:
     from fuser import ts_ir
     spec = _spec(ts_ir.lower(group_node.g("Subgraph")))
-    return [k for k in spec.kernels().values() if isinstance(k, rows.launch.RowKernel)]
+    return row_kernels(spec)
 
 
 @pytest.mark.parametrize("fn", (_softmax_written_out, _row_sum), ids=("softmax", "row_sum"))
