@@ -251,6 +251,55 @@ def expect_fused(case: Case, expected: torch.Tensor, dtype: torch.dtype) -> bool
     return op.template(case.variant, "i") is not None
 
 
+def check_op_against_eager(case: Case, dtype: torch.dtype, device: str = "cpu", shape=(37, 29)) -> None:
+    """One op-table entry end to end on ``device`` against eager, on inputs from the per-test seed (conftest):
+    where eager raises, the fused path raises the same kind of error; where the op fuses (:func:`expect_fused`)
+    the group's kernel runs, not the fallback; either way ``run_fusion`` gives eager's result."""
+    import fuser
+    from fuser import executor
+    from fuser.kernel_cache import STORE
+    b = build(case)
+    key = STORE.register(lower(b.graph))
+    gen = torch.Generator().manual_seed(int(torch.randint(2 ** 31, ())))
+    args, tensors, floats = make_args(b, dtype, shape=shape, device=device, gen=gen)
+    try:
+        expected = eager(b, tensors, floats)
+    except Exception as e:  # eager rejects it: the fused path must raise the same kind of error
+        with pytest.raises(type(e)):
+            fuser.run_fusion(key, args)
+        return
+    out = executor.run(STORE.get(key), args)
+    if expect_fused(case, expected, dtype):
+        assert out is not None, f"{case.id} on {dtype} fell back"
+        assert_op_result(case, out[0], expected)
+    else:
+        assert out is None
+    assert_op_result(case, fuser.run_fusion(key, args)[0], expected)
+
+
+def run_in_threads(n: int, fn) -> list:
+    """``fn()`` in ``n`` threads released together (a barrier): their results, in thread order; no thread may
+    raise."""
+    import threading
+    barrier = threading.Barrier(n)
+    results, errors = [None] * n, []
+
+    def worker(i):
+        try:
+            barrier.wait()
+            results[i] = fn()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results
+
+
 def fused_graph(fn) -> torch._C.Graph:
     """The graph of ``fn`` after the pass, before lowering (prim::FusionGroup nodes visible)."""
     from fuser import graph_fuser
