@@ -65,6 +65,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def needs_cpu_fusion():
+    """For a module whose every test needs the CPU backend (``pytestmark = pytest.mark.usefixtures(...)``): a
+    machine without a C++ compiler fails its tests rather than skipping them."""
+    if not fuser.can_fuse_on_cpu():
+        pytest.fail("the CPU backend needs a C++ compiler on this machine")
+
+
+@pytest.fixture
+def _backwards(monkeypatch):
+    """The backward groups that run as kernels during the test (helpers.record_backward_runs)."""
+    from helpers import record_backward_runs
+    return record_backward_runs(monkeypatch)
+
+
 @pytest.fixture(autouse=True)
 def _clean_state():
     """Each test starts with fusion on where possible and the pass uninstalled."""

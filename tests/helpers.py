@@ -251,6 +251,55 @@ def expect_fused(case: Case, expected: torch.Tensor, dtype: torch.dtype) -> bool
     return op.template(case.variant, "i") is not None
 
 
+def check_op_against_eager(case: Case, dtype: torch.dtype, device: str = "cpu", shape=(37, 29)) -> None:
+    """One op-table entry end to end on ``device`` against eager, on inputs from the per-test seed (conftest):
+    where eager raises, the fused path raises the same kind of error; where the op fuses (:func:`expect_fused`)
+    the group's kernel runs, not the fallback; either way ``run_fusion`` gives eager's result."""
+    import fuser
+    from fuser import executor
+    from fuser.kernel_cache import STORE
+    b = build(case)
+    key = STORE.register(lower(b.graph))
+    gen = torch.Generator().manual_seed(int(torch.randint(2 ** 31, ())))
+    args, tensors, floats = make_args(b, dtype, shape=shape, device=device, gen=gen)
+    try:
+        expected = eager(b, tensors, floats)
+    except Exception as e:  # eager rejects it: the fused path must raise the same kind of error
+        with pytest.raises(type(e)):
+            fuser.run_fusion(key, args)
+        return
+    out = executor.run(STORE.get(key), args)
+    if expect_fused(case, expected, dtype):
+        assert out is not None, f"{case.id} on {dtype} fell back"
+        assert_op_result(case, out[0], expected)
+    else:
+        assert out is None
+    assert_op_result(case, fuser.run_fusion(key, args)[0], expected)
+
+
+def run_in_threads(n: int, fn) -> list:
+    """``fn()`` in ``n`` threads released together (a barrier): their results, in thread order; no thread may
+    raise."""
+    import threading
+    barrier = threading.Barrier(n)
+    results, errors = [None] * n, []
+
+    def worker(i):
+        try:
+            barrier.wait()
+            results[i] = fn()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results
+
+
 def fused_graph(fn) -> torch._C.Graph:
     """The graph of ``fn`` after the pass, before lowering (prim::FusionGroup nodes visible)."""
     from fuser import graph_fuser
@@ -427,15 +476,29 @@ ARITH_IR = """graph(%x : Tensor, %y : Tensor, %z : Tensor):
   return (%d)"""
 
 
+def fused_run(spec, args) -> list:
+    """The outputs of ``executor.run(spec, args)``, which must run the group's kernel, not fall back (else the
+    assertion says the plan's reason)."""
+    from fuser import executor
+    out = executor.run(spec, args)
+    assert out is not None, executor.plan(spec, args)
+    return out
+
+
+def row_kernels(spec) -> list:
+    """The row kernels (fuser/rows/launch.py) ``spec`` has built."""
+    from fuser.rows import launch
+    return [k for k in spec.kernels().values() if isinstance(k, launch.RowKernel)]
+
+
 def row_kernels_on_both(group, args) -> list:
     """The outputs of ``group``'s CPU row kernel and of its CUDA one through the host emulation (fuser/rows/); both
     must run fused (the plan says why not)."""
-    from fuser import executor, rows
+    from fuser import rows
     from fuser.kernel_cache import STORE
     from fuser.rows import emulate as row_emulate
     spec = STORE.get(STORE.register(group))
-    cpu = executor.run(spec, args)
-    assert cpu is not None, executor.plan(spec, args)
+    cpu = fused_run(spec, args)
     cuda = row_emulate.run(group, args)
     if any(n.op == "aten::rms_norm" for n in group.nodes):  # eager's CUDA kernel differs on overflowing rows
         assert cuda is None and "rms_norm on CUDA" in rows.plan(spec, args, "cuda")
@@ -454,6 +517,52 @@ def reduce_node(b, kind: str, x, dims, keepdim, dtype=None):
     """A reduction node of ``kind`` over ``dims`` (sum and mean take a dtype argument, None by default)."""
     args = (x, tuple(dims), keepdim) + ((dtype,) if kind in ("sum", "mean") else ())
     return b.add(REDUCE_OPS[kind], *args)
+
+
+def reduction_alone(kind: str, dims, keepdim: bool):
+    """(group builder, eager): one reduction of ``kind`` over ``dims`` of the one input."""
+    from fuser import ir
+
+    def group():
+        b = ir.Builder()
+        x = b.input()
+        return b.build([reduce_node(b, kind, x, dims, keepdim)])
+
+    def eager(x):
+        return [REDUCE_EAGER[kind](x, dim=tuple(dims), keepdim=keepdim)]
+
+    return group, eager
+
+
+def affine_sums():
+    """(group builder, eager): the sum and the mean over the last dim of x * w + b (keepdim off; w and b broadcast
+    along the rows)."""
+    from fuser import ir
+
+    def group():
+        b = ir.Builder()
+        x, w, c = b.input(), b.input(), b.input()
+        y = b.call("aten::add", b.call("aten::mul", x, w), c, 1)
+        return b.build([reduce_node(b, "sum", y, (-1,), False), reduce_node(b, "mean", y, (-1,), False)])
+
+    def eager(x, w, c):
+        y = x * w + c
+        return [y.sum(-1), y.mean(-1)]
+
+    return group, eager
+
+
+def decomposed_group(kind: str, normalized: tuple):
+    """A group of fuser/rows/decompose.py's steps for ``kind``: softmax or log_softmax over the last dim, or
+    layer_norm over ``normalized`` with a weight and a bias (eps 1e-5)."""
+    from fuser import ir
+    from fuser.rows import decompose
+    b = ir.Builder()
+    x = b.input()
+    if kind == "layer_norm":
+        w, c = b.input(), b.input()
+        return b.build([decompose.layer_norm(b, x, normalized, w, c, 1e-5)])
+    return b.build([getattr(decompose, kind)(b, x, -1)])
 
 
 def written_softmax():

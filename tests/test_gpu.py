@@ -1,11 +1,9 @@
 """CUDA backend tests (marked gpu; skipped without a CUDA device): every op in every dtype against eager,
 layouts that defeat or exercise the vector path, huge tensors, a second device, and threads."""
-import threading
-
 import pytest
 import torch
-from helpers import (FUSED_BACKWARD, interpret, ARITH_IR, chain_tolerance, CHAIN_IR, EDGE_IRS, STEPS_IR, NAN_SELF_NE_IR, POW_MINUS_TWO_IR, FMA_OPS, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR, SIGMOID_GT_IR as IR, assert_op_result, assert_same, assert_same_comparison, build, cases,
-                     check_fused_multiply_adds, check_scalar_rounding, eager, expect_fused, make_args, random_tensor,
+from helpers import (FUSED_BACKWARD, interpret, ARITH_IR, chain_tolerance, CHAIN_IR, EDGE_IRS, STEPS_IR, NAN_SELF_NE_IR, POW_MINUS_TWO_IR, FMA_OPS, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR, SIGMOID_GT_IR as IR, assert_same, assert_same_comparison, cases, check_op_against_eager,
+                     check_fused_multiply_adds, check_scalar_rounding, random_tensor, run_in_threads,
                      sigmoid_gt_reference as reference)
 
 from test_activations import CALLS as ACTIVATION_CALLS
@@ -30,23 +28,7 @@ def _require_gpu_fusion():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_op_cuda_vs_eager(case, dtype):
-    b = build(case)
-    key = STORE.register(lower(b.graph))
-    gen = torch.Generator().manual_seed(int(torch.randint(2 ** 31, ())))  # from the per-test seed (conftest)
-    args, tensors, floats = make_args(b, dtype, shape=(67, 131), device="cuda", gen=gen)
-    try:
-        expected = eager(b, tensors, floats)
-    except Exception as e:
-        with pytest.raises(type(e)):
-            fuser.run_fusion(key, args)
-        return
-    out = executor.run(STORE.get(key), args)
-    if expect_fused(case, expected, dtype):
-        assert out is not None, f"{case.id} on {dtype} fell back"
-        assert_op_result(case, out[0], expected)
-    else:
-        assert out is None
-    assert_op_result(case, fuser.run_fusion(key, args)[0], expected)
+    check_op_against_eager(case, dtype, "cuda", (67, 131))
 
 
 def _check(x, y, s=0.25, dtype=None):
@@ -130,22 +112,7 @@ def test_threads_share_one_compile():
     key = STORE.register(lower(g))
     x, y = torch.randn(4096, device="cuda"), torch.randn(4096, device="cuda")
     before = fuser.n_compiled_kernels()
-    barrier = threading.Barrier(12)
-    results, errors = [None] * 12, []
-
-    def worker(i):
-        try:
-            barrier.wait()
-            results[i] = fuser.run_fusion(key, [x, y, 0.5])[0]
-        except Exception as e:  # pragma: no cover
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    results = run_in_threads(12, lambda: fuser.run_fusion(key, [x, y, 0.5])[0])
     assert fuser.n_compiled_kernels() - before == 1
     expected = torch.tanh(x * y + 5 * 0.5)
     for r in results:

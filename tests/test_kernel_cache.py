@@ -1,8 +1,7 @@
 """Registration dedupe (alpha-equivalent graphs share a key) and exactly-once compiles under threads."""
-import threading
 
 import torch
-from helpers import assert_same
+from helpers import assert_same, run_in_threads
 
 import fuser
 from fuser import compiler, executor
@@ -61,22 +60,7 @@ def test_one_compile_however_many_threads_ask():
     spec = fuser.interface.STORE.get(key)
     x, y = torch.randn(1000), torch.randn(1000)
     before = fuser.n_compiled_kernels()
-    barrier = threading.Barrier(16)
-    results, errors = [None] * 16, []
-
-    def worker(i):
-        try:
-            barrier.wait()
-            results[i] = fuser.run_fusion(key, [x, y])[0]
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    results = run_in_threads(16, lambda: fuser.run_fusion(key, [x, y])[0])
     assert fuser.n_compiled_kernels() - before == 1
     assert len([k for k in spec.kernels().values() if k is not None]) == 1
     expected = torch.tanh(x * y) + 3 * x

@@ -14,8 +14,7 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (FUSED_BACKWARD, backward_and_args, record_backward_runs, row_backward_keys, tolerances,
-                     train_block_alongside_eager)
+from helpers import FUSED_BACKWARD, backward_and_args, row_backward_keys, tolerances, train_block_alongside_eager
 
 import fuser
 from fuser import bench, ir
@@ -26,15 +25,7 @@ from fuser.rows import emulate as row_emulate
 LENGTHS = (1, 31, 32, 1024)
 
 
-@pytest.fixture(autouse=True)
-def _needs_cpu_fusion():
-    if not fuser.can_fuse_on_cpu():
-        pytest.fail("the CPU backend needs a C++ compiler on this machine")
-
-
-@pytest.fixture
-def _backwards(monkeypatch):
-    return record_backward_runs(monkeypatch)
+pytestmark = pytest.mark.usefixtures("needs_cpu_fusion")  # (tests/conftest.py; _backwards too)
 
 
 @dataclass(frozen=True)

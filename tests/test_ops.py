@@ -2,10 +2,10 @@
 NVRTC for sm_80 and sm_90 (no GPU needed)."""
 import pytest
 import torch
-from helpers import FMA_OPS, assert_op_result, assert_same, build, cases, check_fused_multiply_adds, eager, expect_fused, make_args
+from helpers import FMA_OPS, build, cases, check_fused_multiply_adds, check_op_against_eager
 
 import fuser
-from fuser import codegen, compiler, executor, ops
+from fuser import codegen, compiler, ops
 from fuser.descs import DENSE, REPEAT, ROWS, STRIDED, ArgSpec, TensorDesc, family
 from fuser.kernel_cache import STORE
 from fuser.ts_ir import lower
@@ -23,23 +23,7 @@ def test_every_op_has_a_case():
 def test_op_cpu_vs_eager(case, dtype):
     if not fuser.can_fuse_on_cpu():
         pytest.fail("the CPU backend needs a C++ compiler on this machine")
-    b = build(case)
-    key = STORE.register(lower(b.graph))
-    gen = torch.Generator().manual_seed(int(torch.randint(2 ** 31, ())))  # from the per-test seed (conftest)
-    args, tensors, floats = make_args(b, dtype, gen=gen)
-    try:
-        expected = eager(b, tensors, floats)
-    except Exception as e:  # eager rejects it: the fused path must raise the same kind of error
-        with pytest.raises(type(e)):
-            fuser.run_fusion(key, args)
-        return
-    out = executor.run(STORE.get(key), args)
-    if expect_fused(case, expected, dtype):
-        assert out is not None, f"{case.id} on {dtype} fell back"
-        assert_op_result(case, out[0], expected)
-    else:
-        assert out is None
-    assert_op_result(case, fuser.run_fusion(key, args)[0], expected)
+    check_op_against_eager(case, dtype)
 
 
 @pytest.mark.parametrize("arch", (80, 90))

@@ -13,28 +13,20 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (FUSED_BACKWARD, REDUCE_EAGER, REDUCE_OPS, backward_and_args, record_backward_runs, reduce_node,
-                     row_backward_keys, train_block_alongside_eager, written_layer_norm, written_softmax)
+from helpers import (FUSED_BACKWARD, REDUCE_EAGER, REDUCE_OPS, affine_sums, backward_and_args, decomposed_group,
+                     reduce_node, reduction_alone, row_backward_keys, train_block_alongside_eager,
+                     written_layer_norm, written_softmax)
 
 import fuser
 from fuser import ir
 from fuser.cuda import emulate
 from fuser.kernel_cache import STORE
-from fuser.rows import decompose
 from fuser.rows import emulate as row_emulate
 
 DTYPES = (torch.float64, torch.float32)
 
 
-@pytest.fixture(autouse=True)
-def _needs_cpu_fusion():
-    if not fuser.can_fuse_on_cpu():
-        pytest.fail("the CPU backend needs a C++ compiler on this machine")
-
-
-@pytest.fixture
-def _backwards(monkeypatch):
-    return record_backward_runs(monkeypatch)
+pytestmark = pytest.mark.usefixtures("needs_cpu_fusion")  # (tests/conftest.py; _backwards too)
 
 
 _rows = row_backward_keys
@@ -58,30 +50,17 @@ def _ties(*shape) -> torch.Tensor:
 
 
 def _single(kind: str, dims, keepdim: bool) -> Case:
-    def group():
-        b = ir.Builder()
-        x = b.input()
-        return b.build([reduce_node(b, kind, x, dims, keepdim)])
+    group, eager = reduction_alone(kind, dims, keepdim)
 
     def inputs(dt):
         return [(_ties(4, 3, 9) if kind in ("amax", "amin") else torch.randn(4, 3, 9)).to(dt)]
 
-    return Case(f"{kind}-{'_'.join(map(str, dims))}-{'keep' if keepdim else 'drop'}", group, inputs,
-                lambda x: [REDUCE_EAGER[kind](x, dim=tuple(dims), keepdim=keepdim)])
+    return Case(f"{kind}-{'_'.join(map(str, dims))}-{'keep' if keepdim else 'drop'}", group, inputs, eager)
 
 
 def _affine_sum() -> Case:
     """sum and mean of x * w + b over the row, keepdim off: w and b broadcast across rows."""
-    def group():
-        b = ir.Builder()
-        x, w, c = b.input(), b.input(), b.input()
-        y = b.call("aten::add", b.call("aten::mul", x, w), c, 1)
-        return b.build([reduce_node(b, "sum", y, (-1,), False), reduce_node(b, "mean", y, (-1,), False)])
-
-    def eager(x, w, c):
-        y = x * w + c
-        return [y.sum(-1), y.mean(-1)]
-
+    group, eager = affine_sums()
     return Case("affine_sum", group, lambda dt: [torch.randn(6, 50, dtype=dt), torch.randn(50, dtype=dt),
                                                  torch.randn(50, dtype=dt)], eager)
 
@@ -114,12 +93,7 @@ def _layer_norm() -> Case:
 def _decomposed(kind: str) -> Case:
     """fuser/rows/decompose.py's steps against eager's own op."""
     def group():
-        b = ir.Builder()
-        x = b.input()
-        if kind == "layer_norm":
-            w, c = b.input(), b.input()
-            return b.build([decompose.layer_norm(b, x, (7, 16), w, c, 1e-5)])
-        return b.build([getattr(decompose, kind)(b, x, -1)])
+        return decomposed_group(kind, (7, 16))
 
     if kind == "layer_norm":
         return Case("decomposed-layer_norm", group,

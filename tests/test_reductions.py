@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import fuser
-from helpers import REDUCE_EAGER, reduce_node, row_kernels_on_both, written_layer_norm, written_softmax
+from helpers import (REDUCE_EAGER, affine_sums, decomposed_group, fused_run, reduce_node, reduction_alone, row_kernels,
+                     row_kernels_on_both, written_layer_norm, written_softmax)
 from fuser import executor, ir, rows
 from fuser.cuda import emulate
 from fuser.kernel_cache import STORE
@@ -37,14 +38,7 @@ class Case:
 
 
 def _single(kind: str, dims, keepdim: bool) -> Case:
-    def group():
-        b = ir.Builder()
-        x = b.input()
-        return b.build([reduce_node(b, kind, x, dims, keepdim)])
-
-    def eager(x):
-        return [REDUCE_EAGER[kind](x, dim=tuple(dims), keepdim=keepdim)]
-
+    group, eager = reduction_alone(kind, dims, keepdim)
     inputs = (lambda dt, n: [torch.randn(3, 5, n, dtype=dt)]) if len(dims) == 1 else (
         lambda dt, n: [torch.randn(4, 3, n, dtype=dt)])
     return Case(f"{kind}-{'_'.join(map(str, dims))}-{'keep' if keepdim else 'drop'}", group, inputs, eager)
@@ -52,16 +46,7 @@ def _single(kind: str, dims, keepdim: bool) -> Case:
 
 def _prologue() -> Case:
     """sum(x * w + b, -1) and its mean, keepdim off, w and b broadcast along the rows."""
-    def group():
-        b = ir.Builder()
-        x, w, c = b.input(), b.input(), b.input()
-        y = b.call("aten::add", b.call("aten::mul", x, w), c, 1)
-        return b.build([reduce_node(b, "sum", y, (-1,), False), reduce_node(b, "mean", y, (-1,), False)])
-
-    def eager(x, w, c):
-        y = x * w + c
-        return [y.sum(-1), y.mean(-1)]
-
+    group, eager = affine_sums()
     return Case("prologue", group, lambda dt, n: [torch.randn(6, n, dtype=dt), torch.randn(n, dtype=dt),
                                                   torch.randn(n, dtype=dt)], eager)
 
@@ -115,10 +100,8 @@ def test_row_kernel_on_the_cpu_matches_eager(case, dtype):
     spec = _spec(_GROUPS[case.id])
     for n in LENGTHS:
         args = case.inputs(dtype, n)
-        out = executor.run(spec, args)
-        assert out is not None, executor.plan(spec, args)  # the row kernel ran, not the fallback
-        _check(out, case, args)
-    assert any(isinstance(k, rows.launch.RowKernel) for k in spec.kernels().values())
+        _check(fused_run(spec, args), case, args)  # the row kernel ran, not the fallback
+    assert row_kernels(spec)
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +133,7 @@ def test_cuda_row_kernel_matches_eager(case, dtype):
     spec = _spec(_GROUPS[case.id])
     for n in LENGTHS:
         args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in case.inputs(dtype, n)]
-        out = executor.run(spec, args)
-        assert out is not None, executor.plan(spec, args)
+        out = fused_run(spec, args)
         _check([o.cpu() for o in out], case, [a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
 
 
@@ -314,7 +296,7 @@ def _kinds(g):
 def _row_kernels_of(group_node) -> list:
     from fuser import ts_ir
     spec = _spec(ts_ir.lower(group_node.g("Subgraph")))
-    return [k for k in spec.kernels().values() if isinstance(k, rows.launch.RowKernel)]
+    return row_kernels(spec)
 
 
 @pytest.mark.parametrize("fn", (_softmax_written_out, _row_sum), ids=("softmax", "row_sum"))
@@ -339,17 +321,7 @@ def test_the_reduction_schemas_are_torchs():
 
 # ----------------------------------------------------------------------------------------- decompositions
 
-def _decomposed(kind: str) -> ir.Group:
-    from fuser.rows import decompose
-    b = ir.Builder()
-    x = b.input()
-    if kind == "layer_norm":
-        w, c = b.input(), b.input()
-        return b.build([decompose.layer_norm(b, x, (7, 64), w, c, 1e-5)])
-    return b.build([getattr(decompose, kind)(b, x, -1)])
-
-
-_DECOMPOSED = {k: _decomposed(k) for k in ("softmax", "log_softmax", "layer_norm")}
+_DECOMPOSED = {k: decomposed_group(k, (7, 64)) for k in ("softmax", "log_softmax", "layer_norm")}
 
 
 def _decomposed_case(kind: str, dtype):

@@ -29,21 +29,17 @@ CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU row kernel splits
 
 
 def accumulator_type(red: ops.Reduction, nt: NodeTypes, target: str) -> str:
-    """The C type a reduction accumulates in (see ``ops.Reduction.wide``)."""
+    """The C type a reduction accumulates in (row and column kernels): ``ops.Reduction.wide`` ones in float on CUDA
+    (double for float64) and in double on the CPU; max and min in the compute type (they are exact)."""
     if not red.wide:
         return compute_type(nt.compute)
     return "double" if target == "cpu" or nt.compute == torch.float64 else "float"
 
 
-def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
-             name: str, n_scalar_slots: int, vectorize: bool = False, round_reduced: bool = False,
-             shape: CudaShape = None) -> str:
-    """Source of the row kernel ``name``; ``inputs``: the tensor inputs' dtypes. Raises NotFusable where an op
-    has no expression for its types (the executor falls back). ``vectorize``: the CPU kernel's passes get
-    at::vec loops (see :class:`_Vector`) where every node has a vector form. ``round_reduced``: as
-    ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
-    always: once per row, it costs nothing). ``shape``: the CUDA kernel's (``plan.cuda_shape``)."""
-    rows_v = row_level(group)
+def input_names(group: ir.Group, inputs: Sequence[torch.dtype], target: str) -> tuple[dict, dict, dict, dict, int]:
+    """The group inputs' names in a row or column kernel's source: (per value id its name, its C type, its dtype
+    (None for a float), per tensor input's value id its index among the tensor inputs, the number of float
+    inputs). The k-th tensor input is ``x<k>`` (of ``inputs[k]``), the j-th float input ``s<j>`` (a double)."""
     vname: dict[int, str] = {}
     vtype: dict[int, str] = {}
     vdtype: dict = {}
@@ -57,6 +53,19 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         else:
             vname[v.id], vtype[v.id], vdtype[v.id] = f"s{j}", "double", None
             j += 1
+    return vname, vtype, vdtype, tensor_index, j
+
+
+def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
+             name: str, n_scalar_slots: int, vectorize: bool = False, round_reduced: bool = False,
+             shape: CudaShape = None) -> str:
+    """Source of the row kernel ``name``; ``inputs``: the tensor inputs' dtypes. Raises NotFusable where an op
+    has no expression for its types (the executor falls back). ``vectorize``: the CPU kernel's passes get
+    at::vec loops (see :class:`_Vector`) where every node has a vector form. ``round_reduced``: as
+    ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
+    always: once per row, it costs nothing). ``shape``: the CUDA kernel's (``plan.cuda_shape``)."""
+    rows_v = row_level(group)
+    vname, vtype, vdtype, tensor_index, j = input_names(group, inputs, target)
 
     statement: dict[int, str] = {}  # per non-reduction node's value: its C statement
     vector_args: dict[int, tuple] = {}  # per non-reduction node's value: what CpuVector.add takes
@@ -283,8 +292,9 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         offsets += "\n    const bool vec_ok = " + " && ".join(
             [f"(cs{kk} == 0 || cs{kk} == 1)" for kk in range(n_in)] + ["true"]) + ";"
     return t.CPU_KERNEL.substitute(
-        name=name, prelude=cpu_t.VECTOR_INCLUDE if vectorized else cpu_t.PRELUDE,
-        row_prelude=t.ROW_PRELUDE.substitute(fn="inline", row_reduce=""),
+        name=name, head=t.CPU_HEAD.substitute(
+            prelude=cpu_t.VECTOR_INCLUDE if vectorized else cpu_t.PRELUDE,
+            row_prelude=t.ROW_PRELUDE.substitute(fn="inline", row_reduce=""), name=name, count="rows"),
         vector_types=t.CPU_VECTOR_TYPES.substitute(vtype=vector.vtype) if vectorized else "",
         params="\n".join(params), parallel_threshold=max(1, CPU_PARALLEL_WORK // work), offsets=offsets,
         phases="\n".join(phases))

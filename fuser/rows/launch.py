@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -50,21 +50,29 @@ def source_for(spec, p: RowPlan) -> tuple[str, str]:
 
 def build(spec, p: RowPlan) -> Optional[RowKernel]:
     """Compile the row kernel for ``p`` on its device; None where it cannot be generated (the caller falls back)."""
+    return build_kernel(spec, p, source_for, _load_cuda, RowKernel)
+
+
+def build_kernel(spec, p, source: Callable, load_cuda: Callable, kernel: type):
+    """Compile the kernel of ``spec`` for ``p`` (a row or a column plan: ``fuser.rows.outer_launch`` builds with
+    this too) on its device: ``source(spec, p)`` gives (name, source) or raises codegen.NotFusable (then None:
+    the caller falls back); on CUDA ``load_cuda(source, name, p)`` loads it as (backend, whether it was
+    compiled); ``kernel``: the class of the result (:class:`RowKernel`'s fields)."""
     t0 = time.perf_counter()
     try:
-        name, source = source_for(spec, p)
+        name, text = source(spec, p)
     except codegen.NotFusable:
         return None
     from .. import compiler
     if p.key.target == "cpu":
         from ..cpu import compiler as cpu_compiler
-        backend, compiled = cpu_compiler.compile_kernel(source, name)
+        backend, compiled = cpu_compiler.compile_kernel(text, name)
     else:
-        backend, compiled = _load_cuda(source, name, p)
+        backend, compiled = load_cuda(text, name, p)
     if compiled:
         compiler._count_compile()
-    return RowKernel(name, source, p.key.target, tuple(p.out_dtypes), backend,
-                     compiler._scalar_limits(_Steps(decompose.expand(spec.group)), p.types), (time.perf_counter() - t0) * 1e3)
+    limits = compiler._scalar_limits(_Steps(decompose.expand(spec.group)), p.types)
+    return kernel(name, text, p.key.target, tuple(p.out_dtypes), backend, limits, (time.perf_counter() - t0) * 1e3)
 
 
 @dataclass

@@ -21,17 +21,11 @@ from ..cuda import templates as cuda_t
 from ..descs import compute_type, storage_type
 from . import outer_templates as t
 from . import templates as row_t
+from .codegen import accumulator_type, input_names
 from .outer import column_level
+from .plan import needed
 
 CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU column kernel splits its chunks across threads
-
-
-def accumulator(red: ops.Reduction, nt: NodeTypes, target: str) -> str:
-    """The C type a reduction accumulates in: ``ops.Reduction.wide`` ones in float on CUDA (double for float64)
-    and in double on the CPU; max and min in the compute type (they are exact)."""
-    if not red.wide:
-        return compute_type(nt.compute)
-    return "double" if target == "cpu" or nt.compute == torch.float64 else "float"
 
 
 def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
@@ -42,19 +36,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     always: once per column, it costs nothing)."""
     cuda = target == "cuda"
     cols_v = column_level(group)
-    vname: dict[int, str] = {}
-    vtype: dict[int, str] = {}
-    vdtype: dict = {}
-    tensor_index: dict[int, int] = {}
-    k = j = 0
-    for v in group.inputs:
-        if v.is_tensor:
-            vname[v.id], vtype[v.id], vdtype[v.id] = f"x{k}", value_type(inputs[k], target), inputs[k]
-            tensor_index[v.id] = k
-            k += 1
-        else:
-            vname[v.id], vtype[v.id], vdtype[v.id] = f"s{j}", "double", None
-            j += 1
+    vname, vtype, vdtype, tensor_index, j = input_names(group, inputs, target)
     n_in = len(inputs)
 
     statement: dict[int, str] = {}
@@ -69,14 +51,13 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             vname[n.out.id], vtype[n.out.id], vdtype[n.out.id] = f"v{pos}", value_type(nt.result, target), nt.result
             if nt.result in REDUCED and not n.origin:
                 exact.add(n.out.id)
-            reductions.append((n, pos, red, nt, accumulator(red, nt, target)))
+            reductions.append((n, pos, red, nt, accumulator_type(red, nt, target)))
             continue
         op = ops.of(n.op)
         if op is None or op.random or op.concat:
             raise NotFusable(f"{n.op} in a column kernel")
         statement[n.out.id] = node_statement(group, n, op, nt, pos, target, options, vname, vtype, vdtype, exact)[0]
 
-    producer = {n.out.id: n for n in group.nodes}
     order = {n.out.id: pos for pos, n in enumerate(group.nodes)}
     position = order
     elem_out = [(m, o) for m, o in enumerate(group.outputs) if o.id not in cols_v]
@@ -85,14 +66,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     def element_lines(wanted: Sequence[ir.Value], row: str) -> list[str]:
         """Loads (of row ``row``) and statements of the element-level values ``wanted`` needs (they never read a
         column-level value), in the group's order."""
-        need, stack = set(), list(wanted)
-        while stack:
-            v = stack.pop()
-            if v.id in need or v.id in cols_v:
-                continue
-            need.add(v.id)
-            if v.id in producer:
-                stack.extend(producer[v.id].values)
+        need = needed(group, wanted, level=cols_v)
         lines = [f"const {vtype[v.id]} x{tensor_index[v.id]} = fz_ld(t{tensor_index[v.id]}[{'off' if cuda else 'coff'}"
                  f"{tensor_index[v.id]}{'' if cuda else '[j]'}{row.replace('#', str(tensor_index[v.id]))}]);"
                  for v in group.inputs if v.is_tensor and v.id in need]
@@ -171,7 +145,9 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     indent = "      "
     work = 1 + len(statement) + len(reductions)
     return t.CPU_KERNEL.substitute(
-        name=name, prelude=cpu_t.PRELUDE, row_prelude=row_t.ROW_PRELUDE.substitute(fn="inline", row_reduce=""),
+        name=name, head=row_t.CPU_HEAD.substitute(
+            prelude=cpu_t.PRELUDE, row_prelude=row_t.ROW_PRELUDE.substitute(fn="inline", row_reduce=""), name=name,
+            count="red"),
         params="\n".join(params), chunk=t.CPU_CHUNK, parallel_threshold=max(1, CPU_PARALLEL_WORK // work),
         red_strides=block([f"const int64_t rs{kk} = strides[{kk} * (rank + 1) + rank];" for kk in range(n_in)], "  "),
         col_arrays=block([f"int64_t coff{kk}[{t.CPU_CHUNK}];" for kk in range(n_in)]

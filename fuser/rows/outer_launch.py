@@ -13,15 +13,14 @@ import math
 import os
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
-from .. import codegen, settings
-from . import decompose
+from .. import settings
+from . import decompose, launch
 from . import outer_codegen
 from . import outer_templates as t
 from .outer import OuterPlan
@@ -54,22 +53,10 @@ def source_for(spec, p: OuterPlan) -> tuple[str, str]:
 def build(spec, p: OuterPlan) -> Optional[OuterKernel]:
     """Compile the column kernel for ``p`` on its device; None where it cannot be generated (the caller falls
     back)."""
-    t0 = time.perf_counter()
-    try:
-        name, source = source_for(spec, p)
-    except codegen.NotFusable:
-        return None
-    from .. import compiler
-    if p.key.target == "cpu":
-        from ..cpu import compiler as cpu_compiler
-        backend, compiled = cpu_compiler.compile_kernel(source, name)
-    else:
-        backend, compiled = _load_cuda(source, name, p, n_reductions(spec))
-    if compiled:
-        compiler._count_compile()
-    limits = compiler._scalar_limits(SimpleNamespace(group=decompose.expand(spec.group)), p.types)
-    return OuterKernel(name, source, p.key.target, tuple(p.out_dtypes), backend, limits,
-                       (time.perf_counter() - t0) * 1e3)
+    def load_cuda(source: str, name: str, p: OuterPlan):
+        return _load_cuda(source, name, p, n_reductions(spec))
+
+    return launch.build_kernel(spec, p, source_for, load_cuda, OuterKernel)
 
 
 class OuterGeometry:

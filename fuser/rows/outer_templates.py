@@ -46,12 +46,9 @@ ${accumulate}
 ${indent}  }
 ${indent}}""")
 
+# (${head}: fuser/rows/templates.py's CPU_HEAD)
 CPU_KERNEL = Template(r"""// fuser CPU column kernel ${name}
-${prelude}
-${row_prelude}
-extern "C" void ${name}(int64_t red, int64_t rank, const int64_t* sizes, const int64_t* strides,
-                        void* const* ptrs, const double* scalars) {
-  (void)scalars;
+${head}
 ${params}
   const int64_t cols = sizes[rank];
 ${red_strides}

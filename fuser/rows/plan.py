@@ -88,17 +88,19 @@ def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0
     return CudaShape(MAX_TPR, items, vec, False, cols > 0 and cols % (MAX_TPR * items) == 0)
 
 
-def needed(group: ir.Group, wanted: Sequence[ir.Value], held: frozenset = frozenset()) -> set:
+def needed(group: ir.Group, wanted: Sequence[ir.Value], held: frozenset = frozenset(),
+           level: Optional[frozenset] = None) -> set:
     """ids of the element-level values (inputs and nodes) that computing ``wanted`` reads, ``wanted`` included; the
-    walk stops at the values in ``held`` (kept in registers: read, not computed)."""
-    rows_v = row_level(group)
+    walk stops at the values in ``held`` (kept in registers: read, not computed) and leaves out those of ``level``
+    (computed once a row: :func:`row_level`'s; a column kernel's are ``outer.column_level``'s)."""
+    level = row_level(group) if level is None else level
     producer = group._cache.get("producer")
     if producer is None:
         producer = group._cache["producer"] = {n.out.id: n for n in group.nodes}
     need, stack = set(), list(wanted)
     while stack:
         v = stack.pop()
-        if v.id in need or v.id in rows_v:
+        if v.id in need or v.id in level:
             continue
         need.add(v.id)
         if v.id in producer and v.id not in held:

@@ -76,12 +76,16 @@ template <int NV, int V, int TPR, bool FULL, class C, class S> __device__ __forc
 }
 """
 
-CPU_KERNEL = Template(r"""// fuser CPU row kernel ${name}
-${prelude}
+# the start of a CPU row or column kernel (fuser/rows/outer_templates.py's too): its preludes and the CPU ABI's
+# signature (fuser.cpu.compiler.CpuKernel.launch's arguments; ${count}: the first one's name, rows or red)
+CPU_HEAD = Template(r"""${prelude}
 ${row_prelude}
-extern "C" void ${name}(int64_t rows, int64_t rank, const int64_t* sizes, const int64_t* strides,
+extern "C" void ${name}(int64_t ${count}, int64_t rank, const int64_t* sizes, const int64_t* strides,
                         void* const* ptrs, const double* scalars) {
-  (void)scalars;
+  (void)scalars;""")
+
+CPU_KERNEL = Template(r"""// fuser CPU row kernel ${name}
+${head}
 ${vector_types}
 ${params}
   const int64_t cols = sizes[rank];
