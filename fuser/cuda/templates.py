@@ -49,11 +49,14 @@ ${half_store}template <> __device__ __forceinline__ fz_bf16 fz_st<fz_bf16, float
 
 ${helpers}// CUDA eager's max/min of floats (clamp, relu, hardtanh too): of two zeros, max is +0 and min is -0, whatever
 // their order (CPU eager keeps the first); NaN propagates
+// (every case computed, then selected: no branches in a row kernel's accumulation)
 __device__ __forceinline__ float fz_max(float a, float b) {
-  return (a != a || b != b) ? a + b : a != b ? (a > b ? a : b) : (__float_as_uint(a) >> 31 ? b : a);
+  const float m = a > b ? a : b, z = __float_as_uint(a) >> 31 ? b : a, r = a == b ? z : m;
+  return (a != a || b != b) ? a + b : r;
 }
 __device__ __forceinline__ float fz_min(float a, float b) {
-  return (a != a || b != b) ? a + b : a != b ? (a < b ? a : b) : (__float_as_uint(a) >> 31 ? a : b);
+  const float m = a < b ? a : b, z = __float_as_uint(a) >> 31 ? a : b, r = a == b ? z : m;
+  return (a != a || b != b) ? a + b : r;
 }
 __device__ __forceinline__ double fz_max(double a, double b) {
   return (a != a || b != b) ? a + b : a != b ? (a > b ? a : b) : (__double_as_longlong(a) < 0 ? b : a);

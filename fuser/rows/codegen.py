@@ -135,7 +135,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         n, at = (1, f"tb + i * {shape.tpr * shape.vec}") if per_item else (shape.items // shape.vec, "tb")
         loads = [f"{vtype[v.id]} xl{tensor_index[v.id]}[{n * shape.vec}];\n"
                  f"fz_row_trip<{n}, {shape.vec}, {shape.tpr}, {str(shape.full).lower()}>(xl{tensor_index[v.id]}, t{tensor_index[v.id]}, "
-                 f"off{tensor_index[v.id]}, cs{tensor_index[v.id]}, {at}, lane, cols, live, args.vec);"
+                 f"off{tensor_index[v.id]}, cs{tensor_index[v.id]}, {at}, lane, cols, args.vec);"
                  for v in group.inputs if v.is_tensor and v.id in need and v.id not in held]
         return ([], loads) if per_item else (loads, [])
 
@@ -153,8 +153,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             body="\n".join("          " + ln for ln in body),
             after_item="\n".join("        " + ln for ln in after_item), after="\n".join("    " + ln for ln in after))
 
-    def guarded(lines: list) -> list:  # CUDA: an element of a live row, before the row's end
-        return [f"if (live{'' if shape.full else ' && cb + v < cols'}) {{"] + ["  " + ln for ln in lines] + ["}"]
+    def guarded(lines: list) -> list:  # CUDA: an element before the row's end (every row computes: see CUDA_KERNEL)
+        return lines if shape.full else ["if (cb + v < cols) {"] + ["  " + ln for ln in lines] + ["}"]
 
     indent = "      "
     phases: list[str] = []

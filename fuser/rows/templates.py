@@ -45,11 +45,12 @@ ROW_REDUCE = r"""template <class Op, int TPR, class A> __device__ __forceinline_
 // tb + (i * TPR + lane) * V), as the kernel's value type C, every load issued before any is used: whole vectors
 // where the launch allows them (args.vec: the row starts, the row length and the pointers suit them; a vector
 // past the row's end reads the row's last one instead, and is not used), a tensor that does not step along the
-// row gives its one element, otherwise element by element (0 past the row's end). No row, or an empty one: no
-// loads. FULL: the row is a whole number of trips (fuser.rows.plan.CudaShape.full): no element is past its end.
+// row gives its one element, otherwise element by element (0 past the row's end). An empty row: no loads (on
+// CUDA an empty tensor's pointer is null). FULL: the row is a whole number of trips
+// (fuser.rows.plan.CudaShape.full): no element is past its end.
 template <int NV, int V, int TPR, bool FULL, class C, class S> __device__ __forceinline__ void fz_row_trip(
-    C* dst, const S* __restrict__ p, long long off, long long cs, int tb, int lane, int cols, bool live, int vec) {
-  if (!live || (!FULL && cols <= 0)) return;  // an empty row reads nothing (an empty tensor's pointer is null)
+    C* dst, const S* __restrict__ p, long long off, long long cs, int tb, int lane, int cols, int vec) {
+  if (!FULL && cols <= 0) return;
   if (vec && cs) {
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
@@ -121,8 +122,10 @@ extern "C" __global__ void __launch_bounds__(${block}) ${name}(const FzArgs args
 ${params}
 ${shared}
   for (long long base = (long long)blockIdx.x * ${rpb}; base < rows; base += (long long)gridDim.x * ${rpb}) {
-    const long long row = base + threadIdx.x / ${tpr};
-    const bool live = row < rows;
+    // a row past the end (the last block's) computes the last row again and stores nothing, so no element needs
+    // a check of its row
+    const bool live = base + threadIdx.x / ${tpr} < rows;
+    const long long row = live ? base + threadIdx.x / ${tpr} : rows - 1;
 ${offsets}
 ${cache}
 ${phases}
