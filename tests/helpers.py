@@ -500,8 +500,9 @@ def row_kernels_on_both(group, args) -> list:
     spec = STORE.get(STORE.register(group))
     cpu = fused_run(spec, args)
     cuda = row_emulate.run(group, args)
-    if any(n.op == "aten::rms_norm" for n in group.nodes):  # eager's CUDA kernel differs on overflowing rows
-        assert cuda is None and "rms_norm on CUDA" in rows.plan(spec, args, "cuda")
+    if any(n.op == "aten::rms_norm" for n in group.nodes) and any(  # float64: eager's CUDA kernel differs on inf
+            isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args):
+        assert cuda is None and "rms_norm on CUDA in float64" in rows.plan(spec, args, "cuda")
         return [cpu]
     assert cuda is not None, rows.plan(spec, args, "cuda")
     return [cpu, cuda]

@@ -195,9 +195,6 @@ def test_cuda_row_kernel_emulated_matches_eager(case, dtype, emulated):
     for n in EMULATED_LENGTHS:
         args = case.inputs(dtype, n)
         out = row_emulate.run(_group(case, n), args, emulated)
-        if case.id.startswith("rms_norm"):  # eager's CUDA kernel differs from its composite on overflowing rows
-            assert out is None and "rms_norm on CUDA" in rows.plan(_spec(_group(case, n)), args, "cuda")
-            continue
         assert out is not None, rows.plan(_spec(_group(case, n)), args, "cuda")
         _check(out, case, args)
 
@@ -240,7 +237,7 @@ def test_cuda_row_kernel_emulated_rows_held_across_warps(case, n):
 def test_cuda_row_kernels_compile_with_nvrtc(arch):
     """What the emulation runs is CUDA: NVRTC compiles each case's source (float32 and bfloat16)."""
     from fuser.cuda import driver
-    for case in [c for c in CASES if not c.id.startswith("rms_norm")]:  # (rms_norm is not fused on CUDA)
+    for case in CASES:
         for dtype in (torch.float32, torch.bfloat16):
             spec = _spec(_group(case, 40))
             p = rows.plan(spec, case.inputs(dtype, 40), "cuda")
@@ -257,11 +254,34 @@ def test_cuda_row_kernel_matches_eager(case, dtype):
         spec = _spec(_group(case, n))
         args = [a.cuda() for a in case.inputs(dtype, n)]
         out = executor.run(spec, args)
-        if case.id.startswith("rms_norm"):  # eager's CUDA kernel differs from its composite on overflowing rows
-            assert out is None and "rms_norm on CUDA" in executor.plan(spec, args)
-            continue
         assert out is not None, executor.plan(spec, args)
         _check([o.cpu() for o in out], case, [a.cpu() for a in args])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES + (torch.float64,), ids=str)
+def test_cuda_rms_norm_follows_eagers_cuda_kernel_on_rows_that_overflow(dtype):
+    """rms_norm's row kernel against eager's CUDA kernel on rows whose squares overflow or hold inf or NaN, beside
+    an ordinary row: the same NaN and zero pattern, the same values. In float64 eager's kernel gives a row holding
+    inf NaN throughout (its composite gives 0 for the finite elements): the group falls back there."""
+    n = 64
+    for eps in (None, 1e-6):
+        case = _rms_norm(eps)
+        spec = _spec(_group(case, n))
+        x = torch.randn(7, n)
+        x[1] *= 1e19
+        x[2] *= 1e20
+        x[3, 5], x[4, 0], x[5, 9] = float("inf"), float("nan"), -float("inf")
+        x[6] = 2.6e18
+        args = [x.to(dtype).cuda(), torch.randn(n, dtype=dtype).cuda()]
+        out = executor.run(spec, args)
+        if dtype == torch.float64:
+            assert out is None and "rms_norm on CUDA in float64" in executor.plan(spec, args)
+            continue
+        assert out is not None, executor.plan(spec, args)
+        want = case.eager(*args)[0]
+        torch.testing.assert_close(out[0], want, equal_nan=True, rtol=TOL[dtype], atol=TOL[dtype])
+        assert torch.equal(out[0].isnan(), want.isnan()) and torch.equal(out[0] == 0, want == 0)
 
 
 # ------------------------------------------------------------------------------------------- layouts and edges
