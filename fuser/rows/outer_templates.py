@@ -111,6 +111,8 @@ ${offsets}
       const long long r1 = (split + 1) * args.rows_per_split < red ? (split + 1) * args.rows_per_split : red;
 ${acc_decls}
       if (live) {
+        // unrolled: several rows' loads in flight a thread (the sum's order stays the rows' order)
+#pragma unroll 8
         for (long long r = split * args.rows_per_split + ty; r < r1; r += lanes) {
 ${body}
         }
