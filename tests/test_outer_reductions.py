@@ -425,3 +425,34 @@ def test_cuda_column_kernel_is_deterministic_and_non_contiguous_inputs_work():
         out = executor.run(spec, args)
         assert out is not None, (what, executor.plan(spec, args))
         _check(out, case.eager, args)
+
+
+def _vector_layouts(dtype):
+    """(id, args, cvec wanted, whole vectors at launch) for the prologue case on CUDA: x [40, 64] in layouts that
+    keep or lose the column vectors (16 bytes of the widest tensor), y of shape [64] or a column of x's rows."""
+    cv = 16 // torch.empty((), dtype=dtype).element_size()
+    x, y = torch.randn(40, 64, dtype=dtype), torch.randn(64, dtype=dtype)
+    yield "contiguous", [x, y, 1.5], cv, True
+    flat = torch.randn(40 * 64 + 1, dtype=dtype)
+    yield "pointer-off-by-one", [flat[1:].view(40, 64), y, 1.5], cv, False  # strides suit vectors, the pointer not
+    yield "row-stride-off", [torch.randn(40, 65, dtype=dtype)[:, :64], y, 1.5], 1, False
+    yield "y-per-row", [x, torch.randn(40, 1, dtype=dtype), 1.5], cv, True  # steps by 0 along the columns
+    yield "x-broadcast-rows", [torch.randn(1, 64, dtype=dtype).expand(40, 64), y, 1.5], cv, True
+
+
+@pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=lambda d: str(d)[6:])
+def test_cuda_column_vectors(dtype):
+    """A CUDA column kernel's thread takes 16 bytes of consecutive columns where every input steps by 0 or 1 along
+    them and its other strides keep vectors aligned (``outer.OuterKey.cvec``), loading whole vectors where the
+    pointers allow (else element by element, in the same kernel); otherwise one column a thread. Through the host
+    emulation, against eager."""
+    from fuser.rows import launch
+    case = _prologue_epilogue()
+    spec = _spec(_GROUPS[case.id])
+    for what, args, cvec, whole in _vector_layouts(dtype):
+        p = rows.plan(spec, args, "cuda")
+        assert isinstance(p, rows.OuterPlan) and p.key.cvec == cvec, (what, p)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        outs = [torch.empty(s, dtype=dt) for s, dt in zip(p.out_shapes, p.out_dtypes)]
+        assert (cvec > 1 and launch.vector_ok(True, p.vec_align, tensors, outs)) == whole, what
+        _check(row_emulate.run(_GROUPS[case.id], args), case.eager, args)

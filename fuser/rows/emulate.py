@@ -81,7 +81,8 @@ def _run_columns(emulator: emulate.Emulator, name: str, spec, p: OuterPlan, outp
     if p.cols == 0:
         return
     geo = SimpleNamespace(red=p.red, cols=p.cols, col_sizes=p.col_sizes, strides=p.strides)
-    g = outer_launch.cuda_grid(p.red, p.cols, outer_launch.n_reductions(spec), N_SM, emulate.EMU_BLOCKS)
+    g = outer_launch.cuda_grid(p.red, p.cols, outer_launch.n_reductions(spec), N_SM, emulate.EMU_BLOCKS, p.key.cvec)
+    vec = p.key.cvec > 1 and launch.vector_ok(True, p.vec_align, p.tensors, outputs)
     ws = torch.empty(max(1, g.workspace), dtype=torch.float64)
     struct = outer_launch.args_struct(len(p.tensors), len(p.tensors) + len(outputs) + 1, len(p.scalars))
     steps = decompose.expand(spec.group)
@@ -89,7 +90,7 @@ def _run_columns(emulator: emulate.Emulator, name: str, spec, p: OuterPlan, outp
     for stage, grid in ((0, g.grid0), (1, g.grid1)):
         if not grid:
             continue
-        args = outer_launch.fill_args(struct, geo, g, stage, p.tensors, p.scalars, outputs, ws.data_ptr())
+        args = outer_launch.fill_args(struct, geo, g, stage, p.tensors, p.scalars, outputs, ws.data_ptr(), vec)
         if stage == 0:
             spans = _spans(p.tensors) + [(o.data_ptr(), max(1, o.numel()) * o.element_size(), None)
                                          for o in (*outputs, ws)]

@@ -34,6 +34,7 @@ class OuterKey:
     target: str
     device_index: Optional[int]
     inputs: tuple[tuple[torch.dtype, bool], ...]
+    cvec: int = 1  # CUDA: consecutive columns a thread takes (a vector of each input where the launch allows)
 
 
 @dataclass
@@ -48,6 +49,8 @@ class OuterPlan:
     out_shapes: list  # per group output
     out_dtypes: list
     types: list  # codegen.NodeTypes per node
+    vec_align: tuple = ()  # CUDA with cvec > 1, per pointer (inputs, outputs): bytes it must be aligned to for
+    # whole vectors (0: any)
 
 
 def column_level(group: ir.Group) -> frozenset:
@@ -112,9 +115,31 @@ def plan(group: ir.Group, key: tuple, tensors: list, scalars: list, metas: list,
     if len(col_sizes) > MAX_COL_DIMS:
         return f"{len(col_sizes)} column dims after compression (column kernels take {MAX_COL_DIMS})"
     target, index, inputs = key
-    return OuterPlan(OuterKey(target, index, inputs), tensors, scalars, math.prod(red_shape), math.prod(drop),
-                     col_sizes, [cs + [rs[0] if rs else 0] for cs, rs in zip(col_st, red_st)],
-                     [shape[v.id] for v in group.outputs], [dtype[v.id] for v in group.outputs], types)
+    strides = [cs + [rs[0] if rs else 0] for cs, rs in zip(col_st, red_st)]
+    out_dtypes = [dtype[v.id] for v in group.outputs]
+    cvec, vec_align = 1, ()
+    if target == "cuda":
+        cvec = _column_vector(col_sizes, strides, [t.element_size() for t in tensors]
+                              + [torch.empty((), dtype=dt).element_size() for dt in out_dtypes])
+        if cvec > 1:
+            vec_align = tuple(cvec * t.element_size() if st[-2] == 1 else 0 for t, st in zip(tensors, strides)) + tuple(
+                cvec * torch.empty((), dtype=dt).element_size() if v.id not in cols_v else 0
+                for v, dt in zip(group.outputs, out_dtypes))
+    return OuterPlan(OuterKey(target, index, inputs, cvec), tensors, scalars, math.prod(red_shape), math.prod(drop),
+                     col_sizes, strides, [shape[v.id] for v in group.outputs], out_dtypes, types, vec_align)
+
+
+def _column_vector(col_sizes: list, strides: list, sizes: list) -> int:
+    """Consecutive columns a CUDA thread takes: 16 bytes of the widest tensor where every input steps by 0 or 1
+    along the innermost column dim, whose size they divide, and a vector of each input stays aligned to its own
+    size from one row and column group to the next (its other strides are multiples of it); else 1."""
+    cv = max(1, 16 // max(sizes, default=4))
+    if cv == 1 or not col_sizes or col_sizes[-1] % cv:
+        return 1
+    for st in strides:  # per input: its column strides, then its stride along the reduced dims
+        if st[-2] not in (0, 1) or (st[-2] == 1 and any(x % cv for x in (*st[:-2], st[-1]))):
+            return 1
+    return cv
 
 
 __all__ = ["MAX_COL_DIMS", "OuterKey", "OuterPlan", "column_level", "plan"]

@@ -29,11 +29,12 @@ CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU column kernel spl
 
 
 def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
-             name: str, n_scalar_slots: int, round_reduced: bool = False) -> str:
+             name: str, n_scalar_slots: int, round_reduced: bool = False, cvec: int = 1) -> str:
     """Source of the column kernel ``name``; ``inputs``: the tensor inputs' dtypes. Raises NotFusable where an op
     has no expression for its types (the executor falls back). ``round_reduced``: as
     ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
-    always: once per column, it costs nothing)."""
+    always: once per column, it costs nothing). ``cvec``: CUDA, consecutive columns a thread takes
+    (``outer.OuterKey.cvec``): its per-element lines run per column v of the thread's, on arrays of ``cvec``."""
     cuda = target == "cuda"
     cols_v = column_level(group)
     vname, vtype, vdtype, tensor_index, j = input_names(group, inputs, target)
@@ -63,21 +64,37 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     elem_out = [(m, o) for m, o in enumerate(group.outputs) if o.id not in cols_v]
     col_out = [(m, o) for m, o in enumerate(group.outputs) if o.id in cols_v]
 
-    def element_lines(wanted: Sequence[ir.Value], row: str) -> list[str]:
+    def element_lines(wanted: Sequence[ir.Value], row: str, loaded: bool = False) -> list[str]:
         """Loads (of row ``row``) and statements of the element-level values ``wanted`` needs (they never read a
-        column-level value), in the group's order."""
+        column-level value), in the group's order. ``loaded``: the inputs are in arrays ``xl<k>`` already
+        (:func:`vector_loads`), read at the thread's column ``v``."""
         need = needed(group, wanted, level=cols_v)
-        lines = [f"const {vtype[v.id]} x{tensor_index[v.id]} = fz_ld(t{tensor_index[v.id]}[{'off' if cuda else 'coff'}"
-                 f"{tensor_index[v.id]}{'' if cuda else '[j]'}{row.replace('#', str(tensor_index[v.id]))}]);"
+        lines = [f"const {vtype[v.id]} x{tensor_index[v.id]} = " + (
+                     f"xl{tensor_index[v.id]}[v];" if loaded else
+                     f"fz_ld(t{tensor_index[v.id]}[{'off' if cuda else 'coff'}"
+                     f"{tensor_index[v.id]}{'' if cuda else '[j]'}{row.replace('#', str(tensor_index[v.id]))}]);")
                  for v in group.inputs if v.is_tensor and v.id in need]
         return lines + [statement[i] for i in sorted(need & set(statement), key=order.__getitem__)]
+
+    def vector_loads(wanted: Sequence[ir.Value]) -> list[str]:
+        """CUDA, ``cvec`` > 1: a row's ``cvec`` columns of each input the values ``wanted`` read, all loads first."""
+        need = needed(group, wanted, level=cols_v)
+        return [f"{vtype[v.id]} xl{k}[{cvec}];\n"
+                f"fz_col_load<{cvec}>(xl{k}, t{k}, off{k} + r * rs{k}, cs{k}, args.vec);"
+                for v in group.inputs if v.is_tensor and v.id in need for k in (tensor_index[v.id],)]
+
+    def per_column(lines: Sequence[str]) -> list[str]:
+        """``lines`` run for each of the thread's ``cvec`` columns (``v``)."""
+        return ["#pragma unroll", f"for (int v = 0; v < {cvec}; ++v) {{", *["  " + ln for ln in lines], "}"]
 
     def store(m: int, o: ir.Value, at: str) -> str:
         return f"o{m}[{at}] = fz_st<{storage_type(node_types[position[o.id]].result)}>({vname[o.id]});"
 
-    # the pass: per element of the column
-    body = element_lines([n.args[0] for n, *_ in reductions] + [o for _, o in elem_out], " + r * rs#")
-    acc = (lambda pos: f"acc{pos}") if cuda else (lambda pos: f"acc{pos}[j]")
+    # the pass: per element of the column (CUDA, cvec > 1: a row's loads of the thread's columns, then per column)
+    wide = cuda and cvec > 1
+    wanted = [n.args[0] for n, *_ in reductions] + [o for _, o in elem_out]
+    body = element_lines(wanted, " + r * rs#", loaded=wide)
+    acc = (lambda pos: f"acc{pos}[v]" if wide else f"acc{pos}") if cuda else (lambda pos: f"acc{pos}[j]")
     for n, pos, red, nt, acc_t in reductions:
         u = n.args[0]
         x = vname[u.id]
@@ -85,10 +102,13 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             x = (f"fz_ld(fz_st<{storage_type(nt.compute)}>(({compute_type(vdtype[u.id])}){x}))"
                  if nt.compute in REDUCED else f"({compute_type(nt.compute)})({x})")
         body.append(f"{acc(pos)} = {red.combine}::f({acc(pos)}, ({acc_t})({x}));")
-    body += [store(m, o, "r * cols + c") for m, o in elem_out]
+    body += [store(m, o, "r * cols + c" + (" + v" if wide else "")) for m, o in elem_out]
+    if wide:
+        body = [ln for x in vector_loads(wanted) for ln in x.split("\n")] + per_column(body)
 
-    def finish(acc: Callable[[int], str]) -> list[str]:
-        """Per column: the reductions' results, the epilogue, the column-level outputs."""
+    def finish(acc: Callable[[int], str], at: str = "c", row: str = "") -> list[str]:
+        """Per column: the reductions' results, the epilogue, the column-level outputs (column ``at``; its
+        element-level inputs read at offset ``row`` past the column's first)."""
         lines = []
         for n, pos, red, nt, acc_t in reductions:
             result = f"{acc(pos)} / ({acc_t})red" if red.mean else acc(pos)
@@ -98,9 +118,9 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             lines.append(f"const {rtype} v{pos} = ({rtype})({result});")
         epilogue = [m for m in group.nodes if m.out.id in cols_v and m.out.id in statement]
         # their element-level operands: one value a column (the plan checked), read at the column's first row
-        lines += element_lines([v for m in epilogue for v in m.values if v.id not in cols_v], "")
+        lines += element_lines([v for m in epilogue for v in m.values if v.id not in cols_v], row)
         lines += [statement[m.out.id] for m in epilogue]
-        return lines + [store(m, o, "c") for m, o in col_out]
+        return lines + [store(m, o, at) for m, o in col_out]
 
     out_dtypes = [node_types[position[o.id]].result for o in group.outputs]
     ptrs, scalars = ("args.ptrs", "args.scalars") if cuda else ("ptrs", "scalars")
@@ -128,18 +148,25 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             offsets=t.OFFSETS.substitute(
                 indent=indent, decls=decls, column="live ? c : 0", size="args.sizes[d]",
                 accumulate="\n".join(f"{indent}    off{kk} += m * args.strides[{kk}][d];" for kk in range(n_in)))
-            + "\n" + block([f"const long long rs{kk} = args.strides[{kk}][{t.MAX_DIMS}];" for kk in range(n_in)],
-                           indent),
+            + "\n" + block([f"const long long rs{kk} = args.strides[{kk}][{t.MAX_DIMS}];" for kk in range(n_in)]
+                           + ([f"const long long cs{kk} = args.strides[{kk}][rank - 1];" for kk in range(n_in)]
+                              if wide else []), indent),
             offsets1=t.OFFSETS.substitute(
                 indent=indent, decls=decls, column="c", size="args.sizes[d]",
                 accumulate="\n".join(f"{indent}    off{kk} += m * args.strides[{kk}][d];" for kk in range(n_in))),
-            acc_decls=block([f"{a} acc{pos} = {red.identity.replace('$A', a)};" for pos, red, a in accs], indent),
-            body=block(body, indent + "    "),
-            lane_reduce=block([f"acc{pos} = fz_lane_reduce<{red.combine}>(acc{pos}, fz_sh_{a}, tile);"
-                               for pos, red, a in accs], indent),
-            finish=block(finish(acc), indent + "    "), finish1=block(finish(acc), indent),
-            partial=block([f"ws[(split * {len(accs)} + {i}) * cols + c] = (double)acc{pos};"
-                           for i, (pos, _, _) in enumerate(accs)], indent + "    "),
+            acc_decls=block([f"{a} acc{pos}[{cvec}];" for pos, _, a in accs] + per_column(
+                [f"acc{pos}[v] = {red.identity.replace('$A', a)};" for pos, red, a in accs]) if wide else
+                [f"{a} acc{pos} = {red.identity.replace('$A', a)};" for pos, red, a in accs], indent),
+            acc_decls1=block([f"{a} acc{pos} = {red.identity.replace('$A', a)};" for pos, red, a in accs], indent),
+            body=block(body, indent + "    "), cvec=cvec,
+            lane_reduce=block((per_column if wide else list)(
+                [f"{acc(pos)} = fz_lane_reduce<{red.combine}>({acc(pos)}, fz_sh_{a}, tile);"
+                 for pos, red, a in accs]), indent),
+            finish=block(per_column(finish(acc, "c + v", " + v * cs#")) if wide else finish(acc), indent + "    "),
+            finish1=block(finish(lambda pos: f"acc{pos}"), indent),
+            partial=block((per_column if wide else list)(
+                [f"ws[(split * {len(accs)} + {i}) * cols + c{' + v' if wide else ''}] = (double){acc(pos)};"
+                 for i, (pos, _, _) in enumerate(accs)]), indent + "    "),
             combine=block([f"acc{pos} = {red.combine}::f(acc{pos}, ({a})ws[(s * {len(accs)} + {i}) * cols + c]);"
                            for i, (pos, red, a) in enumerate(accs)], indent + "  "))
     indent = "      "

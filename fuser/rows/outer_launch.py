@@ -44,7 +44,8 @@ def source_for(spec, p: OuterPlan) -> tuple[str, str]:
     """(name, source) of the column kernel of ``spec`` for plan ``p``; raises codegen.NotFusable."""
     name = "fused_cols_" + hashlib.sha256(f"{spec.text}\n{p.key!r}".encode()).hexdigest()[:16]
     source = outer_codegen.generate(decompose.expand(spec.group), [dt for dt, _ in p.key.inputs], p.types,
-                                    p.key.target, name, len(p.scalars), round_reduced=settings.round_reduced)
+                                    p.key.target, name, len(p.scalars), round_reduced=settings.round_reduced,
+                                    cvec=p.key.cvec)
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: column kernel {name} for {p.key}\n{source}", file=sys.stderr)
     return name, source
@@ -68,6 +69,7 @@ class OuterGeometry:
     def __init__(self, p: OuterPlan, kernel: OuterKernel):
         self.kernel, self.red, self.cols, self.col_sizes, self.strides = kernel, p.red, p.cols, p.col_sizes, p.strides
         self.out_shapes, self.out_dtypes = p.out_shapes, p.out_dtypes
+        self.cvec, self.vec_align = p.key.cvec, p.vec_align
         self.device = p.tensors[0].device
         self.requires_grad = any(t.requires_grad for t in p.tensors)
         self.cpu_args = None
@@ -107,7 +109,7 @@ def args_struct(n_inputs: int, n_ptrs: int, n_scalars: int):
     class FzColArgs(ctypes.Structure):
         _fields_ = [("red", i64), ("cols", i64), ("splits", i64), ("rows_per_split", i64),
                     ("sizes", i64 * t.MAX_DIMS), ("strides", (i64 * (t.MAX_DIMS + 1)) * max(1, n_inputs)),
-                    ("rank", i32), ("stage", i32), ("tile", i32),
+                    ("rank", i32), ("stage", i32), ("tile", i32), ("vec", i32),
                     ("ptrs", ctypes.c_void_p * n_ptrs), ("scalars", ctypes.c_double * max(1, n_scalars))]
 
     return FzColArgs
@@ -126,11 +128,13 @@ class CudaGrid:
     workspace: int
 
 
-def cuda_grid(red: int, cols: int, n_reductions: int, n_sm: int, max_blocks: int) -> CudaGrid:
-    """The split of a [red, cols] column kernel: enough stage 0 blocks for ``n_sm`` multiprocessors where the
-    columns alone do not give them, each lane of a split still reading :data:`MIN_ROWS_PER_LANE` rows or more."""
-    tile = 32 if cols >= 32 else 1 << max(0, cols - 1).bit_length()
-    tiles = max(1, math.ceil(cols / tile))
+def cuda_grid(red: int, cols: int, n_reductions: int, n_sm: int, max_blocks: int, cvec: int = 1) -> CudaGrid:
+    """The split of a [red, cols] column kernel whose threads take ``cvec`` columns each: enough stage 0 blocks for
+    ``n_sm`` multiprocessors where the columns alone do not give them, each lane of a split still reading
+    :data:`MIN_ROWS_PER_LANE` rows or more."""
+    threads = cols // cvec  # along the columns (cols: a multiple of cvec)
+    tile = 32 if threads >= 32 else 1 << max(0, threads - 1).bit_length()
+    tiles = max(1, math.ceil(threads / tile))
     lanes = t.BLOCK_SIZE // tile
     splits = max(1, min(math.ceil(BLOCKS_PER_SM * n_sm / tiles), red // (lanes * MIN_ROWS_PER_LANE)))
     rows_per_split = max(1, math.ceil(red / splits))
@@ -142,11 +146,12 @@ def cuda_grid(red: int, cols: int, n_reductions: int, n_sm: int, max_blocks: int
     return CudaGrid(tile, splits, rows_per_split, grid0, grid1, splits * n_reductions * cols)
 
 
-def fill_args(struct, geo, g: CudaGrid, stage: int, tensors, scalars, outputs, workspace: int):
-    """An ``FzArgs`` for one launch of a stage (``workspace``: its address, 0 when there is none)."""
+def fill_args(struct, geo, g: CudaGrid, stage: int, tensors, scalars, outputs, workspace: int, vec: bool = False):
+    """An ``FzArgs`` for one launch of a stage (``workspace``: its address, 0 when there is none; ``vec``: every
+    pointer suits the kernel's column vectors, :func:`fuser.rows.launch.vector_ok`)."""
     a = struct()
     a.red, a.cols, a.splits, a.rows_per_split = geo.red, geo.cols, g.splits, g.rows_per_split
-    a.rank, a.stage, a.tile = len(geo.col_sizes), stage, g.tile
+    a.rank, a.stage, a.tile, a.vec = len(geo.col_sizes), stage, g.tile, int(vec)
     for d, s in enumerate(geo.col_sizes):
         a.sizes[d] = s
     for k, st in enumerate(geo.strides):
@@ -194,7 +199,8 @@ class OuterCudaKernel:
         g = self._grids.get((geo.red, geo.cols))
         if g is None:
             g = self._grids[(geo.red, geo.cols)] = cuda_grid(geo.red, geo.cols, self.n_red, self.n_sm,
-                                                             self.max_blocks)
+                                                             self.max_blocks, geo.cvec)
+        vec = geo.cvec > 1 and launch.vector_ok(True, geo.vec_align, tensors, outputs)
         index = self.kernel.device_index
         ws = torch.empty(g.workspace, dtype=torch.float64, device=geo.device) if g.workspace else None
         loc = getattr(self._local, "loc", None)
@@ -206,7 +212,7 @@ class OuterCudaKernel:
                 if not grid:
                     continue
                 a = fill_args(self.struct, geo, g, stage, tensors, scalars, outputs, ws.data_ptr() if ws is not None
-                              else 0)
+                              else 0, vec)
                 params = (ctypes.c_void_p * 1)(ctypes.addressof(a))
                 loc.args, loc.params, loc.params_addr = a, params, ctypes.addressof(params)
                 self.kernel._do_launch(loc, grid, stream)

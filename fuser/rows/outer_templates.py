@@ -8,7 +8,8 @@ reduced dims. Blocks of :data:`CPU_CHUNK` columns: per row, the chunk's columns 
 input), each column's accumulators in an array; chunks split across threads.
 
 CUDA: one by-value ``FzArgs`` (mirrored by ``fuser.rows.outer_launch.args_struct``); one 1-D grid, 256 threads
-a block seen as ``tile`` columns (consecutive threads, consecutive columns: coalesced) times ``256 / tile``
+a block seen as ``tile`` threads along the columns (consecutive threads, consecutive columns: coalesced; each
+thread ``cvec`` consecutive columns, loaded as one vector where the launch allows) times ``256 / tile``
 lanes, each lane accumulating every ``lanes``-th row of its split of the column; the lanes combine through
 shared memory in a fixed tree. ``stage`` 0 with one split stores the results; with ``splits`` > 1 each block
 writes its partial results to the workspace (double: a float accumulator converts to it and back exactly) and
@@ -32,6 +33,21 @@ LANE_REDUCE = r"""template <class Op, class A> __device__ __forceinline__ A fz_l
   const A r = sh[t % tile];
   __syncthreads();  // sh is free for the next reduction
   return r;
+}
+
+// a thread's V consecutive columns of one row of an input, as the kernel's value type C: a whole vector where
+// the launch allows it (vec: every pointer aligned, fuser.rows.outer_launch) and the input steps along the
+// columns, else element by element (cs: its stride along the innermost column dim, 0 or 1)
+template <int V, class C, class S> __device__ __forceinline__ void fz_col_load(
+    C* dst, const S* __restrict__ p, long long at, long long cs, int vec) {
+  if (V > 1 && vec && cs) {
+    const fz_vec<S, V> w = *reinterpret_cast<const fz_vec<S, V>*>(p + at);
+#pragma unroll
+    for (int v = 0; v < V; ++v) dst[v] = (C)fz_ld(w.v[v]);
+  } else {
+#pragma unroll
+    for (int v = 0; v < V; ++v) dst[v] = (C)fz_ld(p[at + v * cs]);
+  }
 }
 """
 
@@ -88,7 +104,8 @@ struct FzArgs {
   long long strides[${n_stride_rows}][${max_dims} + 1];  // per tensor input: column dims, then along the column
   int rank;
   int stage;
-  int tile;  // columns a block: a power of two, at most 32
+  int tile;  // threads a block along the columns: a power of two, at most 32
+  int vec;  // the launch may load whole vectors of ${cvec} columns (fuser.rows.outer_launch)
   void* ptrs[${n_ptrs}];  // inputs, outputs, the workspace
   double scalars[${n_scalar_slots}];
 };
@@ -102,10 +119,10 @@ ${shared}
   if (args.stage == 0) {
     const int tile = args.tile, lanes = (int)blockDim.x / tile;
     const int tx = (int)threadIdx.x % tile, ty = (int)threadIdx.x / tile;
-    const long long tiles = (cols + tile - 1) / tile;
+    const long long tiles = (cols / ${cvec} + tile - 1) / tile;  // (cols: a multiple of ${cvec}, fuser.rows.outer)
     for (long long b = blockIdx.x; b < tiles * args.splits; b += gridDim.x) {
       const long long split = b / tiles;
-      const long long c = (b - split * tiles) * tile + tx;
+      const long long c = ((b - split * tiles) * tile + tx) * ${cvec};  // the thread's first column
       const bool live = c < cols;
 ${offsets}
       const long long r1 = (split + 1) * args.rows_per_split < red ? (split + 1) * args.rows_per_split : red;
@@ -129,7 +146,7 @@ ${partial}
   } else {
     for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += (long long)gridDim.x * blockDim.x) {
 ${offsets1}
-${acc_decls}
+${acc_decls1}
       for (long long s = 0; s < args.splits; ++s) {
 ${combine}
       }
