@@ -430,7 +430,8 @@ def test_cuda_column_kernel_is_deterministic_and_non_contiguous_inputs_work():
 def _vector_layouts(dtype):
     """(id, args, cvec wanted, whole vectors at launch) for the prologue case on CUDA: x [40, 64] in layouts that
     keep or lose the column vectors (16 bytes of the widest tensor), y of shape [64] or a column of x's rows."""
-    cv = 16 // torch.empty((), dtype=dtype).element_size()
+    size = torch.empty((), dtype=dtype).element_size()
+    cv = 16 // size if size >= 4 else 1  # (2-byte values: one column a thread, outer._column_vector)
     x, y = torch.randn(40, 64, dtype=dtype), torch.randn(64, dtype=dtype)
     yield "contiguous", [x, y, 1.5], cv, True
     flat = torch.randn(40 * 64 + 1, dtype=dtype)
@@ -440,7 +441,7 @@ def _vector_layouts(dtype):
     yield "x-broadcast-rows", [torch.randn(1, 64, dtype=dtype).expand(40, 64), y, 1.5], cv, True
 
 
-@pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16), ids=lambda d: str(d)[6:])
 def test_cuda_column_vectors(dtype):
     """A CUDA column kernel's thread takes 16 bytes of consecutive columns where every input steps by 0 or 1 along
     them and its other strides keep vectors aligned (``outer.OuterKey.cvec``), loading whole vectors where the
@@ -454,5 +455,5 @@ def test_cuda_column_vectors(dtype):
         assert isinstance(p, rows.OuterPlan) and p.key.cvec == cvec, (what, p)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         outs = [torch.empty(s, dtype=dt) for s, dt in zip(p.out_shapes, p.out_dtypes)]
-        assert (cvec > 1 and launch.vector_ok(True, p.vec_align, tensors, outs)) == whole, what
+        assert (cvec > 1 and launch.vector_ok(True, p.vec_align, tensors, outs)) == (whole and cvec > 1), what
         _check(row_emulate.run(_GROUPS[case.id], args), case.eager, args)

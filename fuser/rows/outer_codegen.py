@@ -29,12 +29,13 @@ CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU column kernel spl
 
 
 def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
-             name: str, n_scalar_slots: int, round_reduced: bool = False, cvec: int = 1) -> str:
+             name: str, n_scalar_slots: int, round_reduced: bool = False, cvec: int = 1, steps: tuple = ()) -> str:
     """Source of the column kernel ``name``; ``inputs``: the tensor inputs' dtypes. Raises NotFusable where an op
     has no expression for its types (the executor falls back). ``round_reduced``: as
     ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
     always: once per column, it costs nothing). ``cvec``: CUDA, consecutive columns a thread takes
-    (``outer.OuterKey.cvec``): its per-element lines run per column v of the thread's, on arrays of ``cvec``."""
+    (``outer.OuterKey.cvec``): its per-element lines run per column v of the thread's, on arrays of ``cvec``;
+    ``steps``: per tensor input, whether it steps by 1 along the columns (else by 0)."""
     cuda = target == "cuda"
     cols_v = column_level(group)
     vname, vtype, vdtype, tensor_index, j = input_names(group, inputs, target)
@@ -64,23 +65,25 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     elem_out = [(m, o) for m, o in enumerate(group.outputs) if o.id not in cols_v]
     col_out = [(m, o) for m, o in enumerate(group.outputs) if o.id in cols_v]
 
-    def element_lines(wanted: Sequence[ir.Value], row: str, loaded: bool = False) -> list[str]:
-        """Loads (of row ``row``) and statements of the element-level values ``wanted`` needs (they never read a
-        column-level value), in the group's order. ``loaded``: the inputs are in arrays ``xl<k>`` already
-        (:func:`vector_loads`), read at the thread's column ``v``."""
+    def element_lines(wanted: Sequence[ir.Value], row, loaded: bool = False) -> list[str]:
+        """Loads (of row ``row``: an offset, ``#`` standing for the input's number, or a function of that number)
+        and statements of the element-level values ``wanted`` needs (they never read a column-level value), in the
+        group's order. ``loaded``: the inputs are in arrays ``xl<k>`` already (:func:`vector_loads`), read at the
+        thread's column ``v``."""
         need = needed(group, wanted, level=cols_v)
-        lines = [f"const {vtype[v.id]} x{tensor_index[v.id]} = " + (
-                     f"xl{tensor_index[v.id]}[v];" if loaded else
-                     f"fz_ld(t{tensor_index[v.id]}[{'off' if cuda else 'coff'}"
-                     f"{tensor_index[v.id]}{'' if cuda else '[j]'}{row.replace('#', str(tensor_index[v.id]))}]);")
-                 for v in group.inputs if v.is_tensor and v.id in need]
+        at = (lambda k: row(k)) if callable(row) else (lambda k: row.replace("#", str(k)))
+        lines = [f"const {vtype[v.id]} x{k} = " + (
+                     f"xl{k}[v];" if loaded else
+                     f"fz_ld(t{k}[{'off' if cuda else 'coff'}{k}{'' if cuda else '[j]'}{at(k)}]);")
+                 for v in group.inputs if v.is_tensor and v.id in need for k in (tensor_index[v.id],)]
         return lines + [statement[i] for i in sorted(need & set(statement), key=order.__getitem__)]
 
-    def vector_loads(wanted: Sequence[ir.Value]) -> list[str]:
-        """CUDA, ``cvec`` > 1: a row's ``cvec`` columns of each input the values ``wanted`` read, all loads first."""
+    def vector_loads(wanted: Sequence[ir.Value], vec: bool) -> list[str]:
+        """CUDA, ``cvec`` > 1: a row's ``cvec`` columns of each input the values ``wanted`` read, all loads first
+        (``vec``: whole vectors of the inputs that step along the columns)."""
         need = needed(group, wanted, level=cols_v)
         return [f"{vtype[v.id]} xl{k}[{cvec}];\n"
-                f"fz_col_load<{cvec}>(xl{k}, t{k}, off{k} + r * rs{k}, cs{k}, args.vec);"
+                f"fz_col_load<{cvec}, {(1 if vec else 2) if steps[k] else 0}>(xl{k}, t{k}, off{k} + r * rs{k});"
                 for v in group.inputs if v.is_tensor and v.id in need for k in (tensor_index[v.id],)]
 
     def per_column(lines: Sequence[str]) -> list[str]:
@@ -103,8 +106,13 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                  if nt.compute in REDUCED else f"({compute_type(nt.compute)})({x})")
         body.append(f"{acc(pos)} = {red.combine}::f({acc(pos)}, ({acc_t})({x}));")
     body += [store(m, o, "r * cols + c" + (" + v" if wide else "")) for m, o in elem_out]
-    if wide:
-        body = [ln for x in vector_loads(wanted) for ln in x.split("\n")] + per_column(body)
+    if wide:  # the loop twice: whole vectors where the launch allows them, else element by element
+        loops = [(["if (args.vec) {"], True), (["} else {"], False)]
+        row_loops = [ln for head, vec in loops for ln in head + ["  FZ_COL_ROWS {"] + [
+            "    " + x for x in [ln for y in vector_loads(wanted, vec) for ln in y.split("\n")] + per_column(body)]
+            + ["  }"]] + ["}"]
+    else:
+        row_loops = ["FZ_COL_ROWS {"] + ["  " + ln for ln in body] + ["}"]
 
     def finish(acc: Callable[[int], str], at: str = "c", row: str = "") -> list[str]:
         """Per column: the reductions' results, the epilogue, the column-level outputs (column ``at``; its
@@ -148,9 +156,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             offsets=t.OFFSETS.substitute(
                 indent=indent, decls=decls, column="live ? c : 0", size="args.sizes[d]",
                 accumulate="\n".join(f"{indent}    off{kk} += m * args.strides[{kk}][d];" for kk in range(n_in)))
-            + "\n" + block([f"const long long rs{kk} = args.strides[{kk}][{t.MAX_DIMS}];" for kk in range(n_in)]
-                           + ([f"const long long cs{kk} = args.strides[{kk}][rank - 1];" for kk in range(n_in)]
-                              if wide else []), indent),
+            + "\n" + block([f"const long long rs{kk} = args.strides[{kk}][{t.MAX_DIMS}];" for kk in range(n_in)],
+                           indent),
             offsets1=t.OFFSETS.substitute(
                 indent=indent, decls=decls, column="c", size="args.sizes[d]",
                 accumulate="\n".join(f"{indent}    off{kk} += m * args.strides[{kk}][d];" for kk in range(n_in))),
@@ -158,11 +165,12 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                 [f"acc{pos}[v] = {red.identity.replace('$A', a)};" for pos, red, a in accs]) if wide else
                 [f"{a} acc{pos} = {red.identity.replace('$A', a)};" for pos, red, a in accs], indent),
             acc_decls1=block([f"{a} acc{pos} = {red.identity.replace('$A', a)};" for pos, red, a in accs], indent),
-            body=block(body, indent + "    "), cvec=cvec,
+            row_loops=block(row_loops, indent + "  "), cvec=cvec,
             lane_reduce=block((per_column if wide else list)(
                 [f"{acc(pos)} = fz_lane_reduce<{red.combine}>({acc(pos)}, fz_sh_{a}, tile);"
                  for pos, red, a in accs]), indent),
-            finish=block(per_column(finish(acc, "c + v", " + v * cs#")) if wide else finish(acc), indent + "    "),
+            finish=block(per_column(finish(acc, "c + v", lambda k: " + v" if steps[k] else "")) if wide else
+                         finish(acc), indent + "    "),
             finish1=block(finish(lambda pos: f"acc{pos}"), indent),
             partial=block((per_column if wide else list)(
                 [f"ws[(split * {len(accs)} + {i}) * cols + c{' + v' if wide else ''}] = (double){acc(pos)};"

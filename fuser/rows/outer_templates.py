@@ -35,20 +35,23 @@ LANE_REDUCE = r"""template <class Op, class A> __device__ __forceinline__ A fz_l
   return r;
 }
 
-// a thread's V consecutive columns of one row of an input, as the kernel's value type C: a whole vector where
-// the launch allows it (vec: every pointer aligned, fuser.rows.outer_launch) and the input steps along the
-// columns, else element by element (cs: its stride along the innermost column dim, 0 or 1)
-template <int V, class C, class S> __device__ __forceinline__ void fz_col_load(
-    C* dst, const S* __restrict__ p, long long at, long long cs, int vec) {
-  if (V > 1 && vec && cs) {
+// a thread's V consecutive columns of one row of an input, as the kernel's value type C; MODE (known when the
+// kernel is generated, so no load waits on a branch): 0 the input does not step along the columns (one element),
+// 1 a whole vector (the launch's pointers allow it), 2 element by element
+template <int V, int MODE, class C, class S> __device__ __forceinline__ void fz_col_load(
+    C* dst, const S* __restrict__ p, long long at) {
+  if (MODE == 1) {
     const fz_vec<S, V> w = *reinterpret_cast<const fz_vec<S, V>*>(p + at);
 #pragma unroll
     for (int v = 0; v < V; ++v) dst[v] = (C)fz_ld(w.v[v]);
   } else {
 #pragma unroll
-    for (int v = 0; v < V; ++v) dst[v] = (C)fz_ld(p[at + v * cs]);
+    for (int v = 0; v < V; ++v) dst[v] = (C)fz_ld(p[at + (MODE == 2 ? v : 0)]);
   }
 }
+
+// the rows of a thread's split, unrolled: several rows' loads in flight (the sums keep the rows' order)
+#define FZ_COL_ROWS _Pragma("unroll 8") for (long long r = split * args.rows_per_split + ty; r < r1; r += lanes)
 """
 
 # the offsets of column c's first element in each input: a divmod walk over the column dims
@@ -128,11 +131,7 @@ ${offsets}
       const long long r1 = (split + 1) * args.rows_per_split < red ? (split + 1) * args.rows_per_split : red;
 ${acc_decls}
       if (live) {
-        // unrolled: several rows' loads in flight a thread (the sum's order stays the rows' order)
-#pragma unroll 8
-        for (long long r = split * args.rows_per_split + ty; r < r1; r += lanes) {
-${body}
-        }
+${row_loops}
       }
 ${lane_reduce}
       if (ty == 0 && live) {
