@@ -457,3 +457,16 @@ def test_cuda_column_vectors(dtype):
         outs = [torch.empty(s, dtype=dt) for s, dt in zip(p.out_shapes, p.out_dtypes)]
         assert (cvec > 1 and launch.vector_ok(True, p.vec_align, tensors, outs)) == (whole and cvec > 1), what
         _check(row_emulate.run(_GROUPS[case.id], args), case.eager, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16), ids=lambda d: str(d)[6:])
+def test_cuda_column_vectors_on_the_gpu(dtype):
+    """The layouts of :func:`test_cuda_column_vectors` on the GPU (a misaligned pointer reads element by element)."""
+    case = _prologue_epilogue()
+    spec = _spec(_GROUPS[case.id])
+    for what, args, cvec, _ in _vector_layouts(dtype):
+        args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        out = executor.run(spec, args)
+        assert out is not None, (what, executor.plan(spec, args))
+        _check(out, case.eager, args)
