@@ -299,6 +299,7 @@ def test_the_doors_groups_run_as_cuda_kernels_in_the_host_emulation():
     backward ops) through their CUDA source, emulated on the host (fuser/cuda/emulate.py), against eager's ops."""
     from fuser import fallback
     from fuser.cuda import emulate
+    from fuser.rows import emulate as row_emulate
 
     def f(x, w, b):
         h = F.gelu(x * w + b, approximate="tanh")
@@ -314,7 +315,10 @@ def test_the_doors_groups_run_as_cuda_kernels_in_the_host_emulation():
             inputs = [torch.randn(tuple(n.meta["val"].shape), dtype=n.meta["val"].dtype)
                       if n.meta["val"].is_floating_point() else torch.rand(tuple(n.meta["val"].shape)) > 0.5
                       for n in region.inputs]
-            got = emulate.run_graph(spec.group, inputs)
+            # (a group with a reduction, such as the weight's gradient summed over the rows, is a row or column
+            # kernel: fuser/rows/'s emulation)
+            got = (row_emulate.run(spec.group, inputs) if spec.has_reduction else
+                   emulate.run_graph(spec.group, inputs))
             assert got is not None, spec.text
             for o, r in zip(got, fallback.evaluate(spec.group, inputs)):
                 torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
@@ -550,3 +554,67 @@ def test_reduced_precision_backward_casts_join_the_group(dtype):
     assert len(fw.regions) == 1 and len(bw.regions) == 1 and len(casts) >= 2
     assert not any(n.target is torch.ops.aten._to_copy.default for n in bw.left_out), bw.left_out
     assert_ran_fused(fw_specs + bw_specs)
+
+
+# ---- reductions through the door: a cast that names its own layout and device; leading dims ---------------------
+
+def _rms_weight(x, w):
+    return torch.rms_norm(x, [x.shape[-1]], None, 1e-6) * w
+
+
+def _sum0(x, y):
+    p = x * y
+    return p.sum(0), p.amax(0, keepdim=True)
+
+
+def _check_door_groups(fn, args, n_nodes, device="cpu"):
+    """``fn`` through the door runs as one group of at least ``n_nodes`` ops with nothing left out, and gives
+    eager's results within the dtype's tolerance (float64's answer as the reference)."""
+    with recording() as graphs:
+        out = torch.compile(fn, backend="fuser", dynamic=False)(*args)
+    ref = fn(*args)
+    ref64 = fn(*[a.double() for a in args])
+    out, ref, ref64 = [o if isinstance(o, tuple) else (o,) for o in (out, ref, ref64)]
+    for o, r, r64 in zip(out, ref, ref64):
+        assert o.dtype == r.dtype and o.shape == r.shape
+        tol = 1e-5 if r.dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(o.double(), r64, rtol=tol, atol=tol * max(1.0, r64.abs().max().item()))
+    [(_, _, part, specs)] = graphs
+    assert len(part.regions) == 1 and not part.left_out, part.left_out
+    assert len(part.regions[0].nodes) >= n_nodes
+    assert_ran_fused(specs, device)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_rms_norm_and_its_weight_are_one_group_in_every_dtype(dtype):
+    """rms_norm of bfloat16 decomposes into float32 steps between casts; the cast back names the input's own layout
+    and device (``_to_copy(y, dtype=, layout=torch.strided, device=cpu)``): a dtype cast, in the group with the
+    weight's product after it."""
+    _check_door_groups(_rms_weight, [torch.randn(16, 64, dtype=dtype), torch.randn(64, dtype=dtype)], 5)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_reductions_over_leading_dims_are_one_column_group(dtype):
+    """A sum and an amax over dim 0 of one product: one group, run by a column kernel (fuser/rows/outer.py)."""
+    x, y = torch.randn(40, 24, dtype=dtype), torch.randn(40, 24, dtype=dtype)
+    _check_door_groups(_sum0, [x, y], 3)
+
+
+def test_a_leading_variance_is_left_to_aten_with_its_reason():
+    """A variance over leading dims needs the column's mean first (no column kernel form): left out, and said."""
+    def f(x):
+        return (x * 2).var(0) + 1
+    x = torch.randn(30, 8)
+    report = fuser.explain(f, x)
+    text = str(report)
+    assert "var" in text and "leading dims" in text, text
+    torch.testing.assert_close(torch.compile(f, backend="fuser")(x), f(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_rms_norm_and_leading_sums_through_the_door_cuda(dtype):
+    _check_door_groups(_rms_weight, [torch.randn(16, 64, dtype=dtype, device="cuda"),
+                                     torch.randn(64, dtype=dtype, device="cuda")], 5, "cuda")
+    _check_door_groups(_sum0, [torch.randn(40, 24, dtype=dtype, device="cuda"),
+                               torch.randn(40, 24, dtype=dtype, device="cuda")], 3, "cuda")

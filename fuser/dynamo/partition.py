@@ -305,8 +305,10 @@ def _row_refusal(ordered: list, inputs: list, outs: list) -> Optional[str]:
     fulls = {_shape(n.args[0]) for n in reds}
     if len(dims) > 1 or len(fulls) > 1 or None in dims or None in fulls:
         return "reductions of different dims or of values of different shapes (one row kernel each)"
-    full, k = fulls.pop(), len(dims.pop())
-    rows = (full[:len(full) - k] + (1,) * k, full[:len(full) - k])
+    full, dims = fulls.pop(), dims.pop()
+    k = len(dims)
+    leading = dims[0] == 0  # a column kernel's (fuser/rows/outer.py): a row here is a column, one value each
+    rows = ((1,) * k + full[k:], full[k:]) if leading else (full[:len(full) - k] + (1,) * k, full[:len(full) - k])
     for n in ordered:
         s = _shape(n)
         if s is None or (s not in rows and broadcast([s, full]) != full):
@@ -317,10 +319,11 @@ def _row_refusal(ordered: list, inputs: list, outs: list) -> Optional[str]:
         if not _contiguous(o):
             return f"its value {o.name} is not contiguous in eager, and a group writes its outputs densely"
     if any(_shape(o) != full for o in outs):  # row-shaped outputs: a row kernel writes only row-level ones
+        from ..rows.outer import column_level
         from ..rows.plan import row_level
         from .lower import lower  # lower.py imports this module
         group = lower(Region(ordered, inputs, outs))
-        level = row_level(group)
+        level = (column_level if leading else row_level)(group)
         for o, v in zip(outs, group.outputs):
             if _shape(o) != full and v.id not in level:
                 return (f"its value {o.name} of shape {_pretty(_shape(o))} is needed outside, and a row kernel's "

@@ -75,6 +75,14 @@ def full_args(node: torch.fx.Node, op: str) -> tuple:
     extra = set(node.kwargs) - {p.name for p in ps}
     if extra:
         raise TypeError(f"{op}: unknown keyword arguments {sorted(extra)}")
+    if op == "aten::_to_copy" and args:  # a cast that names the input's own layout and device: dtype alone
+        v = fake(args[0]) if isinstance(args[0], torch.fx.Node) else None
+        names = [p.name for p in ps]
+        for name, same in (("layout", lambda a: a == torch.strided),
+                           ("device", lambda a: v is not None and torch.device(a) == v.device)):
+            i = names.index(name)
+            if args[i] is not None and same(args[i]):
+                args[i] = None
     return tuple(args)
 
 
@@ -171,8 +179,10 @@ _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def reduced_dims(node: torch.fx.Node) -> Optional[tuple]:
-    """The dims a reduction or normalization node (``ops.Reduction``) reduces, negative (-k..-1), when they are
-    constants and the trailing dims of its input's rank (a rank is no symbolic size: no guard); else None."""
+    """The dims a reduction or normalization node (``ops.Reduction``) reduces, when they are constants: the
+    trailing dims of its input's rank, negative (-k..-1: a row kernel's); or for a sum, mean, amax or amin the
+    leading dims, from 0 (0..k-1: a column kernel's, ``fuser/rows/outer.py``) (a rank is no symbolic size: no
+    guard); else None."""
     name = overload_name(node)
     v = fake(node.args[0]) if node.args else None
     if name is None or ops.reduction(name) is None or v is None:
@@ -186,7 +196,11 @@ def reduced_dims(node: torch.fx.Node) -> Optional[tuple]:
     if not dims or not rank or any(not -rank <= d < rank for d in dims):
         return None
     dims = tuple(sorted({d % rank - rank for d in dims}))
-    return dims if dims == tuple(range(-len(dims), 0)) else None
+    if dims == tuple(range(-len(dims), 0)):
+        return dims
+    lead = tuple(d + rank for d in dims)
+    red = ops.reduction(name)
+    return lead if lead == tuple(range(len(lead))) and not (red.variance or red.composite) else None
 
 
 def constant(a):
@@ -205,7 +219,8 @@ def _reduction_reason(node: torch.fx.Node, name: str) -> Optional[str]:
     if out is None:
         return f"{name} does not compute one tensor here"
     if reduced_dims(node) is None:
-        return f"{name} reduces dims that are not constants or not its input's trailing dims (row kernels only)"
+        return (f"{name} reduces dims that are not constants, nor its input's trailing dims (a row kernel), nor "
+                f"for a sum, mean, amax or amin its leading dims (a column kernel)")
     args = full_args(node, name)
     tensors = (0,) + ops.COMPOSITE_TENSOR_ARGS.get(name, ())
     for i, (p, a) in enumerate(zip(ir.params(name), args)):

@@ -285,9 +285,10 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
             # the steps follow, gives 0 for the finite elements (the CUDA fuzzer found it). In float32, bfloat16 and
             # float16 eager's CUDA results are the composite's, overflowing rows included (H100, torch 2.11)
             return "rms_norm on CUDA in float64: eager's kernel and its composite differ on rows holding inf"
-        if any(isinstance(a, ir.TensorConst) for n in group.nodes for a in n.args):
-            # the meta run below does not check devices: eager's CUDA kernels reject some CPU tensor constants
-            return "a tensor constant in a CUDA row group (its device is not checked)"
+        if any(isinstance(a, ir.TensorConst) and a.shape for n in group.nodes for a in n.args):
+            # the meta run below does not check devices: eager's CUDA kernels reject a CPU tensor constant that is
+            # not 0-dim (a 0-dim one is a CPU scalar, which they take: the door's where(c, x, scalar_tensor(0.)))
+            return "a tensor constant of more than 0 dims in a CUDA row group (its device is not checked)"
     metas_list = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in tensors]
     metas = iter(metas_list)
     meta_args = [next(metas) if is_t else a for a, is_t in zip(args, spec.input_is_tensor)]
