@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from . import compiler, executor, fallback, ir, ops, rng
+from . import compiler, executor, fallback, grad_sums, ir, ops, rng
 from .backward import Backward, _carries, _Unsupported, build_backward
 from .descs import DENSE, ArgSpec, TensorDesc
 from .kernel_cache import KernelSpec
@@ -202,10 +202,18 @@ def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence) -
     fwd_args = call.args(saved)
     if bw.spec is not None:
         shapes = [m[0] for m in meta]
-        outs = run(bw.spec, backward_args(spec, bw, fwd_args, grads, shapes), call.rng_state)
-        for j, r in [*zip(bw.grad_inputs, outs), *((j, outs[k]) for j, k in bw.aliases)]:
+        args = backward_args(spec, bw, fwd_args, grads, shapes)
+        got = None
+        if not torch.is_grad_enabled():  # inputs broadcast over leading dims: summed by column groups (grad_sums)
+            got = grad_sums.run(spec, bw, args, shapes, _full_shape(spec, tuple(shapes)), call.sig)
+        if got is None:
+            outs = run(bw.spec, args, call.rng_state)
+            got = [*zip(bw.grad_inputs, outs), *((j, outs[k]) for j, k in bw.aliases)]
+        for j, r in got:
             shape, dtype, _ = meta[t_index[j]]
-            r = r if r.shape == shape else r.sum_to_size(shape)
+            if r.shape != shape:  # a column group's sum (keepdim) is a view of the shape; the old path sums here
+                r = r.reshape(shape) if r.numel() == math.prod(shape) and _same_dims(r.shape, shape) else \
+                    r.sum_to_size(shape)
             result[t_index[j]] = r if r.dtype == dtype else r.to(dtype)
     for j in bw.zero_inputs:
         shape, dtype, device = meta[t_index[j]]
@@ -230,12 +238,22 @@ def backward_args(spec: KernelSpec, bw: Backward, fwd_args: Sequence, grads: Seq
     return args
 
 
+def _full_shape(spec: KernelSpec, shapes: tuple) -> torch.Size:
+    """The broadcast shape of the forward's tensor inputs and tensor constants: the shape its gradients have."""
+    consts = [tuple(a.shape) for n in spec.group.nodes for a in n.args if isinstance(a, ir.TensorConst)]
+    return broadcast_shapes(*shapes, *consts)
+
+
+def _same_dims(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Whether ``a`` and ``b`` are one shape but for dims of size 1."""
+    return [s for s in a if s != 1] == [s for s in b if s != 1]
+
+
 def _row_length(spec: KernelSpec, shapes: tuple) -> int:
     """The number of elements each row of a row kernel reduces: the reduced dims of the full shape, which is the
     inputs' broadcast shape where the forward ran as a row kernel (every input broadcasts to it, and the reduced
     value's shape is the broadcast of what it reads)."""
-    consts = [tuple(a.shape) for n in spec.group.nodes for a in n.args if isinstance(a, ir.TensorConst)]
-    full = broadcast_shapes(*shapes, *consts)
+    full = _full_shape(spec, shapes)
     dims = next(ops.reduced_dims(n.op, n.args) for n in spec.group.nodes if ops.reduction(n.op) is not None)
     if not dims:
         return math.prod(full)
