@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -89,7 +89,7 @@ def plan(spec: KernelSpec, bw, shapes: Sequence[torch.Size], full: torch.Size, s
     """Per backward output (``bw.grad_inputs`` order): (whether an input takes it whole, the dims it is summed over
     for the others or None); None where this call takes the old path. ``shapes``: the forward's tensor inputs';
     ``full``: their broadcast shape; ``sig``: per tensor input (dtype, 0-dim)."""
-    key = (bw.spec.key, tuple(shapes), sig)
+    key = (bw.spec.key, bw.grad_inputs, bw.aliases, tuple(shapes), sig)  # (one group serves several needs)
     if key in _plans:
         return _plans[key]
     got = _plan(spec, bw, shapes, full, sig)
@@ -194,12 +194,14 @@ def _build(g: ir.Group, dims: tuple) -> Optional[Split]:
     return Split(mspec, tuple(keep), kept, len(main_out) - len(kept), tuple(columns))
 
 
-def run(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: torch.Size,
-        sig: tuple) -> Optional[list]:
+def run(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: torch.Size, sig: tuple,
+        launch: Optional[Callable] = None) -> Optional[list]:
     """[(forward input index, its gradient)] for the backward's arguments ``args``: a summed one of its shape up to
     dims of size 1 (keepdim), a kept one element-level (the caller sums it where its shape differs, as before);
     or None where this call takes the old path (the caller runs ``bw`` and ``sum_to_size``). Runs without
-    autograd recording (the caller checks grad mode is off)."""
+    autograd recording (the caller checks grad mode is off). ``launch(spec, args)``: a group's outputs from its
+    kernel, or None (then the interpreter runs it; tests pass the CUDA host emulation's); the executor's by default."""
+    launch = launch or executor.run
     dims = plan(spec, bw, shapes, full, sig)
     if dims is None:
         return None
@@ -214,7 +216,7 @@ def run(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: to
     main: list = []
     if split.main is not None:
         margs = [args[p] for p in split.main_inputs]
-        main = executor.run(split.main, margs)
+        main = launch(split.main, margs)
         if main is None:
             main = fallback.run(split.main, margs)
         for k, r in zip(split.kept, main):
@@ -223,7 +225,7 @@ def run(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: to
         # detached: a column geometry of inputs that require grad declines (autodiff must not wrap a column group
         # whose backward it cannot form, fuser/rows/outer_launch.py); here autograd records nothing
         cargs = [_detached(args[i]) if kind == 0 else main[i] for kind, i in col.inputs]
-        outs = executor.run(col.spec, cargs)
+        outs = launch(col.spec, cargs)
         if outs is None:  # this call: the interpreter (eager's ops, the same values); later ones: the old path
             with _lock:
                 _bounded(_no_kernel).add(signature)
