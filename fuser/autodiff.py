@@ -5,13 +5,19 @@ forward runs the forward kernel (grad mode is off inside it) and saves the input
 backward is a group that ``fuser/backward.py`` builds from the derivative table. That group is registered in the kernel store like any group, so it gets a fused kernel (or the
 fallback, when it cannot be fused), and, when the backward itself runs under grad mode
 (``create_graph=True``), it is differentiated the same way: double backward either runs fused or through
-the interpreter. Gradients of broadcast inputs are summed to the input's shape after the kernel.
+the interpreter. Gradients of inputs broadcast over the leading dims (a bias, a norm's weight of shape [cols]) are
+summed by generated column groups (``fuser/grad_sums.py``: the backward group split in two, the sums fused with the
+gradient's own element-level ops); other broadcast inputs' gradients, and every one where that split does not
+apply (double backward, a random or cat group), are summed to the input's shape after the kernel by
+``sum_to_size``.
 
 A group with reductions (``fuser/rows/``) is wrapped only where its forward runs as a row kernel (the kernel runs
 first, as for a random group; where it cannot, the interpreter runs the group and eager's autograd records it).
 Its backward group holds reductions too and runs as a row kernel like any group. A gradient summed along the
 row (a row-level value read by element-level ops) is summed inside that kernel; an input broadcast across rows
-(a bias or weight of shape [cols]) still gets eager's ``sum_to_size`` after it.
+(a bias or weight of shape [cols]) gets its gradient from a column group that reads the row statistics the main
+backward group writes (layer_norm's mean and rstd; ``fuser/grad_sums.py``), or, where that does not apply
+(float16/bfloat16 statistics), eager's ``sum_to_size`` after it.
 
 A group whose gradient cannot be formed here (an op without a formula, a formula that needs an argument
 that is not a constant) is not wrapped: the interpreter runs it op by op and eager's autograd records it.
