@@ -117,12 +117,14 @@ def _reduction_dtypes(spec: KernelSpec, sig: tuple) -> list:
     return [v.dtype for v in values]
 
 
-def backward_for(spec: KernelSpec, needs: tuple, defined: tuple, sig: tuple) -> Optional[Backward]:
-    key = (spec.key, needs, defined, sig)
+def backward_for(spec: KernelSpec, needs: tuple, defined: tuple, sig: tuple,
+                 columns: bool = False) -> Optional[Backward]:
+    """``columns``: the forward ran as a column kernel (``fuser/rows/outer.py``), whose backward differs."""
+    key = (spec.key, needs, defined, sig, columns)
     if key in _backwards:
         return _backwards[key]
     try:
-        bw = build_backward(spec, needs, defined, _floating_values(spec, sig))
+        bw = build_backward(spec, needs, defined, _floating_values(spec, sig), columns)
     except _Unsupported:
         bw = None
     except RuntimeError:  # eager rejects these dtypes (the type probe raised): the interpreter will say so
@@ -146,13 +148,14 @@ _carried: dict[tuple, tuple] = {}
 class _Call:
     """What the autograd Function needs besides the tensors: the group and where its arguments go."""
 
-    __slots__ = ("spec", "scalars", "needs", "sig", "saved", "carried", "rng_state", "outputs")
+    __slots__ = ("spec", "scalars", "needs", "sig", "saved", "carried", "rng_state", "outputs", "columns")
 
-    def __init__(self, spec, scalars, needs, sig, saved, carried, rng_state=None, outputs=None):
+    def __init__(self, spec, scalars, needs, sig, saved, carried, rng_state=None, outputs=None, columns=False):
         self.spec, self.scalars, self.needs, self.sig, self.saved = spec, scalars, needs, sig, saved
         self.carried = carried  # per output: whether a wanted gradient reaches it
         self.rng_state = rng_state  # a random group's launch state: the backward redraws the same numbers
         self.outputs = outputs  # a random group's forward outputs, computed before (its kernel had to run)
+        self.columns = columns  # the forward ran as a column kernel (its backward is formed for that)
 
     def args(self, tensors: Sequence) -> list:
         if self.spec.all_tensors:
@@ -203,7 +206,7 @@ def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence) -
     result: list = [None] * len(saved)
     if not any(defined):
         return result
-    bw = backward_for(spec, call.needs, defined, call.sig)
+    bw = backward_for(spec, call.needs, defined, call.sig, call.columns)
     t_index = tensor_index(spec)
     fwd_args = call.args(saved)
     if bw.spec is not None:
@@ -341,7 +344,24 @@ def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None)
             call.outputs = executor.run(spec, args, call.rng_state)
         if call.outputs is None:
             return None
+        columns = _ran_as_columns(spec, tensors) if spec.has_reduction else False
+        if columns is None:
+            return None
+        if columns:
+            bw = backward_for(spec, needs, spec.all_outputs_defined, sig, True)
+            if bw is None:
+                return None
+            call.columns = True
+            call.saved = tuple(j in bw.fwd_inputs for j, is_t in enumerate(spec.input_is_tensor) if is_t)
     return call
+
+
+def _ran_as_columns(spec: KernelSpec, tensors: list) -> Optional[bool]:
+    """Whether the kernel that just ran on ``tensors`` was a column kernel (its geometry, cached by signature; None
+    where it is gone: the cache started over)."""
+    from .rows.outer_launch import OuterGeometry
+    geo = spec.geometries.get(executor.signature(tensors))
+    return None if geo is None else isinstance(geo, OuterGeometry)
 
 
 def differentiable_outputs(call: _Call, outputs: Sequence[torch.Tensor]) -> tuple[bool, ...]:

@@ -49,13 +49,18 @@ class Column:
 @dataclass(frozen=True)
 class Split:
     """The main group (None: no output left) reads the backward's arguments ``main_inputs``; its outputs are the
-    backward's outputs ``kept``, then ``n_rows`` row-level values the column groups read."""
+    backward's outputs ``kept``, then ``n_rows`` row-level values the column groups read. ``apart``: a group of its
+    own for the outputs ``apart_outputs`` (reading the arguments ``apart_inputs``), whose shape is not the others'
+    (a column forward's epilogue input: a pointwise kernel writes outputs of one shape)."""
 
     main: Optional[KernelSpec]
     main_inputs: tuple[int, ...]
     kept: tuple[int, ...]
     n_rows: int
     columns: tuple[Column, ...]
+    apart: Optional[KernelSpec] = None
+    apart_inputs: tuple[int, ...] = ()
+    apart_outputs: tuple[int, ...] = ()
 
 
 _splits: dict[tuple, Optional[Split]] = {}
@@ -85,16 +90,28 @@ def summed_dims(full: Sequence[int], shape: Sequence[int]) -> Optional[tuple[int
     return dims
 
 
-def plan(spec: KernelSpec, bw, shapes: Sequence[torch.Size], full: torch.Size, sig: tuple) -> Optional[tuple]:
+def plan(spec: KernelSpec, bw, shapes: Sequence[torch.Size], full: torch.Size, sig: tuple,
+         args: Sequence) -> Optional[tuple]:
     """Per backward output (``bw.grad_inputs`` order): (whether an input takes it whole, the dims it is summed over
-    for the others or None); None where this call takes the old path. ``shapes``: the forward's tensor inputs';
-    ``full``: their broadcast shape; ``sig``: per tensor input (dtype, 0-dim)."""
-    key = (bw.spec.key, bw.grad_inputs, bw.aliases, tuple(shapes), sig)  # (one group serves several needs)
+    for the others or None, whether a group of its own computes it); None where this call takes the old path. ``shapes``: the forward's tensor inputs';
+    ``full``: their broadcast shape; ``sig``: per tensor input (dtype, 0-dim); ``args``: the backward's arguments
+    (their shapes only: the backward's outputs' shapes, from a run on meta tensors, once per key)."""
+    key = (bw.spec.key, bw.grad_inputs, bw.aliases, tuple(shapes), sig,  # (one group serves several needs)
+           tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args))
     if key in _plans:
         return _plans[key]
-    got = _plan(spec, bw, shapes, full, sig)
+    got = _plan(spec, bw, shapes, full, sig, args)
     _bounded(_plans)[key] = got
     return got
+
+
+def summed(spec: KernelSpec, bw, shapes: Sequence[torch.Size], full: torch.Size) -> bool:
+    """Whether an input's gradient may be summed by a column group for these shapes (the native hot path hands such
+    backwards to Python; :func:`plan` decides)."""
+    if spec.random or spec.has_concat or math.prod(full) == 0:
+        return False
+    return any(tuple(shapes[t]) != tuple(full) and summed_dims(full, shapes[t]) is not None
+               for js in _users(spec, bw).values() for _, t in js)
 
 
 def _users(spec: KernelSpec, bw) -> dict:
@@ -106,19 +123,35 @@ def _users(spec: KernelSpec, bw) -> dict:
     return users
 
 
-def _plan(spec, bw, shapes, full, sig) -> Optional[tuple]:
+def _out_shapes(g: ir.Group, args: Sequence) -> Optional[list]:
+    """The shapes of ``g``'s outputs for ``args``, from a run on meta tensors (None where that raises)."""
+    metas = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor)
+             else a for a in args]
+    try:
+        return [tuple(o.shape) for o in fallback.evaluate(g, metas)]
+    except Exception:
+        return None
+
+
+def _plan(spec, bw, shapes, full, sig, args) -> Optional[tuple]:
     if spec.random or spec.has_concat or math.prod(full) == 0:
+        return None
+    out_shapes = _out_shapes(bw.spec.group, args)
+    if out_shapes is None:
         return None
     users = _users(spec, bw)
     per_out = []
     for out in range(len(bw.grad_inputs)):
+        if out_shapes[out] != tuple(full):  # (a column forward's epilogue input: its gradient has the columns' shape)
+            per_out.append((True, None, not bw.spec.has_reduction))
+            continue
         dims = [summed_dims(full, shapes[t]) if tuple(shapes[t]) != tuple(full) else None for _, t in users[out]]
         sums = {d for d in dims if d is not None}
         if len(sums) != 1:  # none, or inputs summed over different dims: whole (the old path for them)
-            per_out.append((True, None))
+            per_out.append((True, None, False))
         else:
-            per_out.append((None in dims, sums.pop()))
-    if all(d is None for _, d in per_out):
+            per_out.append((None in dims, sums.pop(), False))
+    if all(d is None and not apart for _, d, apart in per_out):
         return None
     result = tuple(per_out)
     if spec.has_reduction and any(dt in REDUCED for dt, _ in sig):
@@ -145,14 +178,15 @@ def _build(g: ir.Group, dims: tuple) -> Optional[Split]:
     rows = row_level(g)
     producer = {n.out.id: n for n in g.nodes}
     position = {v.id: p for p, v in enumerate(g.inputs)}
-    kept = tuple(k for k, (whole, _) in enumerate(dims) if whole)
+    kept = tuple(k for k, (whole, _, apart) in enumerate(dims) if whole and not apart)
+    apart = tuple(k for k, (_, _, a) in enumerate(dims) if a)
     # the main group's outputs: the kept gradients, then the row-level values the column groups read; a column
     # group reads a kept gradient from there too (the bias of gelu(x + b): x's gradient is written anyway)
     main_out: list[ir.Value] = [g.outputs[k] for k in kept]
     stops = {v.id for v in main_out} | rows
     next_id = 1 + max([v.id for v in g.inputs] + [n.out.id for n in g.nodes])
     groups: dict[tuple, list[int]] = {}
-    for out, (_, d) in enumerate(dims):
+    for out, (_, d, _) in enumerate(dims):
         if d is not None:
             groups.setdefault(d, []).append(out)
     columns = []
@@ -184,14 +218,23 @@ def _build(g: ir.Group, dims: tuple) -> Optional[Split]:
         where = tuple((0, position[v.id]) for v in inputs) + tuple(
             (1, next(i for i, c in enumerate(main_out) if c.id == v.id)) for v in computed)
         columns.append(Column(cspec, where, tuple(outs), d))
-    if not main_out:
-        return Split(None, (), (), 0, tuple(columns))
-    main = ir.Group(g.inputs, g.nodes, tuple(main_out)).pruned()
-    used = {v.id for n in main.nodes for v in n.values} | {v.id for v in main.outputs}
-    keep = [p for p, v in enumerate(g.inputs) if v.id in used]
-    mspec = STORE.get(STORE.register(main.with_inputs(keep)))
-    _backward_keys.add(mspec.key)
-    return Split(mspec, tuple(keep), kept, len(main_out) - len(kept), tuple(columns))
+    mspec, keep = _part(g, main_out)
+    aspec, akeep = _part(g, [g.outputs[k] for k in apart])
+    return Split(mspec, keep, kept, len(main_out) - len(kept), tuple(columns), aspec, akeep, apart)
+
+
+def _part(g: ir.Group, outputs: Sequence[ir.Value]) -> tuple[Optional[KernelSpec], tuple[int, ...]]:
+    """The group of ``g``'s nodes that ``outputs`` need, registered (a backward group too), and the positions of the
+    inputs it reads; (None, ()) for no outputs."""
+    from .backward import _backward_keys
+    if not outputs:
+        return None, ()
+    part = ir.Group(g.inputs, g.nodes, tuple(outputs)).pruned()
+    used = {v.id for n in part.nodes for v in n.values} | {v.id for v in part.outputs}
+    keep = tuple(p for p, v in enumerate(g.inputs) if v.id in used)
+    spec = STORE.get(STORE.register(part.with_inputs(keep)))
+    _backward_keys.add(spec.key)
+    return spec, keep
 
 
 def run(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: torch.Size, sig: tuple,
@@ -202,7 +245,7 @@ def run(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: to
     autograd recording (the caller checks grad mode is off). ``launch(spec, args)``: a group's outputs from its
     kernel, or None (then the interpreter runs it; tests pass the CUDA host emulation's); the executor's by default."""
     launch = launch or executor.run
-    dims = plan(spec, bw, shapes, full, sig)
+    dims = plan(spec, bw, shapes, full, sig, args)
     if dims is None:
         return None
     signature = (bw.spec.key, tuple(shapes), sig)
@@ -221,10 +264,13 @@ def run(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: to
             main = fallback.run(split.main, margs)
         for k, r in zip(split.kept, main):
             whole[k] = r
+    if split.apart is not None:
+        aargs = [args[p] for p in split.apart_inputs]
+        outs = launch(split.apart, aargs)
+        for k, r in zip(split.apart_outputs, outs if outs is not None else fallback.run(split.apart, aargs)):
+            whole[k] = r
     for col in split.columns:
-        # detached: a column geometry of inputs that require grad declines (autodiff must not wrap a column group
-        # whose backward it cannot form, fuser/rows/outer_launch.py); here autograd records nothing
-        cargs = [_detached(args[i]) if kind == 0 else main[i] for kind, i in col.inputs]
+        cargs = [args[i] if kind == 0 else main[i] for kind, i in col.inputs]
         outs = launch(col.spec, cargs)
         if outs is None:  # this call: the interpreter (eager's ops, the same values); later ones: the old path
             with _lock:
@@ -241,8 +287,4 @@ def run(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: to
     return got
 
 
-def _detached(a):
-    return a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a
-
-
-__all__ = ["Column", "Split", "column_keys", "plan", "run", "split_for", "summed_dims"]
+__all__ = ["Column", "Split", "column_keys", "plan", "run", "split_for", "summed", "summed_dims"]

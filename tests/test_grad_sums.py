@@ -177,8 +177,9 @@ def test_the_backward_is_split_once_per_pattern_and_the_statistics_are_read_not_
     sig = tuple((a.dtype, False) for a in args)
     bw = autodiff.backward_for(spec, (True,) * 3, (True,), sig)
     shapes = [a.shape for a in args]
-    dims = grad_sums.plan(spec, bw, shapes, args[0].shape, sig)
-    assert dims == ((True, None), (False, (0, 1)), (False, (0, 1)))
+    bargs = autodiff.backward_args(spec, bw, [a.detach() for a in args], [torch.randn_like(args[0])], shapes)
+    dims = grad_sums.plan(spec, bw, shapes, args[0].shape, sig, bargs)
+    assert dims == ((True, None, False), (False, (0, 1), False), (False, (0, 1), False))
     split = grad_sums.split_for(bw, dims)
     assert split is grad_sums.split_for(bw, dims)
     assert split.kept == (0,) and split.n_rows == 2 and len(split.columns) == 1
@@ -211,11 +212,14 @@ def test_other_broadcasts_keep_sum_to_size(watch):
     spec = _spec(case, 16)
     sig = ((torch.float64, False),) * 3
     bw = autodiff.backward_for(spec, (True,) * 3, (True,), sig)
-    for shape, want_dims in (((3, 1, 16), (True, None)), ((1, 5, 16), (False, (0,))), ((5, 16), (False, (0,)))):
+    for shape, want_dims in (((3, 1, 16), (True, None, False)), ((1, 5, 16), (False, (0,), False)),
+                             ((5, 16), (False, (0,), False))):
         x, w, c = (torch.randn(s, dtype=torch.float64) for s in ((3, 5, 16), (16,), shape))
         args = _leaves([x, w, c])
-        dims = grad_sums.plan(spec, bw, [a.shape for a in args], x.shape, sig)
-        assert dims[bw.grad_inputs.index(2)] == want_dims and dims[bw.grad_inputs.index(1)] == (False, (0, 1))
+        shapes = [a.shape for a in args]
+        bargs = autodiff.backward_args(spec, bw, [a.detach() for a in args], [torch.randn_like(x)], shapes)
+        dims = grad_sums.plan(spec, bw, shapes, x.shape, sig, bargs)
+        assert dims[bw.grad_inputs.index(2)] == want_dims and dims[bw.grad_inputs.index(1)] == (False, (0, 1), False)
         got, want = _fused_and_eager64(case, spec, args, watch)
         _assert_grads(got, want, torch.float64)
         # one column group per summed dims: w's, and c's where it is summed over dim 0
@@ -355,3 +359,89 @@ def test_broadcast_gradients_are_summed_by_a_column_kernel_on_the_gpu(case, dtyp
             got, want = _fused_and_eager64(case, _spec(case, n), args, watch)
             _assert_grads(got, want, dtype)
             assert len(watch.columns) == 1 and watch.sum_to_size == 0, (n, lead)
+
+
+# ------------------------------------------------------------------------- column groups under autograd
+
+def _column_group(kind: str, dims, keepdim: bool, epilogue: bool, element_output: bool = False):
+    """kind(x * y, dims, keepdim) (y: [cols], broadcast down the columns), times 2 plus c ([cols]) where
+    ``epilogue``; the product beside it as an output where ``element_output``."""
+    b = ir.Builder()
+    x, y, c = b.input(), b.input(), b.input()
+    p = b.call("aten::mul", x, y)
+    op = {"sum": "aten::sum.dim_IntList", "mean": "aten::mean.dim", "amax": "aten::amax"}[kind]
+    s = b.add(op, p, tuple(dims), keepdim, *((None,) if kind != "amax" else ()))
+    if epilogue:
+        s = b.call("aten::add", b.call("aten::mul", s, 2.0), c, 1)
+    return b.build([s, p] if element_output else [s])
+
+
+def _column_eager(kind, dims, keepdim, epilogue, element_output=False):
+    def f(x, y, c):
+        p = x * y
+        s = getattr(p, kind)(dims, keepdim=keepdim)
+        s = s * 2 + c if epilogue else s
+        return [s, p] if element_output else [s]
+    return f
+
+
+COLUMN_CASES = [("sum", (0,), False, False, False), ("sum", (0,), True, True, False), ("mean", (0, 1), False, True, False),
+                ("mean", (0,), True, False, True), ("amax", (0,), False, True, False)]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
+@pytest.mark.parametrize("form", COLUMN_CASES, ids=lambda f: "-".join(map(str, f)))
+def test_a_column_group_under_autograd_runs_its_generated_backward(form, dtype, monkeypatch):
+    """A reduction over leading dims with inputs that require grad: the column kernel runs the forward, the
+    generated backward the gradients (x's as a pointwise kernel, y's summed by a column kernel, c's by a group
+    of its own), eager's float64 gradients; amax's backward (a mask per element of the column's max) runs
+    through the interpreter, eager's gradients too."""
+    from helpers import record_backward_runs
+    ran = record_backward_runs(monkeypatch)
+    kind, dims, keepdim, epilogue, element_output = form
+    spec = STORE.get(STORE.register(_column_group(*form)))
+    eager = _column_eager(*form)
+    for shape in ((50, 7), (31, 1), (1024, 3)) if dims == (0,) else ((4, 6, 5), (3, 1, 33)):
+        x, y = torch.randn(shape, dtype=dtype), torch.randn(shape[-1], dtype=dtype)
+        c = torch.randn(shape[-1], dtype=dtype)
+        args = _leaves([x, y, c])
+        args64 = _leaves([a.detach().double() for a in args])
+        outs = fuser.run_fusion(spec.key, args)
+        assert outs[0].grad_fn.name() in FUSED_BACKWARD, shape
+        ref = eager(*args64)
+        grads = [torch.randn_like(r) for r in ref]
+        ran.clear()
+        got = torch.autograd.grad(outs, args, [g.to(dtype) for g in grads], allow_unused=True)
+        want = torch.autograd.grad(ref, args64, grads, allow_unused=True)
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            if g is not None:
+                _assert_grads([g], [w], dtype)
+        if kind != "amax":
+            assert ran and all(s.key in grad_sums.column_keys or not s.has_reduction for s in ran), shape
+            assert any(s.key in grad_sums.column_keys for s in ran), shape
+
+
+def test_a_column_group_with_mixed_dtypes_and_double_backward():
+    """(x * y).sum(0) * 2 + c with x and y float32 and c float64: the gradient cast back to float32 through the
+    product's dtype; float64 gradcheck and gradgradcheck of the mean over (0, 1) with its epilogue."""
+    spec = STORE.get(STORE.register(_column_group("sum", (0,), False, True)))
+    args = _leaves([torch.randn(40, 6), torch.randn(6), torch.randn(6, dtype=torch.float64)])
+    outs = fuser.run_fusion(spec.key, args)
+    assert outs[0].dtype == torch.float64 and outs[0].grad_fn.name() in FUSED_BACKWARD
+    gy = torch.randn(6, dtype=torch.float64)
+    got = torch.autograd.grad(outs, args, gy)
+    args64 = _leaves([a.detach().double() for a in args])
+    want = torch.autograd.grad(_column_eager("sum", (0,), False, True)(*args64), args64, gy)
+    for g, w, a in zip(got, want, args):
+        assert g.dtype == a.dtype
+        _assert_grads([g], [w.to(a.dtype)], a.dtype)
+    spec = STORE.get(STORE.register(_column_group("mean", (0, 1), False, True)))
+
+    def fn(*ts):
+        return tuple(fuser.run_fusion(spec.key, list(ts)))
+
+    ts = tuple(_leaves([torch.randn(3, 2, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64),
+                        torch.randn(4, dtype=torch.float64)]))
+    assert torch.autograd.gradcheck(fn, ts)
+    assert torch.autograd.gradgradcheck(fn, ts)

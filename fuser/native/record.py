@@ -117,8 +117,7 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
               and not bw.row_length
               and all(piece is None for _, piece in bw.grad_outputs)
               and all(call.saved[i] for kind, i in inputs if kind == 0) and all(diff[i] for kind, i in inputs if kind == 2)
-              and not (shapes and grad_sums.plan(spec, bw, shapes, autodiff._full_shape(spec, tuple(shapes)),
-                                                 call.sig)))
+              and not (shapes and grad_sums.summed(spec, bw, shapes, autodiff._full_shape(spec, tuple(shapes)))))
     if not usable:
         rec.append(0)
         digest = ""
