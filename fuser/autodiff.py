@@ -11,8 +11,9 @@ gradient's own element-level ops); other broadcast inputs' gradients, and every 
 apply (double backward, a random or cat group), are summed to the input's shape after the kernel by
 ``sum_to_size``.
 
-A group with reductions (``fuser/rows/``) is wrapped only where its forward runs as a row kernel (the kernel runs
-first, as for a random group; where it cannot, the interpreter runs the group and eager's autograd records it).
+A group with reductions (``fuser/rows/``) is wrapped only where its forward runs as a row or column kernel (the
+kernel runs first, as for a random group; where it cannot, the interpreter runs the group and eager's autograd
+records it; which of the two ran picks the backward: ``backward._Rows``).
 Its backward group holds reductions too and runs as a row kernel like any group. A gradient summed along the
 row (a row-level value read by element-level ops) is summed inside that kernel; an input broadcast across rows
 (a bias or weight of shape [cols]) gets its gradient from a column group that reads the row statistics the main

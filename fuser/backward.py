@@ -13,6 +13,11 @@ Where an element-level node reads a row-level value, that value's gradient is su
 (softmax, log_softmax, layer_norm, rms_norm) is recomputed as its steps (``fuser/rows/decompose.py``), and its
 formula reads the statistics those steps form (layer_norm's mean and rstd) as eager's backward reads the ones its
 forward saved.
+
+A column kernel's group (reductions over leading dims, ``fuser/rows/outer.py``) gets the same treatment with its
+column-level values in the row-level values' place (``_Rows``): its reductions keep their dims, a gradient arriving
+without them broadcasts as it comes, and casts to a column-level value's dtype read an element-level value of that
+dtype instead (``_dtype_proxy``), so that the sum's gradient broadcast back down the column stays element-level.
 """
 from __future__ import annotations
 
