@@ -6,7 +6,10 @@ against eager's float64 gradients on seeded random inputs, float32 and float64, 
 each asserted to take the new path (the column kernel ran, sum_to_size was not called), on the CPU backend, through
 the TorchScript pass and the native hot path, and the CUDA kernels under the host emulation; the forms that keep the
 old path (dims that are not leading, bfloat16 statistics, double backward, a column kernel that does not run)
-asserted to keep it, with eager's gradients. The GPU twins are marked gpu."""
+asserted to keep it, with eager's gradients. Column groups under autograd ((x * y).sum(0), mean over two leading
+dims, amax, keepdim both ways, an epilogue + c, an element-level output beside): wrapped with their generated
+backward, eager's gradients in float32/float64 (float64 reference), float16/bfloat16 (within eager's own error),
+mixed dtypes, gradcheck and gradgradcheck. The GPU twins are marked gpu."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -445,3 +448,57 @@ def test_a_column_group_with_mixed_dtypes_and_double_backward():
                         torch.randn(4, dtype=torch.float64)]))
     assert torch.autograd.gradcheck(fn, ts)
     assert torch.autograd.gradgradcheck(fn, ts)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_a_column_group_under_autograd_in_half_is_as_close_as_eagers(dtype):
+    """float16/bfloat16: each gradient within twice eager's own error of float64 (plus a unit), eager's dtypes."""
+    for form in COLUMN_CASES:
+        spec = STORE.get(STORE.register(_column_group(*form)))
+        shape = (64, 9) if form[1] == (0,) else (4, 8, 9)
+        args = _leaves([torch.randn(shape, dtype=dtype), torch.randn(9, dtype=dtype), torch.randn(9, dtype=dtype)])
+        args64 = _leaves([a.detach().double() for a in args])
+        eager = _column_eager(*form)
+        outs = fuser.run_fusion(spec.key, args)
+        assert outs[0].grad_fn.name() in FUSED_BACKWARD
+        ref, ref64 = eager(*args), eager(*args64)
+        gy = [torch.randn_like(r) for r in ref]
+        got = torch.autograd.grad(outs, args, gy, allow_unused=True)
+        want = torch.autograd.grad(ref, args, gy, allow_unused=True)
+        want64 = torch.autograd.grad(ref64, args64, [g.double() for g in gy], allow_unused=True)
+        for g, w, w64 in zip(got, want, want64):
+            assert (g is None) == (w is None)
+            if g is None:
+                continue
+            assert g.dtype == w.dtype == dtype and g.shape == w.shape
+            scale = max(1.0, w64.abs().max().item())
+            err, eager_err = (g.double() - w64).abs().max().item(), (w.double() - w64).abs().max().item()
+            assert err <= 2 * eager_err + 8e-3 * scale, (form, err, eager_err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
+@pytest.mark.parametrize("form", COLUMN_CASES, ids=lambda f: "-".join(map(str, f)))
+def test_a_column_group_under_autograd_on_the_gpu(form, dtype, monkeypatch):
+    """As on the CPU: the forward a column kernel, the generated backward's kernels, eager's float64 gradients."""
+    from helpers import record_backward_runs
+    ran = record_backward_runs(monkeypatch)
+    kind = form[0]
+    spec = STORE.get(STORE.register(_column_group(*form)))
+    for shape in ((65537, 7), (1024, 4096)) if form[1] == (0,) else ((64, 64, 300),):
+        args = _leaves([torch.randn(shape, dtype=dtype, device="cuda"), torch.randn(shape[-1], dtype=dtype,
+                        device="cuda"), torch.randn(shape[-1], dtype=dtype, device="cuda")])
+        args64 = _leaves([a.detach().double() for a in args])
+        outs = fuser.run_fusion(spec.key, args)
+        assert outs[0].grad_fn.name() in FUSED_BACKWARD, shape
+        ref = _column_eager(*form)(*args64)
+        grads = [torch.randn_like(r) for r in ref]
+        ran.clear()
+        got = torch.autograd.grad(outs, args, [g.to(dtype) for g in grads], allow_unused=True)
+        want = torch.autograd.grad(ref, args64, grads, allow_unused=True)
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            if g is not None:
+                _assert_grads([g], [w], dtype)
+        if kind != "amax":
+            assert any(s.key in grad_sums.column_keys for s in ran), shape
