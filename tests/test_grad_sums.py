@@ -401,28 +401,31 @@ def test_a_column_group_under_autograd_runs_its_generated_backward(form, dtype, 
     through the interpreter, eager's gradients too."""
     from helpers import record_backward_runs
     ran = record_backward_runs(monkeypatch)
-    kind, dims, keepdim, epilogue, element_output = form
+    for shape in ((50, 7), (31, 1), (1024, 3)) if form[1] == (0,) else ((4, 6, 5), (3, 1, 33)):
+        _check_column_autograd(form, dtype, shape, "cpu", ran)
+        if form[0] != "amax":
+            assert all(s.key in grad_sums.column_keys or not s.has_reduction for s in ran), shape
+
+
+def _check_column_autograd(form, dtype, shape, device, ran):
+    """The group of ``form`` on fresh inputs of ``shape``: wrapped, eager's float64 gradients; ``ran`` (backward
+    groups that ran as kernels) holds a column group where the form is not amax's."""
     spec = STORE.get(STORE.register(_column_group(*form)))
-    eager = _column_eager(*form)
-    for shape in ((50, 7), (31, 1), (1024, 3)) if dims == (0,) else ((4, 6, 5), (3, 1, 33)):
-        x, y = torch.randn(shape, dtype=dtype), torch.randn(shape[-1], dtype=dtype)
-        c = torch.randn(shape[-1], dtype=dtype)
-        args = _leaves([x, y, c])
-        args64 = _leaves([a.detach().double() for a in args])
-        outs = fuser.run_fusion(spec.key, args)
-        assert outs[0].grad_fn.name() in FUSED_BACKWARD, shape
-        ref = eager(*args64)
-        grads = [torch.randn_like(r) for r in ref]
-        ran.clear()
-        got = torch.autograd.grad(outs, args, [g.to(dtype) for g in grads], allow_unused=True)
-        want = torch.autograd.grad(ref, args64, grads, allow_unused=True)
-        for g, w in zip(got, want):
-            assert (g is None) == (w is None)
-            if g is not None:
-                _assert_grads([g], [w], dtype)
-        if kind != "amax":
-            assert ran and all(s.key in grad_sums.column_keys or not s.has_reduction for s in ran), shape
-            assert any(s.key in grad_sums.column_keys for s in ran), shape
+    args = _leaves([torch.randn(s, dtype=dtype, device=device) for s in (shape, shape[-1:], shape[-1:])])
+    args64 = _leaves([a.detach().double() for a in args])
+    outs = fuser.run_fusion(spec.key, args)
+    assert outs[0].grad_fn.name() in FUSED_BACKWARD, shape
+    ref = _column_eager(*form)(*args64)
+    grads = [torch.randn_like(r) for r in ref]
+    ran.clear()
+    got = torch.autograd.grad(outs, args, [g.to(dtype) for g in grads], allow_unused=True)
+    want = torch.autograd.grad(ref, args64, grads, allow_unused=True)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            _assert_grads([g], [w], dtype)
+    if form[0] != "amax":
+        assert any(s.key in grad_sums.column_keys for s in ran), shape
 
 
 def test_a_column_group_with_mixed_dtypes_and_double_backward():
@@ -483,22 +486,5 @@ def test_a_column_group_under_autograd_on_the_gpu(form, dtype, monkeypatch):
     """As on the CPU: the forward a column kernel, the generated backward's kernels, eager's float64 gradients."""
     from helpers import record_backward_runs
     ran = record_backward_runs(monkeypatch)
-    kind = form[0]
-    spec = STORE.get(STORE.register(_column_group(*form)))
     for shape in ((65537, 7), (1024, 4096)) if form[1] == (0,) else ((64, 64, 300),):
-        args = _leaves([torch.randn(shape, dtype=dtype, device="cuda"), torch.randn(shape[-1], dtype=dtype,
-                        device="cuda"), torch.randn(shape[-1], dtype=dtype, device="cuda")])
-        args64 = _leaves([a.detach().double() for a in args])
-        outs = fuser.run_fusion(spec.key, args)
-        assert outs[0].grad_fn.name() in FUSED_BACKWARD, shape
-        ref = _column_eager(*form)(*args64)
-        grads = [torch.randn_like(r) for r in ref]
-        ran.clear()
-        got = torch.autograd.grad(outs, args, [g.to(dtype) for g in grads], allow_unused=True)
-        want = torch.autograd.grad(ref, args64, grads, allow_unused=True)
-        for g, w in zip(got, want):
-            assert (g is None) == (w is None)
-            if g is not None:
-                _assert_grads([g], [w], dtype)
-        if kind != "amax":
-            assert any(s.key in grad_sums.column_keys for s in ran), shape
+        _check_column_autograd(form, dtype, shape, "cuda", ran)
