@@ -14,8 +14,8 @@ which leading dims are summed), into:
 Both are registered in the kernel store and run through the executor like any group. Where a pattern does not
 split (dims that are not leading, a random or cat group, float16/bfloat16 statistics that would be rounded
 in memory, an empty shape, autograd recording the backward), or where a column kernel did not run for a
-signature (its plan fell back: that call's column group runs through the interpreter, later calls of that
-signature take the old path), the caller keeps the old path: the whole backward group, then ``sum_to_size``.
+signature (its plan fell back: that call and the later ones of that signature, so that a backward run twice
+gives the same values), the caller keeps the old path: the whole backward group, then ``sum_to_size``.
 """
 from __future__ import annotations
 
@@ -272,10 +272,10 @@ def run(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: to
     for col in split.columns:
         cargs = [args[i] if kind == 0 else main[i] for kind, i in col.inputs]
         outs = launch(col.spec, cargs)
-        if outs is None:  # this call: the interpreter (eager's ops, the same values); later ones: the old path
+        if outs is None:  # the old path, for this call and the later ones of this signature (the same values)
             with _lock:
                 _bounded(_no_kernel).add(signature)
-            outs = fallback.run(col.spec, cargs)
+            return None
         for k, r in zip(col.sums, outs):
             summed[k] = r
     got = []
