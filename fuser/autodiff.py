@@ -5,13 +5,20 @@ forward runs the forward kernel (grad mode is off inside it) and saves the input
 backward is a group that ``fuser/backward.py`` builds from the derivative table. That group is registered in the kernel store like any group, so it gets a fused kernel (or the
 fallback, when it cannot be fused), and, when the backward itself runs under grad mode
 (``create_graph=True``), it is differentiated the same way: double backward either runs fused or through
-the interpreter. Gradients of broadcast inputs are summed to the input's shape after the kernel.
+the interpreter. Gradients of inputs broadcast over the leading dims (a bias, a norm's weight of shape [cols]) are
+summed by generated column groups (``fuser/grad_sums.py``: the backward group split in two, the sums fused with the
+gradient's own element-level ops); other broadcast inputs' gradients, and every one where that split does not
+apply (double backward, a random or cat group), are summed to the input's shape after the kernel by
+``sum_to_size``.
 
-A group with reductions (``fuser/rows/``) is wrapped only where its forward runs as a row kernel (the kernel runs
-first, as for a random group; where it cannot, the interpreter runs the group and eager's autograd records it).
+A group with reductions (``fuser/rows/``) is wrapped only where its forward runs as a row or column kernel (the
+kernel runs first, as for a random group; where it cannot, the interpreter runs the group and eager's autograd
+records it; which of the two ran picks the backward: ``backward._Rows``).
 Its backward group holds reductions too and runs as a row kernel like any group. A gradient summed along the
 row (a row-level value read by element-level ops) is summed inside that kernel; an input broadcast across rows
-(a bias or weight of shape [cols]) still gets eager's ``sum_to_size`` after it.
+(a bias or weight of shape [cols]) gets its gradient from a column group that reads the row statistics the main
+backward group writes (layer_norm's mean and rstd; ``fuser/grad_sums.py``), or, where that does not apply
+(float16/bfloat16 statistics), eager's ``sum_to_size`` after it.
 
 A group whose gradient cannot be formed here (an op without a formula, a formula that needs an argument
 that is not a constant) is not wrapped: the interpreter runs it op by op and eager's autograd records it.
@@ -26,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from . import compiler, executor, fallback, ir, ops, rng
+from . import compiler, executor, fallback, grad_sums, ir, ops, rng
 from .backward import Backward, _carries, _Unsupported, build_backward
 from .descs import DENSE, ArgSpec, TensorDesc
 from .kernel_cache import KernelSpec
@@ -111,12 +118,14 @@ def _reduction_dtypes(spec: KernelSpec, sig: tuple) -> list:
     return [v.dtype for v in values]
 
 
-def backward_for(spec: KernelSpec, needs: tuple, defined: tuple, sig: tuple) -> Optional[Backward]:
-    key = (spec.key, needs, defined, sig)
+def backward_for(spec: KernelSpec, needs: tuple, defined: tuple, sig: tuple,
+                 columns: bool = False) -> Optional[Backward]:
+    """``columns``: the forward ran as a column kernel (``fuser/rows/outer.py``), whose backward differs."""
+    key = (spec.key, needs, defined, sig, columns)
     if key in _backwards:
         return _backwards[key]
     try:
-        bw = build_backward(spec, needs, defined, _floating_values(spec, sig))
+        bw = build_backward(spec, needs, defined, _floating_values(spec, sig), columns)
     except _Unsupported:
         bw = None
     except RuntimeError:  # eager rejects these dtypes (the type probe raised): the interpreter will say so
@@ -140,13 +149,14 @@ _carried: dict[tuple, tuple] = {}
 class _Call:
     """What the autograd Function needs besides the tensors: the group and where its arguments go."""
 
-    __slots__ = ("spec", "scalars", "needs", "sig", "saved", "carried", "rng_state", "outputs")
+    __slots__ = ("spec", "scalars", "needs", "sig", "saved", "carried", "rng_state", "outputs", "columns")
 
-    def __init__(self, spec, scalars, needs, sig, saved, carried, rng_state=None, outputs=None):
+    def __init__(self, spec, scalars, needs, sig, saved, carried, rng_state=None, outputs=None, columns=False):
         self.spec, self.scalars, self.needs, self.sig, self.saved = spec, scalars, needs, sig, saved
         self.carried = carried  # per output: whether a wanted gradient reaches it
         self.rng_state = rng_state  # a random group's launch state: the backward redraws the same numbers
         self.outputs = outputs  # a random group's forward outputs, computed before (its kernel had to run)
+        self.columns = columns  # the forward ran as a column kernel (its backward is formed for that)
 
     def args(self, tensors: Sequence) -> list:
         if self.spec.all_tensors:
@@ -197,15 +207,23 @@ def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence) -
     result: list = [None] * len(saved)
     if not any(defined):
         return result
-    bw = backward_for(spec, call.needs, defined, call.sig)
+    bw = backward_for(spec, call.needs, defined, call.sig, call.columns)
     t_index = tensor_index(spec)
     fwd_args = call.args(saved)
     if bw.spec is not None:
         shapes = [m[0] for m in meta]
-        outs = run(bw.spec, backward_args(spec, bw, fwd_args, grads, shapes), call.rng_state)
-        for j, r in [*zip(bw.grad_inputs, outs), *((j, outs[k]) for j, k in bw.aliases)]:
+        args = backward_args(spec, bw, fwd_args, grads, shapes)
+        got = None
+        if not torch.is_grad_enabled():  # inputs broadcast over leading dims: summed by column groups (grad_sums)
+            got = grad_sums.run(spec, bw, args, shapes, _full_shape(spec, tuple(shapes)), call.sig)
+        if got is None:
+            outs = run(bw.spec, args, call.rng_state)
+            got = [*zip(bw.grad_inputs, outs), *((j, outs[k]) for j, k in bw.aliases)]
+        for j, r in got:
             shape, dtype, _ = meta[t_index[j]]
-            r = r if r.shape == shape else r.sum_to_size(shape)
+            if r.shape != shape:  # a column group's sum (keepdim) is a view of the shape; the old path sums here
+                r = r.reshape(shape) if r.numel() == math.prod(shape) and _same_dims(r.shape, shape) else \
+                    r.sum_to_size(shape)
             result[t_index[j]] = r if r.dtype == dtype else r.to(dtype)
     for j in bw.zero_inputs:
         shape, dtype, device = meta[t_index[j]]
@@ -230,12 +248,22 @@ def backward_args(spec: KernelSpec, bw: Backward, fwd_args: Sequence, grads: Seq
     return args
 
 
+def _full_shape(spec: KernelSpec, shapes: tuple) -> torch.Size:
+    """The broadcast shape of the forward's tensor inputs and tensor constants: the shape its gradients have."""
+    consts = [tuple(a.shape) for n in spec.group.nodes for a in n.args if isinstance(a, ir.TensorConst)]
+    return broadcast_shapes(*shapes, *consts)
+
+
+def _same_dims(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Whether ``a`` and ``b`` are one shape but for dims of size 1."""
+    return [s for s in a if s != 1] == [s for s in b if s != 1]
+
+
 def _row_length(spec: KernelSpec, shapes: tuple) -> int:
     """The number of elements each row of a row kernel reduces: the reduced dims of the full shape, which is the
     inputs' broadcast shape where the forward ran as a row kernel (every input broadcasts to it, and the reduced
     value's shape is the broadcast of what it reads)."""
-    consts = [tuple(a.shape) for n in spec.group.nodes for a in n.args if isinstance(a, ir.TensorConst)]
-    full = broadcast_shapes(*shapes, *consts)
+    full = _full_shape(spec, shapes)
     dims = next(ops.reduced_dims(n.op, n.args) for n in spec.group.nodes if ops.reduction(n.op) is not None)
     if not dims:
         return math.prod(full)
@@ -317,7 +345,24 @@ def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None)
             call.outputs = executor.run(spec, args, call.rng_state)
         if call.outputs is None:
             return None
+        columns = _ran_as_columns(spec, tensors) if spec.has_reduction else False
+        if columns is None:
+            return None
+        if columns:
+            bw = backward_for(spec, needs, spec.all_outputs_defined, sig, True)
+            if bw is None:
+                return None
+            call.columns = True
+            call.saved = tuple(j in bw.fwd_inputs for j, is_t in enumerate(spec.input_is_tensor) if is_t)
     return call
+
+
+def _ran_as_columns(spec: KernelSpec, tensors: list) -> Optional[bool]:
+    """Whether the kernel that just ran on ``tensors`` was a column kernel (its geometry, cached by signature; None
+    where it is gone: the cache started over)."""
+    from .rows.outer_launch import OuterGeometry
+    geo = spec.geometries.get(executor.signature(tensors))
+    return None if geo is None else isinstance(geo, OuterGeometry)
 
 
 def differentiable_outputs(call: _Call, outputs: Sequence[torch.Tensor]) -> tuple[bool, ...]:

@@ -13,6 +13,11 @@ Where an element-level node reads a row-level value, that value's gradient is su
 (softmax, log_softmax, layer_norm, rms_norm) is recomputed as its steps (``fuser/rows/decompose.py``), and its
 formula reads the statistics those steps form (layer_norm's mean and rstd) as eager's backward reads the ones its
 forward saved.
+
+A column kernel's group (reductions over leading dims, ``fuser/rows/outer.py``) gets the same treatment with its
+column-level values in the row-level values' place (``_Rows``): its reductions keep their dims, a gradient arriving
+without them broadcasts as it comes, and casts to a column-level value's dtype read an element-level value of that
+dtype instead (``_dtype_proxy``), so that the sum's gradient broadcast back down the column stays element-level.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from . import derivatives as D
 from . import ir, ops
 from .kernel_cache import STORE, KernelSpec
 from .rows import decompose
+from .rows.outer import column_level
 from .rows.plan import row_level
 
 @dataclass(frozen=True)
@@ -59,12 +65,13 @@ class _Unsupported(Exception):
 
 
 def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bool],
-                   floating: frozenset) -> Backward:
+                   floating: frozenset, columns: bool = False) -> Backward:
     """The backward group of ``spec.group``; raises :class:`_Unsupported` when the table cannot form it.
 
     needs: per group input, whether its gradient is wanted. defined: per group output, whether a gradient
     arrives for it. floating: ids of the group's values whose dtype is floating for these inputs (gradients
-    flow through those only, as in eager, where integer and bool results never require grad).
+    flow through those only, as in eager, where integer and bool results never require grad). columns: the
+    forward ran as a column kernel (its reductions over leading dims, ``fuser/rows/outer.py``; see ``_Rows``).
     """
     if spec.concat_consumed:
         raise _Unsupported("a cat's result used inside the group")
@@ -86,7 +93,9 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
             return env[a.id]
         return tuple(env[x.id] if isinstance(x, ir.Value) else x for x in a) if isinstance(a, tuple) else a
 
-    rows = _Rows(fwd) if spec.has_reduction else None
+    rows = _Rows(fwd, columns) if spec.has_reduction else None
+    columns = columns and rows is not None
+    proxy: dict[int, ir.Value] = {}  # column-level value -> an element-level one of its dtype (_dtype_proxy)
     saved: dict[int, list] = {}  # a normalization's statistics, as eager's kernel saves them (its formula reads them)
     for n in fwd.nodes:  # the forward, recomputed from the saved inputs, rounded where the forward rounds
         args = list(map(mapped, n.args))
@@ -99,6 +108,8 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
             continue
         with b.steps_of(n.origin):
             env[n.out.id] = b.add(n.op, *args)
+        if columns:
+            _dtype_proxy(b, n, args, proxy)
 
     carries = _carries(fwd, needs, floating)
     if carries is None:
@@ -148,7 +159,7 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
             if rows is not None and rows.broadcast(n, inp):  # summed along the row to the row-level value's shape
                 r = D.reduce_sum(r, rows.dims)
             if not is_input:  # the engine casts a gradient to its value's dtype
-                r = D.op("aten::type_as", r, D.V(b, env[inp.id]))
+                r = D.op("aten::type_as", r, D.V(b, proxy.get(inp.id, env[inp.id])))
             accumulate(inp.id, r)
 
     grad_inputs, zero_inputs, outputs, aliases, written = [], [], [], [], {}
@@ -190,6 +201,26 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
                     unsqueeze if any(unsqueeze) else (), any(j >= n_grad for j in keep), tuple(aliases))
 
 
+def _dtype_proxy(b: ir.Builder, n: ir.Node, args: list, proxy: dict) -> None:
+    """For a column kernel's backward: where forward node ``n`` (``args``: its arguments in the backward) is
+    column-level, an element-level value of its dtype in ``proxy`` (by the forward value's id), for the casts of
+    gradients to its dtype. A cast that read the column-level value itself would make every gradient after it
+    column-level, and the column kernel's element-level nodes (a sum's gradient broadcast back down the column)
+    may not read one. A reduction without a dtype argument has its input's dtype; another node, its own op on
+    its operands' proxies (type promotion does not depend on the extent of dims). Only casts read a proxy
+    (``type_as`` reads no value of its second operand, so the compiler drops the proxy's arithmetic)."""
+    red = ops.reduction(n.op)
+    if red is not None:
+        if red.kind in ("amax", "amin") or (red.kind in ("sum", "mean") and args[3] is None):
+            proxy[n.out.id] = args[0]
+        return
+    if not any(isinstance(a, ir.Value) and a.id in proxy for a in n.args):
+        return
+    inner = [proxy[a.id] if isinstance(a, ir.Value) and a.id in proxy else m for a, m in zip(n.args, args)]
+    with b.steps_of(n.origin):
+        proxy[n.out.id] = b.add(n.op, *inner)
+
+
 def _name(op: str) -> Optional[str]:
     """The derivative table's name of an overload (a pointwise op's table name, a reduction's kind)."""
     red = ops.reduction(op)
@@ -228,15 +259,21 @@ def _normalization_steps(b: ir.Builder, n: ir.Node, args: list) -> Optional[tupl
 class _Rows:
     """What the backward of a group with reductions needs of the forward: which values are row-level, the
     reduced dims (every reduction's: the row kernel's plan holds them equal), and the row-level values whose
-    reduced dims are dropped (keepdim off)."""
+    reduced dims are dropped (keepdim off).
 
-    def __init__(self, fwd: ir.Group):
-        self.row = row_level(fwd)
+    ``columns``: the forward ran as a column kernel (reductions over leading dims). Its column-level values
+    (``fuser.rows.outer.column_level``: the epilogue too, which may read inputs of the columns' shape) take the
+    row-level values' place; no element-level value reads one (the column plan's rule), so no gradient is summed
+    in the group; and a dropped-dims value's gradient broadcasts as it comes (the reduced dims lead: right-aligned
+    broadcasting puts its dims on the kept ones), so nothing is unsqueezed."""
+
+    def __init__(self, fwd: ir.Group, columns: bool = False):
+        self.row = column_level(fwd) if columns else row_level(fwd)
         reductions = [n for n in fwd.nodes if ops.reduction(n.op) is not None]
         self.dims = ops.reduced_dims(reductions[0].op, reductions[0].args)
         self._dropped: dict[int, int] = {}
         for n in fwd.nodes:
-            if n.out.id not in self.row:
+            if n.out.id not in self.row or columns:
                 continue
             k = _keepdim_at(n.op)
             if k is not None:

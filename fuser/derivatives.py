@@ -345,8 +345,8 @@ def reduce_mean(v: V, dims) -> V:
 # ---- normalizations (composite reductions, ``ops.Reduction.composite``): fuser/backward.py recomputes the forward
 # op as its steps (fuser/rows/decompose.py) and passes what eager's kernels save (layer_norm's mean and rstd,
 # rms_norm's rstd) as extra entries of ``x``; each backward is a row group: reductions along the row, then an
-# epilogue. The gradients of weight and bias are element-level here ([rows..., cols]): eager's sum_to_size after
-# the kernel sums them over the rows (fuser/autodiff.py), as for any input broadcast across rows.
+# epilogue. The gradients of weight and bias are element-level here ([rows..., cols]): a column group sums them
+# over the rows (fuser/grad_sums.py), as for any input broadcast across rows.
 
 def _softmax(g, x, y):
     # eager's softmax_backward: (grad - sum(grad * out)) * out

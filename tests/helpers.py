@@ -634,8 +634,9 @@ def record_backward_runs(monkeypatch) -> list:
 
 def row_backward_keys(backwards) -> set:
     """The keys of the backward groups in ``backwards`` (from :func:`record_backward_runs`) that ran as row
-    kernels."""
-    return {s.key for s in backwards if s.has_reduction}
+    kernels (a column group that sums a broadcast input's gradient, fuser/grad_sums.py, is not one)."""
+    from fuser.grad_sums import column_keys
+    return {s.key for s in backwards if s.has_reduction and s.key not in column_keys}
 
 
 def backward_and_args(spec, inputs: list, eager_fn):

@@ -220,8 +220,8 @@ def test_bfloat16_gradients_as_close_to_float64_as_eagers(case, _backwards):
 
 def test_the_backward_holds_the_forwards_reductions_and_its_own():
     """layer_norm's backward: its mean and variance recomputed from x (not saved), then the two means of its
-    gradient, in one row group; the weight's and bias's gradients leave it element-level (summed over the rows
-    by eager after it)."""
+    gradient, in one row group; the weight's and bias's gradients leave it element-level (in a call, fuser/grad_sums.py
+    splits it: a column group sums them over the rows, tests/test_grad_sums.py)."""
     case = CASES[2]
     bw, args, want = backward_and_args(_spec(case, 40), case.inputs(torch.float64, 40), case.eager)
     assert [n.op for n in bw.spec.group.nodes if n.op == "aten::mean.dim"] == ["aten::mean.dim"] * 4

@@ -269,13 +269,14 @@ def test_forms_the_column_kernel_does_not_take_fall_back_to_eager():
             torch.testing.assert_close(o, r)
 
 
-def test_inputs_that_require_grad_get_eagers_autograd():
-    """The column kernel runs without autograd only: with inputs that require grad the group is not wrapped (the
-    interpreter's ops are recorded) and the gradients are eager's."""
+def test_inputs_that_require_grad_get_the_fused_backward():
+    """With inputs that require grad the column kernel runs the forward and the group is wrapped with its generated
+    backward (tests/test_grad_sums.py has the cases); the gradients are eager's."""
     case = _prologue_epilogue()
     spec = _spec(_GROUPS[case.id])
     x, y = torch.randn(30, 4, dtype=torch.float64, requires_grad=True), torch.randn(4, dtype=torch.float64)
     outs = fuser.run_fusion(spec.key, [x, y, 0.5])
+    assert outs[0].grad_fn.name() == "_FusedGroupBackward"
     refs = case.eager(x, y, 0.5)
     grads = [torch.randn_like(r) for r in refs]
     torch.testing.assert_close(torch.autograd.grad(outs, x, grads)[0], torch.autograd.grad(refs, x, grads)[0])

@@ -250,8 +250,9 @@ def test_empty_rows_and_no_rows_as_eager():
 
 
 def test_only_wanted_gradients_and_the_eager_path_where_the_row_kernel_cannot_run():
-    """A weight that does not require grad gets none; a leading-dim reduction (no row kernel) is not wrapped:
-    eager's autograd records the interpreter's ops, with eager's gradients."""
+    """A weight that does not require grad gets none; a reduction over a middle dim (neither a row nor a column
+    kernel) is not wrapped: eager's autograd records the interpreter's ops, with eager's gradients (a leading-dim
+    one runs as a column kernel and is wrapped: tests/test_grad_sums.py)."""
     case = _affine_sum()
     x, w, c = case.inputs(torch.float64)
     x.requires_grad_()
@@ -259,12 +260,12 @@ def test_only_wanted_gradients_and_the_eager_path_where_the_row_kernel_cannot_ru
     _assert_grads(got, want, torch.float64)
     b = ir.Builder()
     x = b.input()
-    spec = _spec(b.build([reduce_node(b, "sum", b.call("aten::exp", x), (0,), False)]))
-    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    spec = _spec(b.build([reduce_node(b, "sum", b.call("aten::exp", x), (1,), False)]))
+    x = torch.randn(6, 4, 5, dtype=torch.float64, requires_grad=True)
     (y,) = fuser.run_fusion(spec.key, [x])
     assert y.grad_fn.name() not in FUSED_BACKWARD
     gy = torch.randn_like(y)
-    torch.testing.assert_close(torch.autograd.grad(y, x, gy)[0], torch.autograd.grad(x.exp().sum(0), x, gy)[0])
+    torch.testing.assert_close(torch.autograd.grad(y, x, gy)[0], torch.autograd.grad(x.exp().sum(1), x, gy)[0])
 
 
 _SMALL = [  # (case, small float64 inputs: gradgradcheck's cost grows with the square of the elements)

@@ -104,7 +104,8 @@ def offer(key: int, digest: str, spec, args: Sequence, tensors: Sequence[torch.T
     if got is None:
         torch.ops.fuser._native_put_train(key, digest, signature, rec, floats, requires, [], "", [])
         return
-    bw_rec, bw_digest = record.train_record(spec, call, got, outputs, len(tensors))
+    bw_rec, bw_digest = record.train_record(spec, call, got, outputs, len(tensors),
+                                                 [t.shape for t in tensors])
     torch.ops.fuser._native_put_train(key, digest, signature, rec, floats, requires, bw_rec, bw_digest,
                                       record.backward_meta(call, tensors))
 

@@ -94,11 +94,13 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     return rec, floats, backend
 
 
-def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Tensor], n_tensors: int) -> tuple:
+def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Tensor], n_tensors: int,
+                 shapes: Sequence[torch.Size] = ()) -> tuple:
     """For a call autograd records (``autodiff.prepare_call``'s ``call``): (backward record, backward group's
     digest, what ``fusion_group_backward_py`` needs) for ``hotpath.cpp``'s ``put_train``; the backward group is
-    the one of the pattern where every differentiable output gets a gradient."""
-    from .. import autodiff
+    the one of the pattern where every differentiable output gets a gradient. ``shapes``: the tensor inputs'; where
+    an input's gradient is summed by a column group (``fuser/grad_sums.py``), Python's backward runs it."""
+    from .. import autodiff, grad_sums
     diff = autodiff.differentiable_outputs(call, outputs)
     rec = [int(s) for s in call.saved] + [int(d) for d in diff]
     bw = autodiff.backward_for(spec, call.needs, diff, call.sig) if launch is not None else None
@@ -114,7 +116,8 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
     usable = (bw is not None and bw.spec is not None and not spec.random and not any(bw.grad_unsqueeze or ())
               and not bw.row_length
               and all(piece is None for _, piece in bw.grad_outputs)
-              and all(call.saved[i] for kind, i in inputs if kind == 0) and all(diff[i] for kind, i in inputs if kind == 2))
+              and all(call.saved[i] for kind, i in inputs if kind == 0) and all(diff[i] for kind, i in inputs if kind == 2)
+              and not (shapes and grad_sums.summed(spec, bw, shapes, autodiff._full_shape(spec, tuple(shapes)))))
     if not usable:
         rec.append(0)
         digest = ""

@@ -81,12 +81,10 @@ class OuterGeometry:
                              ctypes.c_void_p * max(1, len(p.tensors) + len(p.out_shapes)),
                              ctypes.c_double * max(1, len(p.scalars)))
 
-    def run(self, tensors, scalars) -> Optional[list[torch.Tensor]]:
-        """Allocate the outputs and launch (the executor checked everything else). None where inputs require
-        grad: ``fuser.backward`` forms a reduction group's backward for trailing dims only, so autograd must
-        record eager's ops (``autodiff`` wraps a group only where this runs)."""
-        if self.requires_grad:
-            return None
+    def run(self, tensors, scalars) -> list[torch.Tensor]:
+        """Allocate the outputs and launch (the executor checked everything else: with inputs that require grad
+        under grad mode it declines; ``autodiff`` runs this under no_grad, then forms the backward for a column
+        kernel, ``fuser.backward._Rows``)."""
         outputs = [torch.empty(s, dtype=dt, device=self.device) for s, dt in zip(self.out_shapes, self.out_dtypes)]
         if self.cols == 0:
             return outputs
