@@ -223,13 +223,18 @@ def _dims(node: ir.Node, rank: int) -> list[int]:
     return sorted({d % rank for d in dims}) if rank else []
 
 
-def _steps_differ(group: ir.Group, steps: ir.Group, meta_args: list, values: list) -> str:
+def _steps_differ(group: ir.Group, steps: ir.Group, meta_args: list, values: list, target: str) -> str:
     """Why the steps of ``group``'s composite ops (``decompose.expand``) would not give eager's outputs for these
-    inputs (their dtypes or shapes differ: a float32 weight of a bfloat16 layer_norm, whose eager kernel keeps
-    the input's dtype; rms_norm's default eps in float64), or ""."""
+    inputs on ``target`` (their dtypes or shapes differ: a float32 weight of a bfloat16 layer_norm, whose eager
+    kernel keeps the input's dtype; rms_norm's default eps in float64; CUDA's float64 rms_norm), or ""."""
     value_of = {n.out.id: v for n, v in zip(group.nodes, values[len(group.outputs):])}
     value_of.update({v.id: a for v, a in zip(group.inputs, meta_args)})
     for n in group.nodes:
+        if n.op == "aten::rms_norm" and target == "cuda" and value_of[n.args[0].id].dtype == torch.float64:
+            # eager's CUDA rms_norm in float64 gives a whole row NaN where an element is inf; its composite, which
+            # the steps follow, gives 0 for the finite elements (the CUDA fuzzer found it). In float32, bfloat16 and
+            # float16 eager's CUDA results are the composite's, overflowing rows included (H100, torch 2.11)
+            return "rms_norm on CUDA in float64: eager's kernel and its composite differ on rows holding inf"
         if n.op == "aten::rms_norm" and n.args[3] is None and value_of[n.args[0].id].dtype == torch.float64:
             return "rms_norm's default eps in float64 (the steps take float32's)"
     try:
@@ -280,11 +285,6 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
     if any(group.is_input(v) for v in group.outputs):
         return "an output is an input (a kernel's outputs are fresh tensors)"
     if target == "cuda":
-        if any(n.op == "aten::rms_norm" for n in group.nodes) and any(t.dtype == torch.float64 for t in tensors):
-            # eager's CUDA rms_norm in float64 gives a whole row NaN where an element is inf; its composite, which
-            # the steps follow, gives 0 for the finite elements (the CUDA fuzzer found it). In float32, bfloat16 and
-            # float16 eager's CUDA results are the composite's, overflowing rows included (H100, torch 2.11)
-            return "rms_norm on CUDA in float64: eager's kernel and its composite differ on rows holding inf"
         if any(isinstance(a, ir.TensorConst) and a.shape for n in group.nodes for a in n.args):
             # the meta run below does not check devices: eager's CUDA kernels reject a CPU tensor constant that is
             # not 0-dim (a 0-dim one is a CPU scalar, which they take: the door's where(c, x, scalar_tensor(0.)))
@@ -304,7 +304,7 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
         return f"eager rejects these inputs: {e}"
     steps = decompose.expand(group)
     if steps is not group:  # composite ops (softmax, layer_norm, ...): the kernel runs their steps
-        why = _steps_differ(group, steps, meta_args, values)
+        why = _steps_differ(group, steps, meta_args, values, target)
         if why:
             return why
         group, values = steps, evaluate(steps, meta_args, every_value=True)
