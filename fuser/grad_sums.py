@@ -114,12 +114,20 @@ def summed(spec: KernelSpec, bw, shapes: Sequence[torch.Size], full: torch.Size)
                for js in _users(spec, bw).values() for _, t in js)
 
 
+_user_maps: dict[tuple, dict] = {}
+
+
 def _users(spec: KernelSpec, bw) -> dict:
-    """Backward output -> the tensor input indices (among the forward's tensor inputs) whose gradient it is."""
-    t_index = {j: k for k, j in enumerate(j for j, is_t in enumerate(spec.input_is_tensor) if is_t)}
-    users: dict[int, list] = {}
-    for j, out in [*zip(bw.grad_inputs, range(len(bw.grad_inputs))), *bw.aliases]:
-        users.setdefault(out, []).append((j, t_index[j]))
+    """Backward output -> the tensor input indices (among the forward's tensor inputs) whose gradient it is (built
+    once per pattern: every backward call reads it)."""
+    key = (spec.key, bw.spec.key, tuple(bw.grad_inputs), tuple(bw.aliases))
+    users = _user_maps.get(key)
+    if users is None:
+        t_index = {j: k for k, j in enumerate(j for j, is_t in enumerate(spec.input_is_tensor) if is_t)}
+        users = {}
+        for j, out in [*zip(bw.grad_inputs, range(len(bw.grad_inputs))), *bw.aliases]:
+            users.setdefault(out, []).append((j, t_index[j]))
+        _bounded(_user_maps)[key] = users
     return users
 
 
