@@ -71,7 +71,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         group's order. ``loaded``: the inputs are in arrays ``xl<k>`` already (:func:`vector_loads`), read at the
         thread's column ``v``."""
         need = needed(group, wanted, level=cols_v)
-        at = (lambda k: row(k)) if callable(row) else (lambda k: row.replace("#", str(k)))
+        at = row if callable(row) else (lambda k: row.replace("#", str(k)))
         lines = [f"const {vtype[v.id]} x{k} = " + (
                      f"xl{k}[v];" if loaded else
                      f"fz_ld(t{k}[{'off' if cuda else 'coff'}{k}{'' if cuda else '[j]'}{at(k)}]);")
