@@ -297,10 +297,6 @@ def test_values_saved_for_the_backward_are_inputs_or_come_out_of_forward_groups_
 def test_the_doors_groups_run_as_cuda_kernels_in_the_host_emulation():
     """The groups this door makes (Python numbers in Tensor slots, scalar_tensor constants in a where, decomposed
     backward ops) through their CUDA source, emulated on the host (fuser/cuda/emulate.py), against eager's ops."""
-    from fuser import fallback
-    from fuser.cuda import emulate
-    from fuser.rows import emulate as row_emulate
-
     def f(x, w, b):
         h = F.gelu(x * w + b, approximate="tanh")
         return F.relu(h) * torch.sigmoid(1.0 - h)
@@ -309,6 +305,18 @@ def test_the_doors_groups_run_as_cuda_kernels_in_the_host_emulation():
     with recording() as graphs:
         out = torch.compile(f, backend="fuser", dynamic=False)(*args)
         out.backward(torch.randn_like(out))
+    assert _emulated_regions(graphs) >= 2
+    texts = "\n".join(s.text for *_, specs in graphs for s in specs)
+    assert "tensor(float32, [], [0.0])" in texts and "aten::rsub" in texts
+
+
+def _emulated_regions(graphs, tol=1e-5) -> int:
+    """Runs every group of ``graphs`` (recorded door graphs) through its CUDA source emulated on the host, on
+    fresh random inputs of the region's shapes and dtypes, against the interpreter's eager ops; returns how many."""
+    from fuser import fallback
+    from fuser.cuda import emulate
+    from fuser.rows import emulate as row_emulate
+
     checked = 0
     for _, _, part, specs in graphs:
         for region, spec in zip(part.regions, specs):
@@ -321,10 +329,9 @@ def test_the_doors_groups_run_as_cuda_kernels_in_the_host_emulation():
                    emulate.run_graph(spec.group, inputs))
             assert got is not None, spec.text
             for o, r in zip(got, fallback.evaluate(spec.group, inputs)):
-                torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(o, r, rtol=tol, atol=tol)
             checked += 1
-    texts = "\n".join(s.text for *_, specs in graphs for s in specs)
-    assert checked >= 2 and "tensor(float32, [], [0.0])" in texts and "aten::rsub" in texts
+    return checked
 
 
 # ---- modes, graph breaks, dynamic shapes ----------------------------------------------------------------------
@@ -618,3 +625,106 @@ def test_rms_norm_and_leading_sums_through_the_door_cuda(dtype):
                                      torch.randn(64, dtype=dtype, device="cuda")], 5, "cuda")
     _check_door_groups(_sum0, [torch.randn(40, 24, dtype=dtype, device="cuda"),
                                torch.randn(40, 24, dtype=dtype, device="cuda")], 3, "cuda")
+
+
+# ---- layer norm in training: the forward's statistics come out of its row kernel --------------------------------
+
+def _ln_train(x, w, b, w2):
+    return torch.nn.functional.layer_norm(x, [x.shape[-1]], w, b, 1e-5) * w2
+
+
+def _rms_train(x, w, b, w2):
+    return torch.rms_norm(x * b, [x.shape[-1]], w, 1e-6) * w2
+
+
+def _train_once(fn, dtype, device="cpu"):
+    """``fn`` trained one step through the door: the output and every gradient as close to float64's as eager's
+    are; returns the forward's and the backward's partitions (after checking both ran fused)."""
+    gen = torch.Generator().manual_seed(5)
+    x, w, b, w2 = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((6, 20, 96), (96,), (96,), (96,)))
+    x = x * 3 + 1  # rows with a mean away from zero
+    grad = torch.randn(6, 20, 96, generator=gen, dtype=torch.float64)
+
+    def run(f, dt):
+        args = [a.to(device=device, dtype=dt).requires_grad_() for a in (x, w, b, w2)]
+        out = f(*args)
+        out.backward(grad.to(device=device, dtype=dt))
+        return [out.detach()] + [a.grad for a in args]
+
+    with recording() as graphs:
+        got = run(torch.compile(fn, backend="fuser", dynamic=False), dtype)
+    ref, ref64 = run(fn, dtype), run(fn, torch.float64)
+    for g, r, r64 in zip(got, ref, ref64):
+        assert g.dtype == dtype and g.shape == r64.shape
+        err = (g.double() - r64).abs().max().item()
+        eager_err = (r.double() - r64).abs().max().item()
+        scale = max(1.0, r64.abs().max().item())
+        assert err <= 2 * eager_err + 4 * torch.finfo(dtype).eps * scale, (err, eager_err)
+    (_, _, fw, fw_specs), (_, _, bw, bw_specs) = graphs
+    assert_ran_fused(fw_specs + bw_specs, device)
+    return fw, bw
+
+
+def _check_layer_norm_training(dtype, device="cpu"):
+    """A training forward's ``native_layer_norm`` (its mean and rstd saved for the backward) becomes its steps:
+    the forward is one group (the row statistics among its outputs), no cast is left out of the backward."""
+    fw, bw = _train_once(_ln_train, dtype, device)
+    assert len(fw.regions) == 1 and not fw.left_out, fw.left_out
+    assert not any(n.target is torch.ops.aten._to_copy.default for n in bw.left_out), bw.left_out
+
+
+def _check_rms_norm_training(dtype, device="cpu"):
+    """rms_norm's decomposed backward broadcasts a row's value with ``expand`` before a division and the
+    products with full-size values (fuser/dynamo/broadcasts.py moves it away): the input's gradient is one row
+    group; the weights' gradient sums over the rows (leading dims) join last and, unable to share that row kernel,
+    stay ATen's sums (each cast back alone, in bfloat16)."""
+    fw, bw = _train_once(_rms_train, dtype, device)
+    assert len(fw.regions) == 1 and not fw.left_out, fw.left_out
+    rows = [r for r in bw.regions if any(n.target is torch.ops.aten.sum.dim_IntList and n.args[1] == [-1]
+                                         or n.target is torch.ops.aten.sum.dim_IntList and n.args[1] == [2]
+                                         for n in r.nodes)]
+    assert len(rows) == 1, bw.regions
+    left = {n.target for n, why in bw.left_out.items() if "returns a view" not in why}
+    # a bfloat16 weight's gradient: ATen's sum, then its cast back, alone
+    assert left <= {torch.ops.aten.sum.dim_IntList, torch.ops.aten._to_copy.default}, bw.left_out
+    assert not any(n.target is torch.ops.aten.expand.default for r in bw.regions for n in r.inputs)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16, torch.float16), ids=str)
+def test_layer_norm_training_forward_is_one_group_with_its_statistics(dtype):
+    _check_layer_norm_training(dtype)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_rms_norm_training_backward_is_one_row_group(dtype):
+    _check_rms_norm_training(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
+def test_layer_norm_and_rms_norm_training_through_the_door_cuda(dtype):
+    _check_layer_norm_training(dtype, "cuda")
+    _check_rms_norm_training(dtype, "cuda")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_layer_norm_and_rms_norm_training_groups_run_as_cuda_kernels_in_the_host_emulation(dtype):
+    """The training groups above (layer_norm's forward with its statistics, rms_norm's backward as one row group)
+    through their CUDA row kernels, emulated on the host, against eager's ops."""
+    for fn in (_ln_train, _rms_train):
+        args = [torch.randn(4, 8, 64, dtype=dtype, requires_grad=True)] + [
+            torch.randn(64, dtype=dtype, requires_grad=True) for _ in range(3)]
+        with recording() as graphs:
+            out = torch.compile(fn, backend="fuser", dynamic=False)(*args)
+            out.backward(torch.randn_like(out))
+        assert _emulated_regions(graphs, 1e-5 if dtype == torch.float32 else 2e-2) >= 2
+
+
+def test_an_expand_before_pointwise_ops_moves_out_of_their_group():
+    """``expand`` of a row's value before a scalar division and a product with a full-size value: the division
+    runs on the row's value and the product broadcasts it; one group, eager's values (float64 reference)."""
+    def f(x, r):
+        return (r.expand(x.shape) / 3.0) * x + torch.sigmoid(r.expand(x.shape))
+
+    x, r = torch.randn(12, 40), torch.randn(12, 1)
+    _check_door_groups(f, [x, r], 4)

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import ops, settings
-from . import norms
+from . import broadcasts, norms
 from .lower import rewrite
 from .partition import Partition, partition
 from .support import Support
@@ -94,7 +94,7 @@ def drop_aliases(gm: torch.fx.GraphModule) -> None:
 def fuse_graph(gm: torch.fx.GraphModule, kind: str = "inference") -> tuple[torch.fx.GraphModule, Partition, list]:
     """``gm`` (an ATen graph) with its regions as group calls, the partition, and the groups' specs."""
     drop_aliases(gm)
-    if norms.rewrite(gm.graph):
+    if norms.rewrite(gm.graph) + broadcasts.sink(gm.graph):
         gm.recompile()
     part = partition(gm.graph, Support())
     new_gm, specs = rewrite(gm, part.regions) if part.regions else (gm, [])

@@ -249,25 +249,27 @@ class _Partitioner:
 
     def run(self) -> Partition:
         takes = self.support.takes
-        for n in self.nodes:
-            if not takes(n):
+        # reductions over leading dims (a column kernel's) join last: the row reductions and pointwise ops of a
+        # backward (a norm's input gradient) group first, and a weight's gradient sum, which cannot share their
+        # row kernel, joins what is left or stays ATen's
+        late = {n for n in self.nodes if _leading_reduction(n)}
+        for n, p in [(n, p) for n in self.nodes for p in n.all_input_nodes if n not in late and p not in late] + [
+                (n, p) for n in self.nodes for p in n.all_input_nodes if n in late or p in late]:
+            if not takes(n) or not takes(p):
                 continue
-            for p in n.all_input_nodes:
-                if not takes(p):
-                    continue
-                g, other = self.group(n), self.group(p)
-                if g is other:
-                    continue
-                why = self.refusal(g, other)
-                if why is None:
-                    g.members |= other.members
-                    for m in other.members:
-                        self.group_of[m] = g
-                    self.spans.pop(id(other), None)
-                    positions = [self.pos[m] for m in g.members]
-                    self.spans[id(g)] = (min(positions), max(positions), g)
-                else:
-                    self.refused[n] = self.refused[p] = why
+            g, other = self.group(n), self.group(p)
+            if g is other:
+                continue
+            why = self.refusal(g, other)
+            if why is None:
+                g.members |= other.members
+                for m in other.members:
+                    self.group_of[m] = g
+                self.spans.pop(id(other), None)
+                positions = [self.pos[m] for m in g.members]
+                self.spans[id(g)] = (min(positions), max(positions), g)
+            else:
+                self.refused[n] = self.refused[p] = why
         regions, left_out, seen = [], {}, set()
         for n in self.nodes:
             why = self.support.reason(n)
@@ -289,6 +291,14 @@ class _Partitioner:
                 continue
             regions.append(Region(ordered, self.inputs(ordered), self.outputs(ordered)))
         return Partition(regions, left_out)
+
+
+def _leading_reduction(n) -> bool:
+    name = overload_name(n) if n.op == "call_function" else None
+    if name is None or ops.reduction(name) is None:
+        return False
+    dims = reduced_dims(n)
+    return bool(dims) and dims[0] == 0
 
 
 def _row_refusal(ordered: list, inputs: list, outs: list) -> Optional[str]:

@@ -78,8 +78,11 @@ def full_args(node: torch.fx.Node, op: str) -> tuple:
     if op == "aten::_to_copy" and args:  # a cast that names the input's own layout and device: dtype alone
         v = fake(args[0]) if isinstance(args[0], torch.fx.Node) else None
         names = [p.name for p in ps]
+        # contiguous_format of a contiguous input is its own strides: what preserve_format (None) gives
         for name, same in (("layout", lambda a: a == torch.strided),
-                           ("device", lambda a: v is not None and torch.device(a) == v.device)):
+                           ("device", lambda a: v is not None and torch.device(a) == v.device),
+                           ("memory_format", lambda a: a == torch.preserve_format or (
+                               a == torch.contiguous_format and v is not None and v.is_contiguous()))):
             i = names.index(name)
             if args[i] is not None and same(args[i]):
                 args[i] = None
