@@ -5,6 +5,7 @@ inference mode, graph breaks, dynamic shapes without recompiles or new kernels, 
 and the backend's registration (by import and through setup.py's entry point)."""
 import contextlib
 import copy
+import inspect
 import operator
 import os
 import subprocess
@@ -637,6 +638,10 @@ def _rms_train(x, w, b, w2):
     return torch.rms_norm(x * b, [x.shape[-1]], w, 1e-6) * w2
 
 
+def _rms_then_weight(x, w):
+    return torch.rms_norm(x, [x.shape[-1]], None, 1e-6) * w
+
+
 def _train_once(fn, dtype, device="cpu"):
     """``fn`` trained one step through the door: the output and every gradient as close to float64's as eager's
     are; returns the forward's and the backward's partitions (after checking both ran fused)."""
@@ -645,8 +650,10 @@ def _train_once(fn, dtype, device="cpu"):
     x = x * 3 + 1  # rows with a mean away from zero
     grad = torch.randn(6, 20, 96, generator=gen, dtype=torch.float64)
 
+    n_args = len(inspect.signature(fn).parameters)
+
     def run(f, dt):
-        args = [a.to(device=device, dtype=dt).requires_grad_() for a in (x, w, b, w2)]
+        args = [a.to(device=device, dtype=dt).requires_grad_() for a in (x, w, b, w2)[:n_args]]
         out = f(*args)
         out.backward(grad.to(device=device, dtype=dt))
         return [out.detach()] + [a.grad for a in args]
@@ -673,17 +680,19 @@ def _check_layer_norm_training(dtype, device="cpu"):
     assert not any(n.target is torch.ops.aten._to_copy.default for n in bw.left_out), bw.left_out
 
 
-def _check_rms_norm_training(dtype, device="cpu"):
+def _check_rms_norm_training(dtype, device="cpu", fn=_rms_train):
     """rms_norm's decomposed backward broadcasts a row's value with ``expand`` before a division and the
     products with full-size values (fuser/dynamo/broadcasts.py moves it away): the input's gradient is one row
-    group; the weights' gradient sums over the rows (leading dims) join last and, unable to share that row kernel,
-    stay ATen's sums (each cast back alone, in bfloat16)."""
-    fw, bw = _train_once(_rms_train, dtype, device)
+    group (partition rounds: its last ops join once the row group has grown); the weights' gradient sums over the
+    rows (leading dims) join last, unable to share that row kernel: a column group of their own, or ATen's sums
+    (each cast back alone, in bfloat16)."""
+    fw, bw = _train_once(fn, dtype, device)
     assert len(fw.regions) == 1 and not fw.left_out, fw.left_out
     rows = [r for r in bw.regions if any(n.target is torch.ops.aten.sum.dim_IntList and n.args[1] == [-1]
                                          or n.target is torch.ops.aten.sum.dim_IntList and n.args[1] == [2]
                                          for n in r.nodes)]
-    assert len(rows) == 1, bw.regions
+    # the row group, and a column group where the weights' gradient is formed from the inputs (float32)
+    assert len(rows) == 1 and len(bw.regions) <= 2, bw.regions
     left = {n.target for n, why in bw.left_out.items() if "returns a view" not in why}
     # a bfloat16 weight's gradient: ATen's sum, then its cast back, alone
     assert left <= {torch.ops.aten.sum.dim_IntList, torch.ops.aten._to_copy.default}, bw.left_out
@@ -695,9 +704,10 @@ def test_layer_norm_training_forward_is_one_group_with_its_statistics(dtype):
     _check_layer_norm_training(dtype)
 
 
+@pytest.mark.parametrize("fn", (_rms_train, _rms_then_weight), ids=lambda f: f.__name__)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
-def test_rms_norm_training_backward_is_one_row_group(dtype):
-    _check_rms_norm_training(dtype)
+def test_rms_norm_training_backward_is_one_row_group(dtype, fn):
+    _check_rms_norm_training(dtype, fn=fn)
 
 
 @pytest.mark.gpu
@@ -705,6 +715,7 @@ def test_rms_norm_training_backward_is_one_row_group(dtype):
 def test_layer_norm_and_rms_norm_training_through_the_door_cuda(dtype):
     _check_layer_norm_training(dtype, "cuda")
     _check_rms_norm_training(dtype, "cuda")
+    _check_rms_norm_training(dtype, "cuda", _rms_then_weight)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)

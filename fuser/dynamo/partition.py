@@ -32,6 +32,8 @@ from ..graph_fuser import MAX_GROUP_ARGS, MIN_GROUP_KERNELS
 from .. import layout, ops
 from .support import Support, fake, is_barrier, overload_name, reduced_dims, tensor_constant
 
+MAX_MERGE_ROUNDS = 4  # passes over the graph's edges until a pass merges nothing
+
 
 @dataclass
 class Region:
@@ -253,23 +255,32 @@ class _Partitioner:
         # backward (a norm's input gradient) group first, and a weight's gradient sum, which cannot share their
         # row kernel, joins what is left or stays ATen's
         late = {n for n in self.nodes if _leading_reduction(n)}
-        for n, p in [(n, p) for n in self.nodes for p in n.all_input_nodes if n not in late and p not in late] + [
-                (n, p) for n in self.nodes for p in n.all_input_nodes if n in late or p in late]:
-            if not takes(n) or not takes(p):
-                continue
-            g, other = self.group(n), self.group(p)
-            if g is other:
-                continue
-            why = self.refusal(g, other)
-            if why is None:
-                g.members |= other.members
-                for m in other.members:
-                    self.group_of[m] = g
-                self.spans.pop(id(other), None)
-                positions = [self.pos[m] for m in g.members]
-                self.spans[id(g)] = (min(positions), max(positions), g)
-            else:
-                self.refused[n] = self.refused[p] = why
+        pairs = [(n, p) for n in self.nodes for p in n.all_input_nodes if takes(n) and takes(p)]
+        pairs = [(n, p) for n, p in pairs if n not in late and p not in late] + [
+            (n, p) for n, p in pairs if n in late or p in late]
+        # rounds until no merge: a merge refused early (its value needed by a node not yet in the group, or a
+        # path through a node that later joins the other group) may be allowed once both groups have grown
+        for _ in range(MAX_MERGE_ROUNDS):
+            merged = False
+            for n, p in pairs:
+                g, other = self.group(n), self.group(p)
+                if g is other:
+                    continue
+                why = self.refusal(g, other)
+                if why is None:
+                    g.members |= other.members
+                    for m in other.members:
+                        self.group_of[m] = g
+                    self.spans.pop(id(other), None)
+                    positions = [self.pos[m] for m in g.members]
+                    self.spans[id(g)] = (min(positions), max(positions), g)
+                    self.refused.pop(n, None)
+                    self.refused.pop(p, None)
+                    merged = True
+                else:
+                    self.refused[n] = self.refused[p] = why
+            if not merged:
+                break
         regions, left_out, seen = [], {}, set()
         for n in self.nodes:
             why = self.support.reason(n)
