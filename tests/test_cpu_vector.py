@@ -204,6 +204,29 @@ def test_scalar_and_zero_dim_operands_broadcast_on_vectors():
     assert torch.equal(out[1], b > y)
 
 
+@needs_vectors
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=str)
+def test_transposed_operands_take_the_tiled_loop_across_tile_and_chunk_edges(dtype):
+    """A transposed operand (gathered along the inner dim) beside a dense one: tasks of CPU_TILE_ROWS rows by
+    CPU_TILE_CHUNK elements (fuser/cpu/templates.py VECTOR_LOOP_TILES). Rows and columns past whole tiles and
+    chunks, the output in either operand's layout, against eager."""
+    from fuser.codegen.common import CPU_TILE_CHUNK, CPU_TILE_ROWS
+    g = torch.parse_ir(MUL_TANH)
+    rows, cols = 2 * CPU_TILE_ROWS + 5, CPU_TILE_CHUNK + 44
+    gen = torch.Generator().manual_seed(3)
+    xt = random_tensor((cols, rows), dtype, gen=gen).t()  # (rows, cols), strides (1, rows)
+    y = random_tensor((rows, cols), dtype, gen=gen)
+    for args in ((xt, y), (y, xt)):
+        out = fuser.debug_launch_graph(g, list(args))[0]
+        ref = torch.tanh(args[0] * args[1])
+        assert out.stride() == ref.stride()
+        tol = 1e-5 if dtype != torch.bfloat16 else 1e-2
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol, equal_nan=True)
+    descs = [TensorDesc(dtype, STRIDED), TensorDesc(dtype, DENSE)]
+    src = _source(MUL_TANH, descs)
+    assert "tiles * chunks" in src and cpu_compiler.is_vector_source(src)
+
+
 _CHILD = """
 import sys, torch, fuser
 from fuser import disk_cache

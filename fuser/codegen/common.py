@@ -22,6 +22,8 @@ REDUCED = (torch.float16, torch.bfloat16)
 CPU_PARALLEL_WORK = int(os.environ.get("FUSER_CPU_PARALLEL_WORK", "65536"))
 CPU_PARALLEL_MIN = 2048
 CPU_ROW_CHUNK = 4096  # elements of one row per task of the vector path's row loop (a multiple of every trip)
+CPU_TILE_ROWS = 16  # rows a task of the vector path's tiled loop (an operand gathered along the inner dim)
+CPU_TILE_CHUNK = 256  # elements of a row per tiled task: a gathered operand's lines for them stay in L1
 # vectors per trip of the CPU vector loops, interleaved op by op. A tanh-GELU on one core of a 2-core EPYC
 # (float32 and bfloat16, 2048x4096): 1 vector 32.4/37.5 ms, 2 vectors 29.9/32.8 ms, 4 vectors 28.0/30.5 ms.
 CPU_VECTORS_PER_TRIP = int(os.environ.get("FUSER_CPU_VECTORS_PER_TRIP", "4"))

@@ -9,7 +9,8 @@ from .. import rng
 from ..cpu import templates as cpu_t
 from ..cuda import templates as cuda_t
 from ..descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, storage_type
-from .common import (CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_VECTORS_PER_TRIP, has_tiled_path,
+from .common import (CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_TILE_CHUNK, CPU_TILE_ROWS,
+                     CPU_VECTORS_PER_TRIP, has_tiled_path,
                      has_vector_path, value_type, vector_width)
 
 
@@ -105,7 +106,13 @@ class CpuGen(_Gen):
             vtype, wide, vbody = self.vector.vtype, self.vector_body(CPU_VECTORS_PER_TRIP), self.vector_body(1)
             hoisted += [f"const fz_v xs{k} = fz_vload_mask<fz_v>(t{k}, 0);" if d.dtype == torch.bool else
                         f"const fz_v xs{k} = fz_v(x{k});" for k, d in enumerate(self.inputs) if d.layout == SCALAR]
-            if self.offset_names:
+            gathered = any(d.layout == STRIDED for d in self.inputs) or STRIDED in self.out_layouts
+            if self.offset_names and gathered:
+                loop = cpu_t.VECTOR_LOOP_TILES.substitute(
+                    rows, chunk=CPU_TILE_CHUNK, tile_rows=CPU_TILE_ROWS, copies=CPU_VECTORS_PER_TRIP,
+                    offsets=self.block(offsets, "      "), wide=self.block(wide, "      "),
+                    vbody=self.block(vbody, "      "), body=self.block(body, "      "))
+            elif self.offset_names:
                 loop = cpu_t.VECTOR_LOOP_ROWS.substitute(
                     rows, chunk=CPU_ROW_CHUNK, copies=CPU_VECTORS_PER_TRIP, offsets=self.block(offsets, "      "),
                     wide=self.block(wide, "      "), vbody=self.block(vbody, "      "),
