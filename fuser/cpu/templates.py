@@ -408,6 +408,25 @@ ${vbody}
 ${body}
   }""")
 
+# one task's elements j0..j1 of a row: trips of ${copies} vectors, single vectors, a scalar tail
+ROW_TRIPS = r"""    int64_t j = j0;
+    for (; j + ${copies} * W <= j1; j += ${copies} * W) {
+      const int64_t i = row * inner + j;
+${offsets}
+${wide}
+    }
+    for (; j + W <= j1; j += W) {
+      const int64_t i = row * inner + j;
+${offsets}
+${vbody}
+    }
+    for (; j < j1; ++j) {
+      const int64_t i = row * inner + j;
+${offsets}
+${body}
+    }
+"""
+
 # an operand gathered or scattered along the inner dim (a transposed one): tasks of ${tile_rows} rows by up to
 # ${chunk} elements, row after row, so that the cache lines a gathered operand brings in for one row serve the
 # next ones (a transposed tensor's next row is its next element); otherwise as VECTOR_LOOP_ROWS
@@ -419,23 +438,7 @@ VECTOR_LOOP_TILES = Template(r"""  const int64_t inner = sizes[rank - 1], rows =
     const int64_t j1 = inner - j0 < ${chunk} ? inner : j0 + ${chunk};
     const int64_t row1 = rows - tile * ${tile_rows} < ${tile_rows} ? rows : (tile + 1) * ${tile_rows};
     for (int64_t row = tile * ${tile_rows}; row < row1; ++row) {
-""" + ROW_BASES + r"""    int64_t j = j0;
-    for (; j + ${copies} * W <= j1; j += ${copies} * W) {
-      const int64_t i = row * inner + j;
-${offsets}
-${wide}
-    }
-    for (; j + W <= j1; j += W) {
-      const int64_t i = row * inner + j;
-${offsets}
-${vbody}
-    }
-    for (; j < j1; ++j) {
-      const int64_t i = row * inner + j;
-${offsets}
-${body}
-    }
-    }
+""" + ROW_BASES + ROW_TRIPS + r"""    }
   }""")
 
 # strided operands: tasks of up to ${chunk} elements of one row (rows can be few and long), each trips of
@@ -446,20 +449,4 @@ VECTOR_LOOP_ROWS = Template(r"""  const int64_t inner = sizes[rank - 1], rows = 
   for (int64_t task = 0; task < rows * chunks; ++task) {
     const int64_t row = task / chunks, j0 = (task - row * chunks) * ${chunk};
     const int64_t j1 = inner - j0 < ${chunk} ? inner : j0 + ${chunk};
-""" + ROW_BASES + r"""    int64_t j = j0;
-    for (; j + ${copies} * W <= j1; j += ${copies} * W) {
-      const int64_t i = row * inner + j;
-${offsets}
-${wide}
-    }
-    for (; j + W <= j1; j += W) {
-      const int64_t i = row * inner + j;
-${offsets}
-${vbody}
-    }
-    for (; j < j1; ++j) {
-      const int64_t i = row * inner + j;
-${offsets}
-${body}
-    }
-  }""")
+""" + ROW_BASES + ROW_TRIPS + r"""  }""")
