@@ -395,3 +395,31 @@ def test_row_kernels_are_served_natively(device):
         x2 = torch.randn_like(x)
         with torch.no_grad():
             assert_same(fs(x2, bias), _softmax_written_out(x2, bias))
+
+
+def _dropout_residual(x, r):
+    return torch.nn.functional.dropout(x, 0.25, True) + r
+
+
+def test_random_cpu_kernels_are_served_natively_with_the_python_paths_numbers():
+    """A group drawing rand_like's numbers (dropout) on the CPU: served natively, its launch state drawn from the
+    default CPU generator as the Python path draws it, so a seed gives the same numbers either way; two calls
+    differ; kept elements are x / (1 - p)."""
+    fd = fuser.fuse(torch.jit.script(_dropout_residual))
+    x, r = torch.randn(64, 96), torch.randn(64, 96)
+    hits, _ = _served(fd, x, r)
+    assert hits >= 2
+    torch.manual_seed(123)
+    before = _stats()["hits"]
+    with torch.no_grad():
+        a, a2 = fd(x, r), fd(x, r)
+    assert _stats()["hits"] - before == 2
+    torch.manual_seed(123)
+    before = _stats()["hits"]
+    b = fd(x.clone().requires_grad_(), r)  # a call autograd records: a random group's goes to Python
+    assert _stats()["hits"] == before
+    assert torch.equal(a, b.detach())
+    assert not torch.equal(a, a2)
+    kept = (a - r) != 0
+    torch.testing.assert_close(a[kept], x[kept] / 0.75 + r[kept])
+    assert abs(kept.float().mean().item() - 0.75) < 0.05

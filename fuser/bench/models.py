@@ -110,6 +110,7 @@ def system(name: str, model: torch.nn.Module, inputs: tuple) -> Iterator[Callabl
         yield torch.jit.trace(model, inputs, check_trace=False)
     elif name == "fuser":
         fuser.install()
+        fuser.native.ensure(block=True)  # steady state: the hot path loaded (a first build runs in a thread)
         try:
             yield torch.jit.trace(model, inputs, check_trace=False)
         finally:

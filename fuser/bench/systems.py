@@ -9,6 +9,7 @@ from typing import Callable, Iterator
 import torch
 
 import fuser
+from fuser import native
 
 from .workloads import Workload, _python_function, _script_function
 
@@ -60,6 +61,7 @@ def _compile(wl: Workload) -> Iterator[Callable]:
 @contextlib.contextmanager
 def _fuser(wl: Workload) -> Iterator[Callable]:
     fuser.install()  # also keeps NNC off the pointwise ops, as a user of install() would have it
+    native.ensure(block=True)  # steady state: the hot path loaded (a first build runs in a background thread)
     try:
         yield fuser.fuse(_script_function(wl))
     finally:
@@ -70,6 +72,7 @@ def _fuser(wl: Workload) -> Iterator[Callable]:
 def _compile_fuser(wl: Workload) -> Iterator[Callable]:
     """torch.compile with fuser's backend (the torch.compile door, fuser/dynamo/); first_call_ms is its compile."""
     import fuser.dynamo  # noqa: F401  (registers backend="fuser" where fuser is not installed)
+    native.ensure(block=True)
     torch._dynamo.reset()
     try:
         yield torch.compile(_python_function(wl), backend="fuser")

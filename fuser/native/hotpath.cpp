@@ -2,9 +2,10 @@
 //
 // A call whose inputs match a signature prepared by Python (fuser/native/record.py) allocates its outputs and
 // launches the compiled kernel here: the CPU kernel's function, or cuLaunchKernel on torch's current stream. Every
-// other call (a new signature, autograd, a transform, a random or row kernel, a lazy tensor bit) goes to the Python
-// operator fuser::fusion_group_py, which runs the group as before and, when asked to, prepares the signature for
-// next time. Nothing here decides anything about a group: it replays what Python prepared, or hands over.
+// other call (a new signature, a transform, a CUDA random kernel, a lazy tensor bit, autograd where no backward was
+// prepared) goes to the Python operator fuser::fusion_group_py, which runs the group as before and, when asked to,
+// prepares the signature for next time. Nothing here decides anything about a group: it replays what Python
+// prepared (a random CPU kernel's launch state drawn as Python draws it), or hands over.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty_strided.h>
@@ -63,6 +64,7 @@ struct Launch {
   // CPU
   int64_t rank = 0;
   std::vector<int64_t> sizes, strides;
+  bool random = false;  // the kernel draws rand_like's numbers: a launch state after the float arguments
   // CUDA: the by-value argument struct with everything but pointers, the vector flag and float arguments
   std::vector<uint8_t> args;
   int64_t ptrs_off = 0, vec_off = 0, scalars_off = 0, block = 0, grid_vec = 0, grid_scalar = 0;
@@ -215,6 +217,21 @@ void launch_cpu(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sca
                                     scalars.empty() ? &none : scalars.data());
 }
 
+// A random CPU kernel's float arguments and its launch state, drawn as fuser.rng.launch_state draws it (the same
+// op on the default CPU generator: a 63-bit seed and offset, as uint32 words, low word first), so a run through
+// this path draws the numbers the Python path would.
+std::vector<double> with_launch_state(at::ArrayRef<double> scalars) {
+  std::vector<double> all(scalars.begin(), scalars.end());
+  const at::Tensor drawn = at::empty({2}, at::kLong).random_();
+  const int64_t* v = drawn.data_ptr<int64_t>();
+  for (int k = 0; k < 2; ++k) {
+    const uint64_t x = static_cast<uint64_t>(v[k]);
+    all.push_back(static_cast<double>(x & 0xFFFFFFFFull));
+    all.push_back(static_cast<double>(x >> 32));
+  }
+  return all;
+}
+
 bool grads_match(const Launch& l, at::TensorList inputs) {
   size_t k = 0;
   for (const at::Tensor& t : inputs)
@@ -268,6 +285,8 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
   if (l.numel != 0) {
     if (l.kind == kCuda)
       launch_cuda(l, inputs, scalars, outs);
+    else if (l.random)
+      launch_cpu(l, inputs, with_launch_state(scalars), outs);
     else
       launch_cpu(l, inputs, scalars, outs);
   }
@@ -551,6 +570,7 @@ std::shared_ptr<Launch> parse(const std::vector<int64_t>& sig, const std::vector
       l->sizes = r.take(r.next());
       l->strides = r.take(r.next());
       if (l->strides.empty()) l->strides.push_back(0);
+      l->random = r.next() != 0;
     } else {
       TORCH_CHECK(l->kind == kCuda, "fuser native record: unknown kind ", l->kind);
       load_driver();

@@ -3,10 +3,10 @@
 From what a Python call just did (the executor's geometry for the inputs' signature, and the outputs it
 returned), the record holds: the signature to match (per tensor: dtype, device, sizes, strides), the outputs to
 allocate (dtype, sizes, strides: the Python path's own), the float arguments' limits, and the launch: the CPU
-kernel's function and its sizes/strides arrays, or the CUDA function, grids, context and the by-value argument
-struct's bytes with the offsets of what changes per call. A signature this path must not take (a random or row
-kernel, a cat, a group that falls back) gets a record of kind "python", so the hot path hands it over without
-asking again.
+kernel's function, its sizes/strides arrays and whether it draws random numbers, or the CUDA function, grids,
+context and the by-value argument struct's bytes with the offsets of what changes per call. A signature this path
+must not take (a CUDA random kernel, a cat, a group that falls back) gets a record of kind "python", so the hot
+path hands it over without asking again.
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     kernel = getattr(geo, "kernel", None)
     rows = hasattr(geo, "rows")  # a row kernel's geometry (fuser.rows.RowGeometry)
     if kernel is None or not getattr(geo, "hot_path", True) or (  # hot_path False: a column kernel's geometry
-            not rows and (geo.concat is not None or kernel.random)) or len(outputs) != len(kernel.out_dtypes):
+            not rows and (geo.concat is not None or (kernel.random and geo.device.type != "cpu"))) or \
+            len(outputs) != len(kernel.out_dtypes):
         return None
     device = geo.device
     if device.type not in ("cpu", "cuda") or any(t.device != device for t in (*tensors, *outputs)):
@@ -69,7 +70,10 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
         flat = [x for st in geo.strides for x in st]
         # a row kernel: rank is the row dims', sizes are those dims and the row length
         sizes = [*geo.lead, geo.cols] if rows else list(geo.sizes)
-        rec += [fn, len(geo.lead) if rows else len(sizes), len(sizes), *sizes, len(flat), *flat]
+        # a random kernel (not under autograd: offer() keeps those in Python, whose backward replays the state)
+        # gets its launch state drawn per call by hotpath.cpp
+        rec += [fn, len(geo.lead) if rows else len(sizes), len(sizes), *sizes, len(flat), *flat,
+                int(getattr(kernel, "random", False))]
         return rec, floats, backend
     from ..cuda import launch as cuda_launch
     if rows:
