@@ -148,3 +148,34 @@ def test_softmax_backward_matches_eager_and_computes_exp_once(dtype, _backwards)
     passes = _passes(_kernel_source(bw, dtype))
     assert len(passes) == 4  # max, sum of exp, sum of grad * out, the gradient
     assert [("exp" in p) for p in passes] == [False, True, False, False]
+
+
+def _sum_layer_norm_group(n):
+    """layer_norm(x + bias + residual) times w: the sum reads three inputs (kept), the norm's passes read it."""
+    b = ir.Builder()
+    x, bias, res, w = (b.input() for _ in range(4))
+    h = b.call("aten::add", b.call("aten::add", x, bias, 1), res, 1)
+    return b.build([b.call("aten::mul", b.add("aten::layer_norm", h, (n,), None, None, 1e-5, True), w)])
+
+
+def _sum_layer_norm_eager(x, bias, res, w):
+    return [torch.layer_norm(x + bias + res, (x.shape[-1],), None, None, 1e-5) * w]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_sum_of_inputs_kept_for_the_norms_passes_matches_eager(dtype):
+    for n in LENGTHS:
+        group = _sum_layer_norm_group(n)
+        for rows in ((3,), (64, 9)):
+            args = [torch.randn(*rows, n, dtype=dtype) + 1, torch.randn(n, dtype=dtype),
+                    torch.randn(*rows, n, dtype=dtype), torch.randn(n, dtype=dtype)]
+            _check(fused_run(_spec(group), args), _sum_layer_norm_eager, args)
+        x = torch.randn(n, 5, dtype=dtype).t()  # strided rows: the scalar loop fills the scratch row
+        args = [x, torch.randn(n, dtype=dtype), torch.randn(5, n, dtype=dtype), torch.randn(n, dtype=dtype)]
+        _check(fused_run(_spec(group), args), _sum_layer_norm_eager, args)
+    spec = _spec(group)
+    passes = _passes(_kernel_source(spec, dtype))
+    assert len(passes) == 3  # mean, variance, output
+    # the first pass reads x, bias and residual; the others read the kept sum instead
+    assert all(f"t{k}[" in passes[0] for k in range(3))
+    assert not any(f"t{k}[" in p or f"t{k} +" in p for p in passes[1:] for k in range(3))

@@ -104,9 +104,13 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     holds = held_values(group) if cuda and shape.held else [frozenset()] * len(row_passes(group))
     npass = [0]
     producer = {n.out.id: n for n in group.nodes}
-    # CPU: per pass, the values it reads from scratch rows and those it writes there (plan.kept_values)
+    # CPU: per pass, the values it reads from scratch rows and those it writes there (plan.kept_values): costly
+    # ones, and those that read two tensor inputs or more (x + bias + residual: one scratch row read instead of
+    # several inputs' loads)
+    tensor_ids = set(tensor_index)
     kept = None if cuda else kept_values(group, lambda i: i in producer and vtype.get(i) in ("float", "double") and (
-        producer[i].op.split("::")[-1].split(".")[0] in CPU_KEPT_OPS))
+        producer[i].op.split("::")[-1].split(".")[0] in CPU_KEPT_OPS
+        or len(tensor_ids & _needed(group, [producer[i].out])) >= 2))
 
     def element_lines(wanted: Sequence[ir.Value], p: int = 0) -> list[str]:
         """Loads and statements of the element-level values ``wanted`` needs, in the group's order. CUDA: inputs

@@ -157,10 +157,11 @@ def held_values(group: ir.Group) -> list:
 def kept_values(group: ir.Group, keepable: Callable[[int], bool]) -> list:
     """The CPU row kernel's values kept in a row-long scratch array (one per value and thread) rather than computed
     again: per pass of :func:`row_passes`, (the ids it reads from scratch, the ids it writes there). A pass keeps
-    the ``keepable`` values (costly ones: exp, log...) it computes that a later pass reads, walking back from that
-    pass's values to the first values met that this pass computes. So softmax's output pass reads exp(x - max) from
-    scratch and multiplies, as eager's kernel does; its backward computes exp once rather than three times. Cheap
-    values are computed again (compute is cheap; the row's inputs are in cache by then)."""
+    the ``keepable`` values (the codegen's: costly ones, exp, log..., and those reading several inputs) it computes
+    that a later pass reads, walking back from that pass's values to the first values met that this pass computes.
+    So softmax's output pass reads exp(x - max) from scratch and multiplies, as eager's kernel does; its backward
+    computes exp once rather than three times; layer_norm(x + bias + residual) reads the sum from scratch in its
+    variance and output passes. Other values are computed again (the row's inputs are in cache by then)."""
     passes = row_passes(group)
     held: frozenset = frozenset()
     got = []
