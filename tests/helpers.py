@@ -485,6 +485,19 @@ def fused_run(spec, args) -> list:
     return out
 
 
+def check_against_float64(outs, eager, args, tol: dict) -> None:
+    """``outs`` against eager's ``eager(*args)`` (dtypes and shapes exactly) and, in value, eager run in float64
+    (within ``tol[dtype]``, relative to the outputs' magnitude)."""
+    ref = eager(*args)
+    ref64 = eager(*[a.double() if isinstance(a, torch.Tensor) else a for a in args])
+    assert len(outs) == len(ref)
+    for o, r, r64 in zip(outs, ref, ref64):
+        assert o.dtype == r.dtype and o.shape == r.shape, (o.dtype, r.dtype, o.shape, r.shape)
+        t = tol[r.dtype]
+        scale = max(1.0, r64.abs().max().item()) if r64.numel() else 1.0
+        torch.testing.assert_close(o.double(), r64, rtol=t, atol=t * scale)
+
+
 def row_kernels(spec) -> list:
     """The row kernels (fuser/rows/launch.py) ``spec`` has built."""
     from fuser.rows import launch

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import fuser
-from helpers import (REDUCE_EAGER, affine_sums, decomposed_group, fused_run, reduce_node, reduction_alone, row_kernels,
-                     row_kernels_on_both, written_layer_norm, written_softmax)
+from helpers import (REDUCE_EAGER, affine_sums, check_against_float64, decomposed_group, fused_run, reduce_node,
+                     reduction_alone, row_kernels, row_kernels_on_both, written_layer_norm, written_softmax)
 from fuser import executor, ir, rows
 from fuser.cuda import emulate
 from fuser.kernel_cache import STORE
@@ -85,14 +85,7 @@ _GROUPS = _groups()
 def _check(outs, case: Case, args):
     """Against eager (dtypes and shapes exactly) and, in value, eager run in float64 (within the dtype's
     tolerance, relative to the outputs' magnitude)."""
-    ref = case.eager(*args)
-    ref64 = case.eager(*[a.double() if isinstance(a, torch.Tensor) else a for a in args])
-    assert len(outs) == len(ref)
-    for o, r, r64 in zip(outs, ref, ref64):
-        assert o.dtype == r.dtype and o.shape == r.shape, (o.dtype, r.dtype, o.shape, r.shape)
-        tol = TOL[r.dtype]
-        scale = max(1.0, r64.abs().max().item()) if r64.numel() else 1.0
-        torch.testing.assert_close(o.double(), r64, rtol=tol, atol=tol * scale)
+    check_against_float64(outs, case.eager, args, TOL)
 
 
 @pytest.mark.parametrize("case,dtype", PARAMS, ids=IDS)

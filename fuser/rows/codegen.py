@@ -23,9 +23,14 @@ from ..codegen.cpu_vector import CpuVector
 from ..codegen import CPU_VECTORS_PER_TRIP as COPIES
 from ..descs import DENSE, TensorDesc, compute_type, storage_type
 from . import templates as t
-from .plan import CudaShape, held_values, needed as _needed, row_level, row_passes
+from .plan import CudaShape, held_values, kept_values, needed as _needed, row_level, row_passes
 
 CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU row kernel splits its rows across threads
+# ops whose results a CPU row kernel keeps in a scratch row for later passes rather than computing them again
+# (plan.kept_values): a SLEEF call or more per element
+CPU_KEPT_OPS = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "tanh", "sigmoid", "erf", "erfc",
+                          "erfinv", "gelu", "silu", "mish", "softplus", "elu", "sin", "cos", "tan", "asin", "acos",
+                          "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "pow", "atan2", "lgamma", "digamma"})
 
 
 def accumulator_type(red: ops.Reduction, nt: NodeTypes, target: str) -> str:
@@ -90,9 +95,6 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
 
     order = {n.out.id: pos for pos, n in enumerate(group.nodes)}
 
-    def needed(wanted: Sequence[ir.Value]) -> set:
-        return _needed(group, wanted)
-
     vector = _Vector(group, inputs, rows_v, vname, vdtype, vector_args, tensor_index, order) if (
         target == "cpu" and vectorize) else None
 
@@ -101,12 +103,21 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     # h_<name>[items]; the pass being generated is counted in npass
     holds = held_values(group) if cuda and shape.held else [frozenset()] * len(row_passes(group))
     npass = [0]
+    producer = {n.out.id: n for n in group.nodes}
+    # CPU: per pass, the values it reads from scratch rows and those it writes there (plan.kept_values): costly
+    # ones, and those that read two tensor inputs or more (x + bias + residual: one scratch row read instead of
+    # several inputs' loads)
+    tensor_ids = set(tensor_index)
+    kept = None if cuda else kept_values(group, lambda i: i in producer and vtype.get(i) in ("float", "double") and (
+        producer[i].op.split("::")[-1].split(".")[0] in CPU_KEPT_OPS
+        or len(tensor_ids & _needed(group, [producer[i].out])) >= 2))
 
-    def element_lines(wanted: Sequence[ir.Value]) -> list[str]:
+    def element_lines(wanted: Sequence[ir.Value], p: int = 0) -> list[str]:
         """Loads and statements of the element-level values ``wanted`` needs, in the group's order. CUDA: inputs
         come from the pass's loads (:func:`cuda_loads`), held values from registers, and the values later passes
-        hold are put there."""
-        held = holds[npass[0]] if cuda else frozenset()
+        hold are put there. CPU (pass ``p``): kept values from their scratch rows, and those later passes keep
+        are written there."""
+        held = holds[npass[0]] if cuda else kept[p][0]
         need = _needed(group, wanted, held)
         lines = []
         for v in group.inputs:
@@ -116,13 +127,16 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                 src = (f"xl{kk}[{'' if per_item else f'i * {shape.vec} + '}v]" if cuda else
                        f"fz_ld(t{kk}[off{kk} + c * cs{kk}])")
                 lines.append(f"const {vtype[v.id]} x{kk} = {src};")
-        lines += [f"const {vtype[i]} {vname[i]} = h_{vname[i]}[i * {shape.vec} + v];"
+        lines += [f"const {vtype[i]} {vname[i]} = " + (f"h_{vname[i]}[i * {shape.vec} + v];" if cuda else
+                                                        f"fz_s_{vname[i]}[c];")
                   for i in sorted(need & held, key=lambda i: (i in order, order.get(i, 0), vname[i]))]
         lines += [statement[i] for i in sorted(need - held - set(tensor_index) - {v.id for v in group.inputs},
                                                 key=order.__getitem__)]
         if cuda and npass[0] + 1 < len(holds):
             lines += [f"h_{vname[i]}[i * {shape.vec} + v] = {vname[i]};"
                       for i in sorted(holds[npass[0] + 1] - held, key=lambda i: (i in order, order.get(i, 0), vname[i]))]
+        if not cuda:
+            lines += [f"fz_s_{vname[i]}[c] = {vname[i]};" for i in sorted(kept[p][1], key=order.__getitem__)]
         return lines
 
     def cuda_loads(wanted: Sequence[ir.Value]) -> tuple[list[str], list[str]]:
@@ -161,6 +175,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     ready = {v.id for v in group.inputs if not v.is_tensor}
     shared = set()
     reduce_fn = f"fz_row_reduce<{{}}, {shape.tpr}>" if cuda else None
+    cpass = 0  # the CPU pass being generated (kept's index)
     for n, pos, red, nt in reductions:
         u = n.args[0]
         acc_t = accumulator_type(red, nt, target)
@@ -173,7 +188,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         after = []
         if red.variance:  # a first pass for the row's mean; this pass sums the squared deviations from it
             accumulate = f"{{ const {acc_t} dv = ({acc_t})({x}) - mean{pos}; acc{pos} += dv * dv; }}"
-            mean_body = element_lines([u]) + [f"accm{pos} += ({acc_t})({x});"]
+            mean_body = element_lines([u], cpass) + [f"accm{pos} += ({acc_t})({x});"]
+            cpass += 1
             mean_after = [f"const {acc_t} mean{pos} = accm{pos} / ({acc_t})cols;"]
             if cuda:
                 shared.add(acc_t)
@@ -187,7 +203,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             if vector is not None:
                 vector.on = False  # no vector form of the two passes (yet): scalar loops
         elif vector is not None:
-            vector.reduction(u, red, pos, acc_t, vdtype[u.id] == nt.compute, needed([u]))
+            vector.reduction(u, red, pos, acc_t, vdtype[u.id] == nt.compute, *kept[cpass], [u])
         if cuda:
             shared.add(acc_t)
             after.append(f"acc{pos} = {reduce_fn.format(red.combine)}(acc{pos}, fz_sh_{acc_t});")
@@ -205,7 +221,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                     v.id in ready for v in m.values):
                 after.append(statement[m.out.id])
                 ready.add(m.out.id)
-        body = element_lines([u]) + [accumulate]
+        body = element_lines([u], cpass) + [accumulate]
+        cpass += 1
         if cuda:
             phases.append(cuda_pass(f"{acc_t} acc{pos} = {ident};", [u], guarded(body), after))
             continue
@@ -237,12 +254,12 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         stores += ["      }", "    }", "  }", "}"]
         phases.append(cuda_pass("", wanted, body, [], item_decls=decls, after_item=stores))
     elif elem_out:
-        body = element_lines([o for _, o in elem_out]) + [store(m, o, "row * cols + c") for m, o in elem_out]
+        body = element_lines([o for _, o in elem_out], cpass) + [store(m, o, "row * cols + c") for m, o in elem_out]
         phases.append(t.PHASE.substitute(acc_decl="", first="c0_out", step="1",
                                           body="\n".join(indent + ln for ln in body), after=""))
         if vector is not None:
-            vector.stores([(m, o, node_types[position[o.id]].result) for m, o in elem_out],
-                          needed([o for _, o in elem_out]))
+            vector.stores([(m, o, node_types[position[o.id]].result) for m, o in elem_out], *kept[cpass],
+                          [o for _, o in elem_out])
         phases[-1] = (vector.parts[-1] if vector is not None and vector.on else
                       "    const int64_t c0_out = 0;") + "\n" + phases[-1]
     if row_out:
@@ -291,13 +308,19 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     if vectorized:
         offsets += "\n    const bool vec_ok = " + " && ".join(
             [f"(cs{kk} == 0 || cs{kk} == 1)" for kk in range(n_in)] + ["true"]) + ";"
+    scratch = sorted(set().union(*(k for _, k in kept)), key=order.__getitem__)
+    threshold = max(1, CPU_PARALLEL_WORK // work)
+    parallel, end = t.CPU_PARALLEL.substitute(parallel_threshold=threshold), ""
+    if scratch:  # a row of each kept value per thread
+        parallel = t.CPU_PARALLEL_SCRATCH.substitute(parallel_threshold=threshold, scratch="\n".join(
+            f"  {vtype[i]}* __restrict__ fz_s_{vname[i]} = new {vtype[i]}[cols > 0 ? cols : 1];" for i in scratch))
+        end = "".join(f"  delete[] fz_s_{vname[i]};\n" for i in scratch) + "  }\n"
     return t.CPU_KERNEL.substitute(
         name=name, head=t.CPU_HEAD.substitute(
             prelude=cpu_t.VECTOR_INCLUDE if vectorized else cpu_t.PRELUDE,
             row_prelude=t.ROW_PRELUDE.substitute(fn="inline", row_reduce=""), name=name, count="rows"),
         vector_types=t.CPU_VECTOR_TYPES.substitute(vtype=vector.vtype) if vectorized else "",
-        params="\n".join(params), parallel_threshold=max(1, CPU_PARALLEL_WORK // work), offsets=offsets,
-        phases="\n".join(phases))
+        params="\n".join(params), parallel=parallel, end=end, offsets=offsets, phases="\n".join(phases))
 
 
 class _Vector:
@@ -317,10 +340,13 @@ class _Vector:
         self.vtype = None
         self.parts: list[str] = []
 
-    def _lines(self, need: set):
-        """(loads, op lines) for ``copies`` vectors, or None (no vector form)."""
+    def _lines(self, wanted, held: frozenset, keep: frozenset):
+        """(loads, op lines) for ``copies`` vectors of the values ``wanted`` needs, or None (no vector form);
+        ``held``: the values read from their scratch rows, ``keep``: those written there (plan.kept_values)."""
+        need = _needed(self.group, wanted, held)
         cv = CpuVector(self.descs, "cpu", KernelOptions())
-        for i in sorted(need - set(self.tensor_index) - {v.id for v in self.group.inputs}, key=self.order.__getitem__):
+        for i in sorted(need - set(self.tensor_index) - {v.id for v in self.group.inputs} - held,
+                        key=self.order.__getitem__):
             n, op, variant, nt, consts, pos, round_to = self.vector_args[i]
             cv.add(n, op, variant, nt, consts, self.vname, self.vdtype, f"v{pos}", round_to)
         if not cv.on or cv.vtype is None:
@@ -331,12 +357,20 @@ class _Vector:
         elif cv.vtype != self.vtype:
             self.on = False
             return None
+        if any(compute_type(self.vdtype[i]) != self.ctype for i in need & held):
+            self.on = False
+            return None
         loads = [f"const fz_v x{k}_{c} = cs{k} ? fz_vload(t{k} + off{k} + c + {c} * W) : fz_v(fz_ld(t{k}[off{k}]));"
                  for i, k in self.tensor_index.items() if i in need for c in range(COPIES)]
-        return cv, loads + cv.lines(COPIES)
+        loads += [f"const fz_v {self.vname[i]}_{c} = fz_vload(fz_s_{self.vname[i]} + c + {c} * W);"
+                  for i in sorted(need & held, key=self.order.__getitem__) for c in range(COPIES)]
+        stores = [f"fz_vstore(fz_s_{self.vname[i]} + c + {c} * W, {self.vname[i]}_{c});"
+                  for i in sorted(keep, key=self.order.__getitem__) for c in range(COPIES)]
+        return cv, loads + cv.lines(COPIES) + stores
 
-    def reduction(self, u, red, pos: int, acc_t: str, same_type: bool, need: set) -> None:
-        got = self._lines(need) if self.on and same_type else None
+    def reduction(self, u, red, pos: int, acc_t: str, same_type: bool, held: frozenset, keep: frozenset,
+                  wanted) -> None:
+        got = self._lines(wanted, held, keep) if self.on and same_type else None
         if got is None:
             self.on = False
             return
@@ -356,8 +390,8 @@ class _Vector:
                                for c in range(1, COPIES)),
             ctype=self.ctype, acc_t=acc_t, combine_fn=red.combine))
 
-    def stores(self, outs, need: set) -> None:
-        got = self._lines(need) if self.on else None
+    def stores(self, outs, held: frozenset, keep: frozenset, wanted) -> None:
+        got = self._lines(wanted, held, keep) if self.on else None
         if got is None or any(compute_type(dt) != self.ctype or self.vdtype[o.id] != dt for _, o, dt in outs):
             self.on = False
             return

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -151,6 +151,27 @@ def held_values(group: ir.Group) -> list:
             keep |= needed(group, later, has) & has
         held = frozenset(keep)
     group._cache["held_values"] = got
+    return got
+
+
+def kept_values(group: ir.Group, keepable: Callable[[int], bool]) -> list:
+    """The CPU row kernel's values kept in a row-long scratch array (one per value and thread) rather than computed
+    again: per pass of :func:`row_passes`, (the ids it reads from scratch, the ids it writes there). A pass keeps
+    the ``keepable`` values (the codegen's: costly ones, exp, log..., and those reading several inputs) it computes
+    that a later pass reads, walking back from that pass's values to the first values met that this pass computes.
+    So softmax's output pass reads exp(x - max) from scratch and multiplies, as eager's kernel does; its backward
+    computes exp once rather than three times; layer_norm(x + bias + residual) reads the sum from scratch in its
+    variance and output passes. Other values are computed again (the row's inputs are in cache by then)."""
+    passes = row_passes(group)
+    held: frozenset = frozenset()
+    got = []
+    for i, wanted in enumerate(passes):
+        computed = frozenset(v for v in needed(group, wanted, held) - held if keepable(v))
+        keep: set = set()
+        for later in passes[i + 1:]:
+            keep |= needed(group, later, held | computed) & computed
+        got.append((held, frozenset(keep)))
+        held = held | keep
     return got
 
 

@@ -90,13 +90,22 @@ ${head}
 ${vector_types}
 ${params}
   const int64_t cols = sizes[rank];
-#pragma omp parallel for schedule(static) if (rows > 1 && rows * cols >= ${parallel_threshold})
+${parallel}
   for (int64_t row = 0; row < rows; ++row) {
 ${offsets}
 ${phases}
   }
-}
+${end}}
 """)
+
+# the CPU row kernel's loop over rows: split across threads from ${parallel_threshold} elements; with scratch rows
+# (fuser.rows.plan.kept_values) a parallel region allocates each thread's (${scratch}) around the loop
+CPU_PARALLEL = Template(
+    "#pragma omp parallel for schedule(static) if (rows > 1 && rows * cols >= ${parallel_threshold})")
+CPU_PARALLEL_SCRATCH = Template(r"""#pragma omp parallel if (rows > 1 && rows * cols >= ${parallel_threshold})
+  {
+${scratch}
+#pragma omp for schedule(static)""")
 
 CUDA_KERNEL = Template(r"""// fuser CUDA row kernel ${name}
 ${prelude}
