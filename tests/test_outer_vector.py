@@ -159,6 +159,24 @@ def test_vector_pass_and_scalar_loop_agree_across_a_chunk():
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_nan_and_inf_propagate_through_the_vector_pass_as_in_eager(dtype):
+    """amax, sum and amin of columns holding NaN, inf and -inf, in the vector pass's lanes and in the tail."""
+    b = ir.Builder()
+    x = b.input()
+    spec = _spec(b.build([reduce_node(b, "amax", x, (0,), False), reduce_node(b, "sum", x, (0,), False),
+                          reduce_node(b, "amin", x, (0,), False)]))
+    x = torch.randn(150, 21, dtype=dtype)
+    for r, c, v in ((3, 1, "nan"), (100, 1, "inf"), (7, 2, "inf"), (9, 3, "inf"), (11, 3, "-inf"), (140, 4, "-inf"),
+                    (70, 19, "nan"), (0, 20, "inf"), (149, 20, "-inf"), (80, 9, "nan"), (81, 9, "inf")):
+        x[r, c] = float(v)
+    out = executor.run(spec, [x])
+    assert out is not None
+    for o, r in zip(out, (x.amax(0), x.sum(0), x.amin(0))):
+        assert torch.equal(o.isnan(), r.isnan()) and torch.equal(o.isinf(), r.isinf())
+        torch.testing.assert_close(o, r, equal_nan=True, rtol=TOL[dtype], atol=TOL[dtype] * 30)
+
+
 # ---------------------------------------------------------------------------------------------- the native hot path
 
 def _sum0(x, y):

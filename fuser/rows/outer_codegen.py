@@ -240,11 +240,19 @@ def _cpu_vector_pass(group: ir.Group, inputs: Sequence[torch.dtype], wanted: Seq
         return None
     loaded = sorted(k for i, k in tensor_index.items() if i in need)
     ind = " " * 14
-    lines = [f"const fz_v x{k}_0 = cs{k} ? fz_vload(p{k} + j) : fz_v(fz_ld(*p{k}));" for k in loaded]
-    lines += cv.lines(1)
-    lines += [f"fz_vstore(vacc{pos} + j, {red.combine}::f(fz_vload(vacc{pos} + j), {vname[n.args[0].id]}_0));"
-              for n, pos, red, _, _ in reductions]
-    lines += [f"fz_vstore(o{m} + r * cols + c0 + j, {vname[o.id]}_0);" for m, o, _ in elem_out]
+
+    def trip(rows: int) -> list[str]:
+        """A vector of columns of ``rows`` rows from r on: the loads, the ops (a copy a row), each accumulator
+        read, combined with the rows in order, stored."""
+        lines = [f"const fz_v x{k}_{c} = cs{k} ? fz_vload(p{k} + {c} * rs{k} + j) : fz_v(fz_ld(p{k}[{c} * rs{k}]));"
+                 for c in range(rows) for k in loaded]
+        lines += cv.lines(rows)
+        for n, pos, red, _, _ in reductions:
+            lines.append(f"fz_v a{pos} = fz_vload(vacc{pos} + j);")
+            lines += [f"a{pos} = {red.combine}::f(a{pos}, {vname[n.args[0].id]}_{c});" for c in range(rows)]
+            lines.append(f"fz_vstore(vacc{pos} + j, a{pos});")
+        return lines + [f"fz_vstore(o{m} + (r + {c}) * cols + c0 + j, {vname[o.id]}_{c});"
+                        for c in range(rows) for m, o, _ in elem_out]
     steps = []
     for k in loaded:
         steps += [f"const int64_t cs{k} = rank > 0 ? strides[{k} * (rank + 1) + rank - 1] : 0;",
@@ -256,7 +264,8 @@ def _cpu_vector_pass(group: ir.Group, inputs: Sequence[torch.dtype], wanted: Seq
                             for _, pos, red, _, _ in reductions),
         row_bases="\n".join(f"{' ' * 12}const {storage_type(inputs[k])}* p{k} = t{k} + coff{k}[0] + r * rs{k};"
                             for k in loaded),
-        lines="\n".join(ind + ln for ln in lines),
+        unroll=t.CPU_UNROLL_ROWS, lines="\n".join(ind + ln for ln in trip(1)),
+        lines_unrolled="\n".join(ind + ln for ln in trip(t.CPU_UNROLL_ROWS)),
         fold="\n".join(f"{' ' * 12}acc{pos}[j] = {red.combine}::f(acc{pos}[j], ({acc_t})vacc{pos}[j]);"
                        for _, pos, red, _, acc_t in reductions))
     return cv.vtype, source

@@ -22,6 +22,7 @@ MAX_DIMS = 8  # column dims (fuser.rows.outer.MAX_COL_DIMS)
 BLOCK_SIZE = 256  # CUDA threads a block: a power of two (the lanes' tree halves it)
 CPU_CHUNK = 512  # columns a CPU chunk accumulates at once
 CPU_FOLD_ROWS = 64  # rows the CPU vector pass sums in the compute type before folding into the accumulators
+CPU_UNROLL_ROWS = 4  # rows a trip of the CPU vector pass (the rows' order kept: the same sums as one at a time)
 
 # the lanes of a block combined per column: after it every thread holds its column's result
 LANE_REDUCE = r"""template <class Op, class A> __device__ __forceinline__ A fz_lane_reduce(A v, A* sh, int tile) {
@@ -147,7 +148,14 @@ ${vacc_decls}
           for (int64_t j = 0; j < jv; j += W) {
 ${vacc_init}
           }
-          for (int64_t r = r0; r < r1; ++r) {
+          int64_t r = r0;
+          for (; r + ${unroll} <= r1; r += ${unroll}) {  // ${unroll} rows a trip: each vector's accumulator read once
+${row_bases}
+            for (int64_t j = 0; j < jv; j += W) {
+${lines_unrolled}
+            }
+          }
+          for (; r < r1; ++r) {
 ${row_bases}
             for (int64_t j = 0; j < jv; j += W) {
 ${lines}
