@@ -5,7 +5,9 @@ One pass down each column: per element the prologue (the element-level nodes the
 outputs need, loaded from the inputs in memory), every reduction accumulated (they all reduce the same column), the
 element-level outputs stored; then per column the reductions' results (a mean divides by the column's length), the
 epilogue (the column-level nodes, in the group's order) and the column-level outputs. Each node's statement is the
-pointwise codegen's (``codegen.body.node_statement``), so an op means the same in every kind of kernel.
+pointwise codegen's (``codegen.body.node_statement``), so an op means the same in every kind of kernel. On the
+CPU, where every node the pass computes has an at::vec form, a vector pass (:func:`_cpu_vector_pass`) takes the
+whole vectors of a chunk's columns first (``CpuVector``'s lines: the pointwise kernels' vector forms).
 """
 from __future__ import annotations
 

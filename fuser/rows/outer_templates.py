@@ -94,11 +94,14 @@ ${head}
 ${params}
   const int64_t cols = sizes[rank];
 ${red_strides}
-  const int64_t chunks = (cols + ${chunk} - 1) / ${chunk};
+  // columns a chunk: ${chunk}, or fewer (a multiple of 16, at least 64) where that leaves fewer than 8 chunks to
+  // share among the threads; decided by the columns alone, as is each column's order of sums
+  const int64_t cw = cols >= 8 * ${chunk} ? ${chunk} : (((cols + 7) / 8 + 15) / 16 * 16 > 64 ? ((cols + 7) / 8 + 15) / 16 * 16 : 64);
+  const int64_t chunks = (cols + cw - 1) / cw;
 #pragma omp parallel for schedule(static) if (chunks > 1 && red * cols >= ${parallel_threshold})
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-    const int64_t c0 = chunk * ${chunk};
-    const int64_t nc = cols - c0 < ${chunk} ? cols - c0 : ${chunk};
+    const int64_t c0 = chunk * cw;
+    const int64_t nc = cols - c0 < cw ? cols - c0 : cw;
 ${col_arrays}
 ${offsets}
     // the chunk within one run of the innermost column dim: its columns' offsets step by that dim's strides
