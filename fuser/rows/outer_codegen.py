@@ -123,6 +123,9 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     else:
         row_loops = ["FZ_COL_ROWS {"] + ["  " + ln for ln in body] + ["}"]
 
+    epilogue = [m for m in group.nodes if m.out.id in cols_v and m.out.id in statement]
+    epilogue_operands = [v for m in epilogue for v in m.values if v.id not in cols_v]
+
     def finish(acc: Callable[[int], str], at: str = "c", row: str = "") -> list[str]:
         """Per column: the reductions' results, the epilogue, the column-level outputs (column ``at``; its
         element-level inputs read at offset ``row`` past the column's first)."""
@@ -133,9 +136,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             if nt.result in REDUCED and not n.origin:  # an eager op of its own: its result is stored in its dtype
                 result = f"fz_ld(fz_st<{storage_type(nt.result)}>((float)({result})))"
             lines.append(f"const {rtype} v{pos} = ({rtype})({result});")
-        epilogue = [m for m in group.nodes if m.out.id in cols_v and m.out.id in statement]
         # their element-level operands: one value a column (the plan checked), read at the column's first row
-        lines += element_lines([v for m in epilogue for v in m.values if v.id not in cols_v], row)
+        lines += element_lines(epilogue_operands, row)
         lines += [statement[m.out.id] for m in epilogue]
         return lines + [store(m, o, at) for m, o in col_out]
 
@@ -204,6 +206,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         offsets=t.CPU_OFFSETS.substitute(
             max_dims=t.MAX_DIMS, decls=decls,
             accumulate="\n".join(f"        off{kk} += m * strides[{kk} * (rank + 1) + d];" for kk in range(n_in))),
+        linear_from="0" if needed(group, epilogue_operands, level=cols_v) & tensor_index.keys() else "jv",
         col_linear=block([f"coff{kk}[j] = off{kk} + j * strides[{kk} * (rank + 1) + rank - 1];"
                           for kk in range(n_in)], "        "),
         col_offsets=block([f"coff{kk}[j] = off{kk};" for kk in range(n_in)], "        "),
@@ -264,7 +267,7 @@ def _cpu_vector_pass(group: ir.Group, inputs: Sequence[torch.dtype], wanted: Seq
         vacc_decls="\n".join(f"{' ' * 8}alignas(64) {ctype} vacc{pos}[{t.CPU_CHUNK}];" for _, pos, *_ in reductions),
         vacc_init="\n".join(f"{' ' * 12}fz_vstore(vacc{pos} + j, fz_v({red.identity.replace('$A', ctype)}));"
                             for _, pos, red, _, _ in reductions),
-        row_bases="\n".join(f"{' ' * 12}const {storage_type(inputs[k])}* p{k} = t{k} + coff{k}[0] + r * rs{k};"
+        row_bases="\n".join(f"{' ' * 12}const {storage_type(inputs[k])}* p{k} = t{k} + off{k} + r * rs{k};"
                             for k in loaded),
         unroll=t.CPU_UNROLL_ROWS, lines="\n".join(ind + ln for ln in trip(1)),
         lines_unrolled="\n".join(ind + ln for ln in trip(t.CPU_UNROLL_ROWS)),

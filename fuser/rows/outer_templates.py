@@ -106,8 +106,14 @@ ${col_arrays}
 ${offsets}
     // the chunk within one run of the innermost column dim: its columns' offsets step by that dim's strides
     const bool run = rank > 0 && ci[rank - 1] + nc <= sizes[rank - 1];
+    for (int64_t j = 0; j < nc; ++j) {
+${col_init}
+    }
+    int64_t jv = 0;  // the chunk's columns the vector pass took (it reads the offsets of the chunk's first column)
+${vector}
+    // the offsets of the columns the scalar loop takes (of them all where the epilogue reads an input)
     if (run) {
-      for (int64_t j = 0; j < nc; ++j) {
+      for (int64_t j = ${linear_from}; j < nc; ++j) {
 ${col_linear}
       }
     } else {
@@ -116,11 +122,6 @@ ${col_offsets}
 ${step}
       }
     }
-    for (int64_t j = 0; j < nc; ++j) {
-${col_init}
-    }
-    int64_t jv = 0;  // the chunk's columns the vector pass took
-${vector}
     for (int64_t r = 0; r < red; ++r) {
       for (int64_t j = jv; j < nc; ++j) {
         const int64_t c = c0 + j;
