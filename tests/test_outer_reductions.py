@@ -284,14 +284,17 @@ def test_inputs_that_require_grad_get_the_fused_backward():
         assert executor.run(spec, [x.detach(), y, 0.5]) is not None
 
 
-def test_the_native_hot_path_hands_column_kernels_to_python():
-    """``record.launch_record`` gives None for a column kernel's geometry (the hot path's "python" record)."""
+def test_the_native_hot_path_takes_cpu_column_kernels_without_autograd():
+    """``record.launch_record`` gives a CPU record for a CPU column kernel's geometry; calls autograd records go to
+    Python (``hot_path_grad``: their backward is formed for a column kernel). tests/test_outer_vector.py runs
+    them through the hot path."""
     case = _single("sum", True)
     spec = _spec(_GROUPS[case.id])
     x = torch.randn(20, 3)
     outs = executor.run(spec, [x])
     geo = next(g for g in spec.geometries.values() if isinstance(g, outer_launch.OuterGeometry))
-    assert record.launch_record(geo, [x], [], outs) is None
+    assert record.launch_record(geo, [x], [], outs)[0][0] == record.KIND_CPU
+    assert not geo.hot_path_grad
 
 
 # ---------------------------------------------------------------------------------------------- the TorchScript pass

@@ -87,7 +87,8 @@ def offer(key: int, digest: str, spec, args: Sequence, tensors: Sequence[torch.T
     geo = spec.geometries.get(sig)
     kernel = getattr(geo, "kernel", None)  # None: the executor found no kernel for these inputs
     got = None if kernel is None or not settings.fusion_enabled(geo.device.type) or (
-        grad and call is None) else record.launch_record(geo, tensors, scalars, outputs)
+        grad and (call is None or not getattr(geo, "hot_path_grad", True))) else record.launch_record(
+        geo, tensors, scalars, outputs)
     if got is None:
         rec, floats = record.PYTHON, []
     else:

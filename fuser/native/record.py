@@ -48,14 +48,18 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     path must hand such calls over."""
     kernel = getattr(geo, "kernel", None)
     rows = hasattr(geo, "rows")  # a row kernel's geometry (fuser.rows.RowGeometry)
-    if kernel is None or not getattr(geo, "hot_path", True) or (  # hot_path False: a column kernel's geometry
-            not rows and (geo.concat is not None or (kernel.random and geo.device.type != "cpu"))) or \
+    cols = hasattr(geo, "red")  # a column kernel's (fuser.rows.OuterGeometry): the CPU ones, as a row kernel's
+    if kernel is None or not getattr(geo, "hot_path", True) or (  # hot_path False: e.g. a CUDA column kernel's
+            not rows and not cols and (geo.concat is not None or (kernel.random and geo.device.type != "cpu"))) or \
             len(outputs) != len(kernel.out_dtypes):
         return None
     device = geo.device
     if device.type not in ("cpu", "cuda") or any(t.device != device for t in (*tensors, *outputs)):
         return None
-    rec = [KIND_CPU if device.type == "cpu" else KIND_CUDA, geo.rows if rows else geo.numel, len(outputs)]
+    if cols and device.type != "cpu":
+        return None
+    rec = [KIND_CPU if device.type == "cpu" else KIND_CUDA, geo.red if cols else geo.rows if rows else geo.numel,
+           len(outputs)]
     for o in outputs:
         rec += [scalar_type(o.dtype), o.dim(), *o.shape, *o.stride()]
     limits = kernel.scalar_limits or ()
@@ -69,10 +73,11 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
         fn = ctypes.cast(backend._fn, ctypes.c_void_p).value
         flat = [x for st in geo.strides for x in st]
         # a row kernel: rank is the row dims', sizes are those dims and the row length
-        sizes = [*geo.lead, geo.cols] if rows else list(geo.sizes)
+        lead = geo.lead if rows else geo.col_sizes if cols else None  # (a column kernel: the column dims)
+        sizes = [*lead, geo.cols] if lead is not None else list(geo.sizes)
         # a random kernel (not under autograd: offer() keeps those in Python, whose backward replays the state)
         # gets its launch state drawn per call by hotpath.cpp
-        rec += [fn, len(geo.lead) if rows else len(sizes), len(sizes), *sizes, len(flat), *flat,
+        rec += [fn, len(lead) if lead is not None else len(sizes), len(sizes), *sizes, len(flat), *flat,
                 int(getattr(kernel, "random", False))]
         return rec, floats, backend
     from ..cuda import launch as cuda_launch

@@ -5,20 +5,23 @@ One pass down each column: per element the prologue (the element-level nodes the
 outputs need, loaded from the inputs in memory), every reduction accumulated (they all reduce the same column), the
 element-level outputs stored; then per column the reductions' results (a mean divides by the column's length), the
 epilogue (the column-level nodes, in the group's order) and the column-level outputs. Each node's statement is the
-pointwise codegen's (``codegen.body.node_statement``), so an op means the same in every kind of kernel.
+pointwise codegen's (``codegen.body.node_statement``), so an op means the same in every kind of kernel. On the
+CPU, where every node the pass computes has an at::vec form, a vector pass (:func:`_cpu_vector_pass`) takes the
+whole vectors of a chunk's columns first (``CpuVector``'s lines: the pointwise kernels' vector forms).
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from .. import ir, ops
 from ..codegen import REDUCED, KernelOptions, NodeTypes, NotFusable, value_type
 from ..codegen.body import node_statement
+from ..codegen.cpu_vector import CpuVector
 from ..cpu import templates as cpu_t
 from ..cuda import templates as cuda_t
-from ..descs import compute_type, storage_type
+from ..descs import DENSE, TensorDesc, compute_type, storage_type
 from . import outer_templates as t
 from . import templates as row_t
 from .codegen import accumulator_type, input_names
@@ -29,13 +32,16 @@ CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU column kernel spl
 
 
 def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
-             name: str, n_scalar_slots: int, round_reduced: bool = False, cvec: int = 1, steps: tuple = ()) -> str:
+             name: str, n_scalar_slots: int, round_reduced: bool = False, cvec: int = 1, steps: tuple = (),
+             vectorize: bool = False) -> str:
     """Source of the column kernel ``name``; ``inputs``: the tensor inputs' dtypes. Raises NotFusable where an op
     has no expression for its types (the executor falls back). ``round_reduced``: as
     ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
     always: once per column, it costs nothing). ``cvec``: CUDA, consecutive columns a thread takes
     (``outer.OuterKey.cvec``): its per-element lines run per column v of the thread's, on arrays of ``cvec``;
-    ``steps``: per tensor input, whether it steps by 1 along the columns (else by 0)."""
+    ``steps``: per tensor input, whether it steps by 1 along the columns (else by 0). ``vectorize``: the CPU
+    kernel gets an at::vec pass over whole vectors of a chunk's columns (:func:`_cpu_vector_pass`) where every
+    node it computes has a vector form; the scalar loop takes the rest."""
     cuda = target == "cuda"
     cols_v = column_level(group)
     vname, vtype, vdtype, tensor_index, j = input_names(group, inputs, target)
@@ -44,6 +50,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     statement: dict[int, str] = {}
     exact: set = {v.id for v in group.inputs}  # (see codegen.body.generate)
     reductions = []  # (node, position, reduction, node types, accumulator type)
+    vector_args: dict[int, tuple] = {}  # per non-reduction node's value: what CpuVector.add takes
     options = KernelOptions(index32=False, vectorize=False, round_reduced=round_reduced)
     for pos, (n, nt) in enumerate(zip(group.nodes, node_types)):
         red = ops.reduction(n.op)
@@ -58,7 +65,9 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         op = ops.of(n.op)
         if op is None or op.random or op.concat:
             raise NotFusable(f"{n.op} in a column kernel")
-        statement[n.out.id] = node_statement(group, n, op, nt, pos, target, options, vname, vtype, vdtype, exact)[0]
+        statement[n.out.id], variant, consts, round_to = node_statement(group, n, op, nt, pos, target, options,
+                                                                        vname, vtype, vdtype, exact)
+        vector_args[n.out.id] = (n, op, variant, nt, consts, round_to)
 
     order = {n.out.id: pos for pos, n in enumerate(group.nodes)}
     position = order
@@ -114,6 +123,9 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     else:
         row_loops = ["FZ_COL_ROWS {"] + ["  " + ln for ln in body] + ["}"]
 
+    epilogue = [m for m in group.nodes if m.out.id in cols_v and m.out.id in statement]
+    epilogue_operands = [v for m in epilogue for v in m.values if v.id not in cols_v]
+
     def finish(acc: Callable[[int], str], at: str = "c", row: str = "") -> list[str]:
         """Per column: the reductions' results, the epilogue, the column-level outputs (column ``at``; its
         element-level inputs read at offset ``row`` past the column's first)."""
@@ -124,9 +136,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             if nt.result in REDUCED and not n.origin:  # an eager op of its own: its result is stored in its dtype
                 result = f"fz_ld(fz_st<{storage_type(nt.result)}>((float)({result})))"
             lines.append(f"const {rtype} v{pos} = ({rtype})({result});")
-        epilogue = [m for m in group.nodes if m.out.id in cols_v and m.out.id in statement]
         # their element-level operands: one value a column (the plan checked), read at the column's first row
-        lines += element_lines([v for m in epilogue for v in m.values if v.id not in cols_v], row)
+        lines += element_lines(epilogue_operands, row)
         lines += [statement[m.out.id] for m in epilogue]
         return lines + [store(m, o, at) for m, o in col_out]
 
@@ -179,18 +190,87 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                            for i, (pos, red, a) in enumerate(accs)], indent + "  "))
     indent = "      "
     work = 1 + len(statement) + len(reductions)
+    vector = _cpu_vector_pass(group, inputs, wanted, vname, vdtype, vector_args, tensor_index, order, reductions,
+                              [(m, o, node_types[position[o.id]].result) for m, o in elem_out]) if vectorize else None
+    if vector is not None:
+        params.append(row_t.CPU_VECTOR_TYPES.substitute(vtype=vector[0]))
     return t.CPU_KERNEL.substitute(
         name=name, head=row_t.CPU_HEAD.substitute(
-            prelude=cpu_t.PRELUDE, row_prelude=row_t.ROW_PRELUDE.substitute(fn="inline", row_reduce=""), name=name,
-            count="red"),
+            prelude=cpu_t.VECTOR_INCLUDE if vector is not None else cpu_t.PRELUDE,
+            row_prelude=row_t.ROW_PRELUDE.substitute(fn="inline", row_reduce=""), name=name, count="red"),
+        vector=vector[1] if vector is not None else "",
         params="\n".join(params), chunk=t.CPU_CHUNK, parallel_threshold=max(1, CPU_PARALLEL_WORK // work),
         red_strides=block([f"const int64_t rs{kk} = strides[{kk} * (rank + 1) + rank];" for kk in range(n_in)], "  "),
         col_arrays=block([f"int64_t coff{kk}[{t.CPU_CHUNK}];" for kk in range(n_in)]
                          + [f"{a} acc{pos}[{t.CPU_CHUNK}];" for _, pos, _, _, a in reductions], "    "),
-        offsets=t.OFFSETS.substitute(
-            indent=indent, decls=decls, column="c0 + j", size="sizes[d]",
-            accumulate="\n".join(f"{indent}    off{kk} += m * strides[{kk} * (rank + 1) + d];" for kk in range(n_in))),
-        col_store=block([f"coff{kk}[j] = off{kk};" for kk in range(n_in)]
-                        + [f"acc{pos}[j] = {red.identity.replace('$A', a)};" for _, pos, red, _, a in reductions],
-                        indent),
+        offsets=t.CPU_OFFSETS.substitute(
+            max_dims=t.MAX_DIMS, decls=decls,
+            accumulate="\n".join(f"        off{kk} += m * strides[{kk} * (rank + 1) + d];" for kk in range(n_in))),
+        linear_from="0" if needed(group, epilogue_operands, level=cols_v) & tensor_index.keys() else "jv",
+        col_linear=block([f"coff{kk}[j] = off{kk} + j * strides[{kk} * (rank + 1) + rank - 1];"
+                          for kk in range(n_in)], "        "),
+        col_offsets=block([f"coff{kk}[j] = off{kk};" for kk in range(n_in)], "        "),
+        col_init=block([f"acc{pos}[j] = {red.identity.replace('$A', a)};" for _, pos, red, _, a in reductions],
+                       indent),
+        step=t.CPU_STEP.substitute(
+            forward="\n".join(f"          off{kk} += strides[{kk} * (rank + 1) + d];" for kk in range(n_in)),
+            back="\n".join(f"          off{kk} -= sizes[d] * strides[{kk} * (rank + 1) + d];"
+                            for kk in range(n_in))),
         body=block(body, indent + "  "), finish=block(finish(acc), indent))
+
+
+def _cpu_vector_pass(group: ir.Group, inputs: Sequence[torch.dtype], wanted: Sequence[ir.Value], vname: dict,
+                     vdtype: dict, vector_args: dict, tensor_index: dict, order: dict, reductions: list,
+                     elem_out: list) -> Optional[tuple[str, str]]:
+    """(vector type, the CPU kernel's vector pass: ``outer_templates.CPU_VECTOR_PASS``) for the element-level values
+    ``wanted`` (the reductions' operands, the element-level outputs ``elem_out``: (index, value, dtype))
+    over at::vec (the pointwise kernels' ``CpuVector`` lines: the same op forms), or None where a node has no
+    vector form, the inputs mix compute types or hold bools, a reduction converts its operand, or an element-level
+    output's type is not the vectors'."""
+    if any(dt == torch.bool for dt in inputs):
+        return None
+    need = needed(group, wanted, level=column_level(group))
+    cv = CpuVector([TensorDesc(dt, DENSE, False) for dt in inputs], "cpu", KernelOptions())
+    for i in sorted(need & vector_args.keys(), key=order.__getitem__):
+        n, op, variant, nt, consts, round_to = vector_args[i]
+        cv.add(n, op, variant, nt, consts, vname, vdtype, vname[i], round_to)
+    if not cv.on or cv.vtype is None:
+        return None
+    ctype = cv.ctype
+    for n, _, _, nt, _ in reductions:
+        u = n.args[0]
+        if vdtype[u.id] != nt.compute or compute_type(nt.compute) != ctype or vname[u.id] in cv.masks:
+            return None
+    if any(compute_type(dt) != ctype or vdtype[o.id] != dt or vname[o.id] in cv.masks for _, o, dt in elem_out):
+        return None
+    loaded = sorted(k for i, k in tensor_index.items() if i in need)
+    ind = " " * 14
+
+    def trip(rows: int) -> list[str]:
+        """A vector of columns of ``rows`` rows from r on: the loads, the ops (a copy a row), each accumulator
+        read, combined with the rows in order, stored."""
+        lines = [f"const fz_v x{k}_{c} = cs{k} ? fz_vload(p{k} + {c} * rs{k} + j) : fz_v(fz_ld(p{k}[{c} * rs{k}]));"
+                 for c in range(rows) for k in loaded]
+        lines += cv.lines(rows)
+        for n, pos, red, _, _ in reductions:
+            lines.append(f"fz_v a{pos} = fz_vload(vacc{pos} + j);")
+            lines += [f"a{pos} = {red.combine}::f(a{pos}, {vname[n.args[0].id]}_{c});" for c in range(rows)]
+            lines.append(f"fz_vstore(vacc{pos} + j, a{pos});")
+        return lines + [f"fz_vstore(o{m} + (r + {c}) * cols + c0 + j, {vname[o.id]}_{c});"
+                        for c in range(rows) for m, o, _ in elem_out]
+    steps = []
+    for k in loaded:
+        steps += [f"const int64_t cs{k} = rank > 0 ? strides[{k} * (rank + 1) + rank - 1] : 0;",
+                  f"vec_ok = vec_ok && (cs{k} == 0 || cs{k} == 1);"]
+    source = t.CPU_VECTOR_PASS.substitute(
+        rows=t.CPU_FOLD_ROWS, steps="\n".join(" " * 6 + ln for ln in steps),
+        vacc_decls="\n".join(f"{' ' * 8}alignas(64) {ctype} vacc{pos}[{t.CPU_CHUNK}];" for _, pos, *_ in reductions),
+        vacc_init="\n".join(f"{' ' * 12}fz_vstore(vacc{pos} + j, fz_v({red.identity.replace('$A', ctype)}));"
+                            for _, pos, red, _, _ in reductions),
+        row_bases="\n".join(f"{' ' * 12}const {storage_type(inputs[k])}* p{k} = t{k} + off{k} + r * rs{k};"
+                            for k in loaded),
+        unroll=t.CPU_UNROLL_ROWS, lines="\n".join(ind + ln for ln in trip(1)),
+        lines_unrolled="\n".join(ind + ln for ln in trip(t.CPU_UNROLL_ROWS)),
+        fold="\n".join(f"{' ' * 12}acc{pos}[j] = {red.combine}::f(acc{pos}[j], ({acc_t})vacc{pos}[j]);"
+                       for _, pos, red, _, acc_t in reductions))
+    return cv.vtype, source

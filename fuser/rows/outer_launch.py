@@ -3,7 +3,7 @@
 CUDA one through the host emulation with the same arguments (:func:`fill_args`, :func:`cuda_grid`).
 
 :class:`OuterGeometry` is what the executor caches per input signature. The native hot path
-(``fuser.native.record``) does not launch it: it hands such calls to Python (``hot_path`` False).
+(``fuser.native.record``) launches CPU ones for calls autograd does not record (``hot_path``, ``hot_path_grad``).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .. import settings
+from .. import compiler, settings
 from . import decompose, launch
 from . import outer_codegen
 from . import outer_templates as t
@@ -45,7 +45,8 @@ def source_for(spec, p: OuterPlan) -> tuple[str, str]:
     name = "fused_cols_" + hashlib.sha256(f"{spec.text}\n{p.key!r}".encode()).hexdigest()[:16]
     source = outer_codegen.generate(decompose.expand(spec.group), [dt for dt, _ in p.key.inputs], p.types,
                                     p.key.target, name, len(p.scalars), round_reduced=settings.round_reduced,
-                                    cvec=p.key.cvec, steps=p.key.steps)
+                                    cvec=p.key.cvec, steps=p.key.steps,
+                                    vectorize=p.key.target == "cpu" and compiler._cpu_vectorize())
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: column kernel {name} for {p.key}\n{source}", file=sys.stderr)
     return name, source
@@ -64,10 +65,15 @@ class OuterGeometry:
     """What a launch of a column kernel needs that depends only on the inputs' signature (as
     ``fuser.rows.RowGeometry``: ``kernel``, ``requires_grad``, ``device`` for ``executor.run``)."""
 
-    hot_path = False  # fuser.native.record hands these calls to Python
+    hot_path_grad = False  # calls autograd records go to Python (their backward is formed for a column kernel:
+    # autodiff._Call.columns, which the native hot path's backward does not carry)
 
     def __init__(self, p: OuterPlan, kernel: OuterKernel):
         self.kernel, self.red, self.cols, self.col_sizes, self.strides = kernel, p.red, p.cols, p.col_sizes, p.strides
+        # fuser.native.record launches CPU column kernels (the CPU ABI of row kernels: red, then the column dims
+        # and the columns) where there is a column and a row: the hot path skips a launch of no work, and a sum
+        # over no rows must still write its zeros; CUDA ones go to Python
+        self.hot_path = kernel.target == "cpu" and p.red > 0 and p.cols > 0
         self.out_shapes, self.out_dtypes = p.out_shapes, p.out_dtypes
         self.cvec, self.vec_align = p.key.cvec, p.vec_align
         self.device = p.tensors[0].device

@@ -5,7 +5,8 @@ CPU ABI (the pointwise and row kernels' signature): ``void name(int64_t red, int
 const int64_t* strides, void* const* ptrs, const double* scalars)``; ``sizes``: the ``rank`` compressed column
 dims, then their product (the columns); ``strides``: per tensor input ``rank`` strides over the column dims, then its stride along the
 reduced dims. Blocks of :data:`CPU_CHUNK` columns: per row, the chunk's columns (consecutive in a row-major
-input), each column's accumulators in an array; chunks split across threads.
+input), each column's accumulators in an array; chunks split across threads. Where the group has vector forms, an
+at::vec pass takes the chunk's whole vectors of columns (:data:`CPU_VECTOR_PASS`) and the scalar loop the rest.
 
 CUDA: one by-value ``FzArgs`` (mirrored by ``fuser.rows.outer_launch.args_struct``); one 1-D grid, 256 threads
 a block seen as ``tile`` threads along the columns (consecutive threads, consecutive columns: coalesced; each
@@ -19,7 +20,9 @@ from string import Template
 
 MAX_DIMS = 8  # column dims (fuser.rows.outer.MAX_COL_DIMS)
 BLOCK_SIZE = 256  # CUDA threads a block: a power of two (the lanes' tree halves it)
-CPU_CHUNK = 64  # columns a CPU chunk accumulates at once
+CPU_CHUNK = 512  # columns a CPU chunk accumulates at once
+CPU_FOLD_ROWS = 64  # rows the CPU vector pass sums in the compute type before folding into the accumulators
+CPU_UNROLL_ROWS = 4  # rows a trip of the CPU vector pass (the rows' order kept: the same sums as one at a time)
 
 # the lanes of a block combined per column: after it every thread holds its column's result
 LANE_REDUCE = r"""template <class Op, class A> __device__ __forceinline__ A fz_lane_reduce(A v, A* sh, int tile) {
@@ -65,24 +68,62 @@ ${accumulate}
 ${indent}  }
 ${indent}}""")
 
+# CPU: the offsets of the chunk's first column c0 in each input (a divmod walk over the column dims, once a
+# chunk), then an odometer over the column dims steps them from one column to the next
+CPU_OFFSETS = Template(r"""    int64_t ci[${max_dims}];  // the column's index along each column dim
+    long long ${decls};
+    {
+      long long q0 = c0;
+      for (int d = (int)rank - 1; d >= 0; --d) {
+        const long long q = q0 / sizes[d], m = q0 - q * sizes[d];
+        q0 = q;
+        ci[d] = m;
+${accumulate}
+      }
+    }""")
+CPU_STEP = Template(r"""        for (int d = (int)rank - 1; d >= 0; --d) {
+${forward}
+          if (++ci[d] < sizes[d]) break;
+${back}
+          ci[d] = 0;
+        }""")
+
 # (${head}: fuser/rows/templates.py's CPU_HEAD)
 CPU_KERNEL = Template(r"""// fuser CPU column kernel ${name}
 ${head}
 ${params}
   const int64_t cols = sizes[rank];
 ${red_strides}
-  const int64_t chunks = (cols + ${chunk} - 1) / ${chunk};
+  // columns a chunk: ${chunk}, or fewer (a multiple of 16, at least 64) where that leaves fewer than 8 chunks to
+  // share among the threads; decided by the columns alone, as is each column's order of sums
+  const int64_t cw = cols >= 8 * ${chunk} ? ${chunk} : (((cols + 7) / 8 + 15) / 16 * 16 > 64 ? ((cols + 7) / 8 + 15) / 16 * 16 : 64);
+  const int64_t chunks = (cols + cw - 1) / cw;
 #pragma omp parallel for schedule(static) if (chunks > 1 && red * cols >= ${parallel_threshold})
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-    const int64_t c0 = chunk * ${chunk};
-    const int64_t nc = cols - c0 < ${chunk} ? cols - c0 : ${chunk};
+    const int64_t c0 = chunk * cw;
+    const int64_t nc = cols - c0 < cw ? cols - c0 : cw;
 ${col_arrays}
-    for (int64_t j = 0; j < nc; ++j) {
 ${offsets}
-${col_store}
+    // the chunk within one run of the innermost column dim: its columns' offsets step by that dim's strides
+    const bool run = rank > 0 && ci[rank - 1] + nc <= sizes[rank - 1];
+    for (int64_t j = 0; j < nc; ++j) {
+${col_init}
+    }
+    int64_t jv = 0;  // the chunk's columns the vector pass took (it reads the offsets of the chunk's first column)
+${vector}
+    // the offsets of the columns the scalar loop takes (of them all where the epilogue reads an input)
+    if (run) {
+      for (int64_t j = ${linear_from}; j < nc; ++j) {
+${col_linear}
+      }
+    } else {
+      for (int64_t j = 0; j < nc; ++j) {
+${col_offsets}
+${step}
+      }
     }
     for (int64_t r = 0; r < red; ++r) {
-      for (int64_t j = 0; j < nc; ++j) {
+      for (int64_t j = jv; j < nc; ++j) {
         const int64_t c = c0 + j;
 ${body}
       }
@@ -94,6 +135,42 @@ ${finish}
   }
 }
 """)
+
+# the CPU vector pass (at::vec, fz_v of W lanes): where the chunk lies in one run of the innermost column dim and
+# every input it loads steps by 0 or 1 along it, the chunk's whole vectors of columns (the first jv), row by row
+# (each row's columns read in order: the prefetchers' stream); each column's accumulators in an array of the compute type
+# (vacc), folded into the scalar accumulators (acc, as the scalar loop's: double for sums) every ${rows} rows: a
+# fixed order for a given shape and strides, whatever the thread count (deterministic)
+CPU_VECTOR_PASS = Template(r"""    {
+      bool vec_ok = run && nc >= W;
+${steps}
+      if (vec_ok) {
+        jv = nc / W * W;
+${vacc_decls}
+        for (int64_t r0 = 0; r0 < red; r0 += ${rows}) {
+          const int64_t r1 = red - r0 < ${rows} ? red : r0 + ${rows};
+          for (int64_t j = 0; j < jv; j += W) {
+${vacc_init}
+          }
+          int64_t r = r0;
+          for (; r + ${unroll} <= r1; r += ${unroll}) {  // ${unroll} rows a trip: each vector's accumulator read once
+${row_bases}
+            for (int64_t j = 0; j < jv; j += W) {
+${lines_unrolled}
+            }
+          }
+          for (; r < r1; ++r) {
+${row_bases}
+            for (int64_t j = 0; j < jv; j += W) {
+${lines}
+            }
+          }
+          for (int64_t j = 0; j < jv; ++j) {
+${fold}
+          }
+        }
+      }
+    }""")
 
 CUDA_KERNEL = Template(r"""// fuser CUDA column kernel ${name}
 ${prelude}
