@@ -188,13 +188,16 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         after = []
         if red.variance:  # a first pass for the row's mean; this pass sums the squared deviations from it
             accumulate = f"{{ const {acc_t} dv = ({acc_t})({x}) - mean{pos}; acc{pos} += dv * dv; }}"
-            mean_body = element_lines([u], cpass) + [f"accm{pos} += ({acc_t})({x});"]
+            # the mean in double (as the CPU's accumulators are): a float sum of huge equal values rounds, and the
+            # deviations from a mean off by an ulp of 1e30 square past float's range, where eager's Welford gives 0
+            mean_t = "double"
+            mean_body = element_lines([u], cpass) + [f"accm{pos} += ({mean_t})({x});"]
             cpass += 1
-            mean_after = [f"const {acc_t} mean{pos} = accm{pos} / ({acc_t})cols;"]
+            mean_after = [f"const {acc_t} mean{pos} = ({acc_t})(accm{pos} / (double)cols);"]
             if cuda:
-                shared.add(acc_t)
-                mean_after.insert(0, f"accm{pos} = {reduce_fn.format('fz_rsum')}(accm{pos}, fz_sh_{acc_t});")
-                phases.append(cuda_pass(f"{acc_t} accm{pos} = {ident};", [u], guarded(mean_body), mean_after))
+                shared.add(mean_t)
+                mean_after.insert(0, f"accm{pos} = {reduce_fn.format('fz_rsum')}(accm{pos}, fz_sh_{mean_t});")
+                phases.append(cuda_pass(f"{mean_t} accm{pos} = 0.0;", [u], guarded(mean_body), mean_after))
             else:
                 phases.append(f"    const int64_t c0_{pos}m = 0;\n" + t.PHASE.substitute(
                     acc_decl=f"{acc_t} accm{pos} = {ident};", first=f"c0_{pos}m", step="1",
