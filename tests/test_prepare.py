@@ -436,3 +436,34 @@ def test_an_expanded_attention_mask_is_made_contiguous_and_the_result_is_eagers(
     (sdpa,) = g.findAllNodes("aten::scaled_dot_product_attention")
     assert sdpa.inputsAt(3).node().kind() == "aten::contiguous"
     assert sdpa.inputsAt(3).node().inputsAt(0).node().kind() == "aten::expand"
+
+
+class _IndexMaskAttention(nn.Module):
+    """Attention whose mask is built from positions, as a traced Hugging Face model (transformers 5.17) builds an
+    all-True one: ``(arange(n) + offset)[None, None, :, None] >= bound``, expanded."""
+
+    def __init__(self, offset: int, bound: int):
+        super().__init__()
+        self.offset, self.bound = offset, bound
+
+    def forward(self, q):
+        n = q.shape[2]
+        idx = torch.arange(n, device=q.device) + self.offset
+        mask = (idx[None, None, :, None] >= self.bound).expand(q.shape[0], 1, n, n)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, mask, 0.0, False, scale=0.25)
+
+
+@pytest.mark.parametrize("offset,bound,dropped", [(0, 0, True), (3, 2, True), (0, 1, False), (-1, 0, False)])
+def test_an_all_true_attention_mask_becomes_none_and_the_result_is_eagers(offset, bound, dropped):
+    """A mask the pass proves all True (every position + offset >= bound) is dropped: eager's result with None,
+    which lets CUDA run its flash kernel. A mask with a False somewhere (the first query row) stays."""
+    torch.manual_seed(5)
+    m = _IndexMaskAttention(offset, bound)
+    q = torch.randn(2, 3, 5, 8)
+    with torch.no_grad():
+        traced = _trace(m, q)
+        for _ in range(2):
+            q2 = torch.randn(2, 3, 5, 8)
+            assert_same(traced(q2), m(q2))
+    (sdpa,) = traced.graph.findAllNodes("aten::scaled_dot_product_attention")
+    assert (sdpa.inputsAt(3).node().kind() == "prim::Constant" and sdpa.inputsAt(3).toIValue() is None) == dropped
