@@ -170,6 +170,27 @@ def test_nan_and_inf_as_eager(kind):
         torch.testing.assert_close(out, ref, equal_nan=True, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind,sign", (("amax", 1), ("amin", -1)))
+def test_a_max_of_float16_values_past_its_range_stays_in_float(kind, sign):
+    """(CUDA fuzz, seed 2584215266) x - amax(x) over float16 values held in float past 65504: the max is one of
+    them and stays in float as they do, so the row gives the float64 truth x - max(x) (eager's stored values are
+    inf, and inf - inf NaN), where a max rounded to inf gave -inf. The max itself is stored as eager stores it."""
+    b = ir.Builder()
+    x = b.input()
+    v = b.call("aten::sub", x, 65504.0, -7 * sign)  # x + 7 * 65504 (or - 7 * 65504 for amin): past float16's range
+    m = reduce_node(b, kind, v, (-1,), True)
+    g = b.build([b.call("aten::sub", v, m, 1), m])
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randint(-40, 40, (5, 300), generator=gen).to(torch.float16) / 4  # exact in float beside 458528
+    x64 = x.double()
+    truth = (x64 - (x64.amax(-1, keepdim=True) if sign > 0 else x64.amin(-1, keepdim=True))).half()
+    eager_m = REDUCE_EAGER[kind](x - 65504.0 * -7 * sign, -1).unsqueeze(-1)
+    assert eager_m.isinf().all()
+    for out, out_m in _both(g, [x]):
+        torch.testing.assert_close(out, truth, rtol=0, atol=0)
+        torch.testing.assert_close(out_m, eager_m, rtol=0, atol=0)
+
+
 def test_empty_rows_and_no_rows_as_eager():
     """[0, n]: no rows (empty outputs); [n, 0]: empty rows: sum 0, mean NaN; amax raises eager's error."""
     b = ir.Builder()

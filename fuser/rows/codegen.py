@@ -41,6 +41,17 @@ def accumulator_type(red: ops.Reduction, nt: NodeTypes, target: str) -> str:
     return "double" if target == "cpu" or nt.compute == torch.float64 else "float"
 
 
+def stores_rounded(n: ir.Node, red, nt: NodeTypes, exact: set) -> bool:
+    """Whether a reduction's float16/bfloat16 result is rounded to its dtype in the kernel, as eager stores it: an
+    eager op of its own (not a step of a decomposed one, ``n.origin``). A max or min of values held unrounded in
+    float (``exact`` lacks its operand) is one of them, and stays in float as they do: rounded, a finite float
+    value past the dtype's range (65504 for float16) would give an inf max beside the finite element it came
+    from, whose difference is -inf where eager (inf - inf) gives NaN and the float64 truth 0."""
+    if nt.result not in REDUCED or n.origin:
+        return False
+    return red.wide or n.args[0].id in exact
+
+
 def input_names(group: ir.Group, inputs: Sequence[torch.dtype], target: str) -> tuple[dict, dict, dict, dict, int]:
     """The group inputs' names in a row or column kernel's source: (per value id its name, its C type, its dtype
     (None for a float), per tensor input's value id its index among the tensor inputs, the number of float
@@ -82,7 +93,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         red = ops.reduction(n.op)
         if red is not None:
             vname[n.out.id], vtype[n.out.id], vdtype[n.out.id] = f"v{pos}", value_type(nt.result, target), nt.result
-            if nt.result in REDUCED and not n.origin:  # rounded to its dtype below, as eager stores it
+            if stores_rounded(n, red, nt, exact):  # rounded to its dtype below, as eager stores it
                 exact.add(n.out.id)
             reductions.append((n, pos, red, nt))
             continue
@@ -215,7 +226,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             c = ops.correction(n.op, n.args)
             result = f"acc{pos} / ({acc_t})((double)cols - {c!r} > 0 ? (double)cols - {c!r} : 0.0)"
         rtype = value_type(nt.result, target)
-        if nt.result in REDUCED and not n.origin:  # an eager op of its own: its result is stored in its dtype
+        if n.out.id in exact:  # rounded as eager stores it (stores_rounded)
             result = f"fz_ld(fz_st<{storage_type(nt.result)}>((float)({result})))"
         after.append(f"const {rtype} v{pos} = ({rtype})({result});")
         ready.add(n.out.id)

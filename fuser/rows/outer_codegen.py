@@ -24,7 +24,7 @@ from ..cuda import templates as cuda_t
 from ..descs import DENSE, TensorDesc, compute_type, storage_type
 from . import outer_templates as t
 from . import templates as row_t
-from .codegen import accumulator_type, input_names
+from .codegen import accumulator_type, input_names, stores_rounded
 from .outer import column_level
 from .plan import needed
 
@@ -58,7 +58,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             if red.variance or red.composite:
                 raise NotFusable(f"{n.op} in a column kernel")
             vname[n.out.id], vtype[n.out.id], vdtype[n.out.id] = f"v{pos}", value_type(nt.result, target), nt.result
-            if nt.result in REDUCED and not n.origin:
+            if stores_rounded(n, red, nt, exact):
                 exact.add(n.out.id)
             reductions.append((n, pos, red, nt, accumulator_type(red, nt, target)))
             continue
@@ -133,7 +133,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         for n, pos, red, nt, acc_t in reductions:
             result = f"{acc(pos)} / ({acc_t})red" if red.mean else acc(pos)
             rtype = value_type(nt.result, target)
-            if nt.result in REDUCED and not n.origin:  # an eager op of its own: its result is stored in its dtype
+            if n.out.id in exact:  # rounded as eager stores it (stores_rounded)
                 result = f"fz_ld(fz_st<{storage_type(nt.result)}>((float)({result})))"
             lines.append(f"const {rtype} v{pos} = ({rtype})({result});")
         # their element-level operands: one value a column (the plan checked), read at the column's first row
