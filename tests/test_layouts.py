@@ -360,6 +360,8 @@ ADD_SIGMOID = """graph(%x : Tensor, %y : Tensor, %z : Tensor):
 TILED_CASES = {
     # x contiguous (the output follows it), y a transposed view: y is read through the tiles
     "2d_transposed": (lambda dt: [_t((45, 70), dt), _t((70, 45), dt).t(), _t((70,), dt)], 0),
+    # rows wider than a tile (64 elements along the innermost dim): a whole tile and a partial one per row of tiles
+    "2d_wide": (lambda dt: [_t((40, 100), dt), _t((100, 40), dt).t(), _t((100,), dt)], 0),
     # both the second and third inputs transposed, sizes multiples of the tile
     "2d_two_transposed": (lambda dt: [_t((64, 96), dt), _t((96, 64), dt).t(), _t((96, 64), dt).t()], 0),
     # a batch of transposes, a row vector beside them

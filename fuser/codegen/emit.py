@@ -191,21 +191,28 @@ class CudaGen(_Gen):
             return ""
         row = {name: j for j, name in enumerate(self.offset_names)}  # strides row of each offset
         staged = [k for k, d in enumerate(self.inputs) if d.layout == STRIDED]
-        tiles = [f"__shared__ {value_type(self.inputs[k].dtype, self.target)} fz_tile{k}[32][33];" for k in staged]
+        tiles = [f"__shared__ {value_type(self.inputs[k].dtype, self.target)} fz_tile{k}[{cuda_t.TILE_A}][33];"
+                 for k in staged]
         stage = [cuda_t.TILE_STAGE.substitute(tile=f"fz_tile{k}", k=k, base=f"base{row[f'off{k}']}", j=row[f"off{k}"])
                  for k in staged] + ["__syncthreads();"]
-        offsets = [f"const fz_index {name} = base{j} + e * args.strides[{j}][bd] + lane * args.strides[{j}][ad];"
+        offsets = [f"const fz_index {name} = base{j} + e * args.strides[{j}][bd] + al * args.strides[{j}][ad];"
                    for name, j in row.items() if name not in {f"off{k}" for k in staged}]
-        body = self.element_body(lambda k, d: f"fz_tile{k}[lane][e]" if d.layout == STRIDED else self.scalar_load(k, d),
+        held = [k for k, d in enumerate(self.inputs) if d.layout not in (STRIDED, SCALAR)]
+        pre_decls = [f"{value_type(self.inputs[k].dtype, self.target)} fz_pre{k}[(32 / rows) * (tile_a / 32)];"
+                     for k in held]
+        preload = [f"fz_pre{k}[q] = fz_ld({self.scalar_load(k, self.inputs[k])});" for k in held]
+        body = self.element_body(lambda k, d: f"fz_tile{k}[al][e]" if d.layout == STRIDED else f"fz_pre{k}[q]",
                                  self.scalar_store)
         return cuda_t.TILED_LOOP.substitute(
-            tiles=self.block(tiles, "    "), bases=", ".join(f"base{j} = 0" for j in row.values()),
+            rows=self.options.block_size // 32, tile_a=cuda_t.TILE_A, tiles=self.block(tiles, "    "),
+            bases=", ".join(f"base{j} = 0" for j in row.values()),
             accumulate="\n".join(f"            base{j} += m * args.strides[{j}][d];" for j in row.values()),
             corner="\n".join(f"        base{j} += b0 * args.strides[{j}][bd] + a0 * args.strides[{j}][ad];"
                              for j in row.values()),
             stage="\n".join(ln if ln.startswith("      for") or ln.startswith(" ") else "      " + ln
                             for ln in stage),
-            offsets=self.block(offsets, "          "), body=self.block(body, "          "))
+            pre_decls=self.block(pre_decls, "      "), preload=self.block(preload, "            "),
+            offsets=self.block(offsets, "            "), body=self.block(body, "            "))
 
     def vector_loop(self) -> str:
         if not self.options.vectorize or not has_vector_path(self.inputs, "cuda", self.out_layouts):
