@@ -13,11 +13,11 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import codegen, settings
+from .. import codegen, ir, settings
 from . import codegen as row_codegen
 from . import decompose
 from . import templates as t
-from .plan import RowPlan
+from .plan import RowPlan, column_sum_form
 
 
 @dataclass
@@ -36,13 +36,19 @@ def kernel_name(spec_text: str, key) -> str:
     return "fused_rows_" + hashlib.sha256(f"{spec_text}\n{key!r}".encode()).hexdigest()[:16]
 
 
+def kernel_group(spec, p) -> ir.Group:
+    """The group whose nodes a row or column kernel of ``spec`` computes (``p.types``' nodes): its composite ops'
+    steps, less a row plan's column sums (``plan.column_sum_form``)."""
+    return column_sum_form(decompose.expand(spec.group), getattr(p.key, "sums", ()))
+
+
 def source_for(spec, p: RowPlan) -> tuple[str, str]:
     """(name, source) of the row kernel of ``spec`` for plan ``p``; raises codegen.NotFusable."""
     name = kernel_name(spec.text, p.key)
     from .. import compiler
-    source = row_codegen.generate(decompose.expand(spec.group), [dt for dt, _ in p.key.inputs], p.types, p.key.target, name,
-                                  len(p.scalars), vectorize=p.key.target == "cpu" and compiler._cpu_vectorize(),
-                                  round_reduced=settings.round_reduced, shape=p.key.shape)
+    source = row_codegen.generate(kernel_group(spec, p), [dt for dt, _ in p.key.inputs], p.types, p.key.target,
+                                  name, len(p.scalars), vectorize=p.key.target == "cpu" and compiler._cpu_vectorize(),
+                                  round_reduced=settings.round_reduced, shape=p.key.shape, sums=p.key.sums)
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: row kernel {name} for {p.key}\n{source}", file=sys.stderr)
     return name, source
@@ -71,7 +77,7 @@ def build_kernel(spec, p, source: Callable, load_cuda: Callable, kernel: type):
         backend, compiled = load_cuda(text, name, p)
     if compiled:
         compiler._count_compile()
-    limits = compiler._scalar_limits(_Steps(decompose.expand(spec.group)), p.types)
+    limits = compiler._scalar_limits(_Steps(kernel_group(spec, p)), p.types)
     return kernel(name, text, p.key.target, tuple(p.out_dtypes), backend, limits, (time.perf_counter() - t0) * 1e3)
 
 

@@ -90,13 +90,32 @@ ${head}
 ${vector_types}
 ${params}
   const int64_t cols = sizes[rank];
+${parts}
 ${parallel}
-  for (int64_t row = 0; row < rows; ++row) {
+${loop}
 ${offsets}
 ${phases}
-  }
-${end}}
+${loop_end}
+${end}${parts_sum}
+}
 """)
+
+CPU_ROWS = "  for (int64_t row = 0; row < rows; ++row) {"
+
+# column sums (fuser.rows.plan.column_sum_form): the rows in parts of consecutive rows, their number fixed by the
+# row count and the work (not by the threads, so the sums do not depend on how many there are), each part adding
+# its rows' values into a partial row of its own (${acc}: the values' compute type); then the partial rows added
+# in order, in double, into the outputs
+CPU_PARTS = Template(r"""  const int64_t fz_parts = rows * cols < ${parallel_threshold} || rows < 8 ? 1 : rows / 4 < ${max_parts} ? rows / 4 : ${max_parts};
+${alloc}""")
+CPU_PARTS_LOOP = Template(r"""  for (int64_t part = 0; part < fz_parts; ++part) {
+${zero}
+  for (int64_t row = rows * part / fz_parts, row_end = rows * (part + 1) / fz_parts; row < row_end; ++row) {""")
+CPU_PARTS_SUM = Template(r"""#pragma omp parallel for schedule(static) if (fz_parts * cols >= ${parallel_threshold})
+  for (int64_t c = 0; c < cols; ++c) {
+${sums}
+  }
+${free}""")
 
 # the CPU row kernel's loop over rows: split across threads from ${parallel_threshold} elements; with scratch rows
 # (fuser.rows.plan.kept_values) a parallel region allocates each thread's (${scratch}) around the loop
