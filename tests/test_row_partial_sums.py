@@ -5,8 +5,8 @@ layer_norm with weight and bias, with a weight only, rms_norm with a weight; row
 lengths 1, 31, 32, 1024 and 65537 (some combinations); float32 and float64 against eager's float64 gradients,
 bfloat16 within twice eager's own error of float64; each asserted to take the fused form (it ran, no column kernel,
 no sum_to_size). The same sums for one and two threads (the parts are fixed by the row count); the forms that
-keep the column kernel (a mask summed over some row dims only; CUDA, whose form is not generated yet) asserted to
-keep it; through the TorchScript pass and the native hot path."""
+keep the column kernel (a mask summed over some row dims only; float32 past CPU_MAX_SUMMED elements; CUDA, whose
+form is not generated yet) asserted to keep it; through the TorchScript pass and the native hot path."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,10 +53,12 @@ CASES = [
     Case("layer_norm_weight", _layer_norm(False), 1, lambda x, w: F.layer_norm(x, x.shape[-1:], w, None, 1e-5)),
     Case("rms_norm", _rms_norm, 1, lambda x, w: torch.rms_norm(x, x.shape[-1:], w, 1e-6)),
 ]
-# (rows..., n): rows of 7, 1000, 4097 (and [1, 7], a row dim of size 1) by lengths 1, 31, 32, 1024, 65537. (One row
-# is not summed: the weight's gradient is the row's, reshaped; test_one_row_through_the_fused_kernel runs it.)
-SHAPES = [(7, 31), (7, 65537), (1000, 32), (1000, 1024), (4097, 31), (4097, 1), (1, 7, 32)]
+# (rows..., n): rows of 3, 7, 250, 1000, 4097 (and [1, 7], a row dim of size 1) by lengths 1, 31, 32, 1024, 65537, up
+# to fuser.rows.plan.CPU_MAX_SUMMED elements (float32 and float64 take the split beyond). (One row is not summed: the
+# weight's gradient is the row's, reshaped; test_one_row_through_the_fused_kernel runs it.)
+SHAPES = [(7, 31), (3, 65537), (1000, 32), (250, 1024), (4097, 31), (4097, 1), (1, 7, 32)]
 SHAPES_SHORT = [(7, 1024), (1000, 32), (4097, 1)]
+SHAPES_BF16 = SHAPES_SHORT + [(1000, 1024), (7, 65537)]  # (past CPU_MAX_SUMMED too: no split for them)
 _SPECS: dict = {}
 
 
@@ -116,7 +118,7 @@ def test_bfloat16_sums_are_as_close_to_float64_as_eagers(case, watch):
     """bfloat16: the sums accumulate in float (the statistics never leave the kernel, so this form runs where the
     split into a row and a column kernel would not); each gradient within twice eager's error of float64, plus a
     unit of bfloat16 at its scale."""
-    for shape in SHAPES_SHORT + [(1000, 1024)]:
+    for shape in SHAPES_BF16:
         args = _inputs(case, shape, torch.bfloat16)
         gy = torch.randn(shape, dtype=torch.bfloat16)
         got = _grads(case, args, gy, watch)
@@ -134,8 +136,8 @@ def test_the_sums_do_not_depend_on_the_threads():
     """The rows are split into parts by their count, not by the threads: one thread and two give the same bits,
     and so do two runs."""
     case = CASES[0]
-    args = _inputs(case, (1000, 1024), torch.float32)
-    gy = torch.randn(1000, 1024)
+    args = _inputs(case, (1000, 256), torch.float32)
+    gy = torch.randn(1000, 256)
     threads = torch.get_num_threads()
     try:
         got = []
@@ -147,6 +149,17 @@ def test_the_sums_do_not_depend_on_the_threads():
     for other in got[1:]:
         for g, h in zip(got[0], other):
             assert torch.equal(g, h)
+
+
+def test_float32_past_the_bound_takes_the_split(watch):
+    """float32 over more than CPU_MAX_SUMMED elements: a row kernel then a column kernel (faster there on the CPU:
+    fuser/rows/plan.py), eager's gradients."""
+    case = CASES[0]
+    args = _inputs(case, (600, 1024), torch.float32)
+    gy = torch.randn(600, 1024, dtype=torch.float64)
+    got = _grads(case, args, gy.float(), watch)
+    assert watch.took() == (0, 1, 0), watch.took()
+    _assert_close(got, _eager(case, [a.double() for a in args], gy), torch.float32)
 
 
 def test_the_plan_takes_sums_over_the_row_dims_only(watch):

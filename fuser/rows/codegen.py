@@ -27,6 +27,7 @@ from .plan import CudaShape, held_values, kept_values, needed as _needed, row_le
 
 CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU row kernel splits its rows across threads
 CPU_MAX_PARTS = 64  # a CPU row kernel's parts of the rows at most, each with its partial row of column sums
+CPU_PART_ROWS = 16  # rows a part at least (its partial row is zeroed, then read by the second stage)
 # ops whose results a CPU row kernel keeps in a scratch row for later passes rather than computing them again
 # (plan.kept_values): a SLEEF call or more per element
 CPU_KEPT_OPS = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "tanh", "sigmoid", "erf", "erfc",
@@ -330,7 +331,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     loop, loop_end = t.CPU_ROWS, "  }"
     if sums:
         part_t = {m: compute_type(out_dtypes[m]) for m in sums}
-        parts = t.CPU_PARTS.substitute(parallel_threshold=threshold, max_parts=CPU_MAX_PARTS, alloc="\n".join(
+        parts = t.CPU_PARTS.substitute(parallel_threshold=threshold, max_parts=CPU_MAX_PARTS,
+                                       part_rows=CPU_PART_ROWS, alloc="\n".join(
             f"  {part_t[m]}* const fz_pb{m} = new {part_t[m]}[fz_parts * cols > 0 ? fz_parts * cols : 1];"
             for m in sums))
         parallel = parallel.replace("rows > 1 &&", "fz_parts > 1 &&")
@@ -338,10 +340,11 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             f"    {part_t[m]}* __restrict__ const fz_p{m} = fz_pb{m} + part * cols;\n"
             f"    for (int64_t c = 0; c < cols; ++c) fz_p{m}[c] = 0;" for m in sums))
         loop_end = "  }\n  }"
-        parts_sum = t.CPU_PARTS_SUM.substitute(parallel_threshold=threshold, sums="\n".join(
-            f"    {{ double s = 0; for (int64_t q = 0; q < fz_parts; ++q) s += fz_pb{m}[q * cols + c]; "
-            f"o{m}[c] = fz_st<{storage_type(out_dtypes[m])}>(({part_t[m]})s); }}" for m in sums),
-            free="\n".join(f"  delete[] fz_pb{m};" for m in sums))
+        parts_sum = t.CPU_PARTS_SUM.substitute(
+            parallel_threshold=threshold, free="\n".join(f"  delete[] fz_pb{m};" for m in sums),
+            sums="\n".join(f"      for (int64_t c = c0; c < c1; ++c) fz_pb{m}[c] += fz_pb{m}[q * cols + c];"
+                           for m in sums),
+            stores="\n".join(f"      o{m}[c] = fz_st<{storage_type(out_dtypes[m])}>(fz_pb{m}[c]);" for m in sums))
     return t.CPU_KERNEL.substitute(
         name=name, head=t.CPU_HEAD.substitute(
             prelude=cpu_t.VECTOR_INCLUDE if vectorized else cpu_t.PRELUDE,
