@@ -5,8 +5,10 @@ layer_norm with weight and bias, with a weight only, rms_norm with a weight; row
 lengths 1, 31, 32, 1024 and 65537 (some combinations); float32 and float64 against eager's float64 gradients,
 bfloat16 within twice eager's own error of float64; each asserted to take the fused form (it ran, no column kernel,
 no sum_to_size). The same sums for one and two threads (the parts are fixed by the row count); the forms that
-keep the column kernel (a mask summed over some row dims only; float32 past CPU_MAX_SUMMED elements; CUDA, whose
-form is not generated yet) asserted to keep it; through the TorchScript pass and the native hot path."""
+keep the column kernel (a mask summed over some row dims only; float32 past CPU_MAX_SUMMED elements; a CUDA row not
+held in registers) asserted to keep it; through the TorchScript pass and the native hot path; the CUDA kernels (a
+thread's columns summed in registers, the slots' partial rows added by a second kernel) under the host
+emulation."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -101,6 +103,16 @@ def _assert_close(got, want64, dtype):
         torch.testing.assert_close(g.double(), w, rtol=tol["rtol"], atol=tol["atol"] * scale)
 
 
+def _assert_as_close_as_eagers(got, want, want64, shape):
+    """bfloat16 gradients ``got`` within twice eager's (``want``) error of float64 (``want64``), plus a unit of
+    bfloat16 at the gradient's scale."""
+    for g, w, w64 in zip(got, want, want64):
+        assert g.dtype == torch.bfloat16 and g.shape == w.shape
+        scale = max(1.0, w64.abs().max().item())
+        err, eager_err = (g.double() - w64).abs().max().item(), (w.double() - w64).abs().max().item()
+        assert err <= 2 * eager_err + 8e-3 * scale, (shape, err, eager_err)
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_weight_and_bias_gradients_are_summed_in_the_row_kernel(case, dtype, watch):
@@ -123,13 +135,8 @@ def test_bfloat16_sums_are_as_close_to_float64_as_eagers(case, watch):
         gy = torch.randn(shape, dtype=torch.bfloat16)
         got = _grads(case, args, gy, watch)
         assert watch.took() == (1, 0, 0), (shape, watch.took())
-        want = _eager(case, args, gy)
-        want64 = _eager(case, [a.double() for a in args], gy.double())
-        for g, w, w64 in zip(got, want, want64):
-            assert g.dtype == torch.bfloat16 and g.shape == w.shape
-            scale = max(1.0, w64.abs().max().item())
-            err, eager_err = (g.double() - w64).abs().max().item(), (w.double() - w64).abs().max().item()
-            assert err <= 2 * eager_err + 8e-3 * scale, (shape, err, eager_err)
+        _assert_as_close_as_eagers(got, _eager(case, args, gy), _eager(case, [a.double() for a in args], gy.double()),
+                                   shape)
 
 
 def test_the_sums_do_not_depend_on_the_threads():
@@ -163,9 +170,9 @@ def test_float32_past_the_bound_takes_the_split(watch):
 
 
 def test_the_plan_takes_sums_over_the_row_dims_only(watch):
-    """The fused group's row plan: its sums are the weight's and the bias's gradients, [1, 1, n] (keepdim); on CUDA
-    the plan says why not (the split runs: a row kernel, then a column kernel). A mask of [5, n] against [3, 5, n]
-    is summed over dim 0 alone, not over every row dim: the column kernel sums it, as before."""
+    """The fused group's row plan: its sums are the weight's and the bias's gradients, [1, 1, n] (keepdim); on CUDA the
+    same where the row is held in registers, otherwise the plan says why not (the split runs). A mask of [5, n]
+    against [3, 5, n] is summed over dim 0 alone, not over every row dim: the column kernel sums it, as before."""
     case = CASES[0]
     args = _inputs(case, (3, 5, 40), torch.float32)
     spec = _spec(case, 40)
@@ -180,8 +187,12 @@ def test_the_plan_takes_sums_over_the_row_dims_only(watch):
         p = row_plan(fused.spec, bargs)
         assert isinstance(p, RowPlan) and p.key.sums == (1, 2), p
         assert p.out_shapes == [(3, 5, 40), (1, 1, 40), (1, 1, 40)] and p.rows == 15 and p.cols == 40
-        why = row_plan(fused.spec, bargs, target="cuda")
-        assert isinstance(why, str) and "CUDA" in why
+        p = row_plan(fused.spec, bargs, target="cuda")
+        assert isinstance(p, RowPlan) and p.key.sums == (1, 2) and p.key.shape.held, p
+        # a row not held in registers: the plan says why (the split: a row kernel, then a column kernel)
+        long = [torch.randn(3, 5, 65537), torch.randn(65537), torch.randn(3, 5, 65537)]
+        why = row_plan(fused.spec, long, target="cuda")
+        assert isinstance(why, str) and "not held" in why, why
 
     b = ir.Builder()
     x, mask = b.input(), b.input()
@@ -261,3 +272,76 @@ def test_the_pass_and_the_native_hot_path_take_the_fused_form(fn, watch):
             assert watch.took() == (1, 0, 0), (step, watch.took())
         args64 = [a.detach().double().requires_grad_() for a in args]
         _assert_close(got, torch.autograd.grad(fn(*args64), args64, gy.double()), torch.float32)
+
+
+# ------------------------------------------------------------------------------------ CUDA, host-emulated
+
+def _emulated(spec, args):
+    """A backward's kernels through the CUDA host emulation (row, column or pointwise); None where a GPU would
+    fall back."""
+    from fuser.cuda import emulate
+    from fuser.rows import emulate as row_emulate
+    return row_emulate.run(spec.group, args) if spec.has_reduction else emulate.run_graph(spec.group, args)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_cuda_kernels_emulated_sum_in_the_row_kernel(case, dtype, monkeypatch):
+    """The fused group's CUDA row kernel (each thread's columns summed in registers over its rows, written as its
+    slot's partial row) and the second kernel adding the slots, under the host emulation's sanitizers: rows of 7,
+    50, 300 (more than the emulated blocks hold: grid-strided slots) and [1, 7]; lengths 1, 31, 33, 1024 (a
+    partial last vector, whole vectors). eager's float64 gradients (bfloat16: within twice eager's error)."""
+    monkeypatch.setattr(grad_sums, "_no_fused", set())  # (a decline of these CPU tensors would be this test's)
+    ran = []
+
+    def launch(spec, args):
+        out = _emulated(spec, args)
+        ran.append((spec.key in grad_sums.fused_keys, out is not None))
+        return out
+
+    for shape in ((7, 31), (50, 1), (300, 33), (1, 7, 1024)) if dtype != torch.bfloat16 else ((300, 33),):
+        args = _inputs(case, shape, dtype)
+        gy = torch.randn(shape, dtype=torch.float64)
+        spec = _spec(case, shape[-1])
+        sig = tuple((a.dtype, False) for a in args)
+        bw = autodiff.backward_for(spec, (True,) * len(args), (True,), sig)
+        shapes = [a.shape for a in args]
+        bargs = autodiff.backward_args(spec, bw, [a.detach() for a in args], [gy.to(dtype)], shapes)
+        ran.clear()
+        got = grad_sums.run(spec, bw, bargs, shapes, args[0].shape, sig, launch=launch)
+        assert ran == [(True, True)], (shape, ran)
+        got = [g.reshape(args[j].shape) for j, g in sorted(got, key=lambda jg: jg[0])]
+        want64 = _eager(case, [a.double() for a in args], gy)
+        if dtype != torch.bfloat16:
+            _assert_close(got, want64, dtype)
+            continue
+        want = _eager(case, args, gy.to(dtype))
+        _assert_as_close_as_eagers(got, want, want64, shape)
+
+
+# ------------------------------------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_the_sums_in_the_row_kernel_on_the_gpu(case, dtype, watch):
+    """As on the CPU and under the emulation: the fused form where the row is held in registers (the plan says),
+    the column kernel otherwise; eager's float64 gradients (bfloat16: within twice eager's error); two runs give
+    the same bits (no atomics)."""
+    shapes = ((7, 32), (300, 36), (4096, 1024), (16384, 4096), (64, 65536))
+    if case.id != "rms_norm":  # (eager's rms_norm on CUDA over rows not a multiple of 4: fuser/rows/plan.py)
+        shapes += ((7, 31), (300, 33))
+    for shape in shapes:
+        args = [a.detach().cuda().requires_grad_() for a in _inputs(case, shape, dtype)]
+        gy = torch.randn(shape, dtype=torch.float64, device="cuda")
+        got = _grads(case, args, gy.to(dtype), watch)
+        took = watch.took()  # (bfloat16 without the fused form: the old path, sum_to_size)
+        assert took in ((1, 0, 0), (0, 1, 0)) or (dtype == torch.bfloat16 and took[:2] == (0, 0)), (shape, took)
+        again = _grads(case, args, gy.to(dtype))
+        assert all(torch.equal(g, h) for g, h in zip(got, again)), shape
+        want64 = _eager(case, [a.double() for a in args], gy)
+        if dtype == torch.float32:
+            _assert_close(got, want64, dtype)
+            continue
+        want = _eager(case, args, gy.to(dtype))
+        _assert_as_close_as_eagers(got, want, want64, shape)

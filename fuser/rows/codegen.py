@@ -26,6 +26,7 @@ from . import templates as t
 from .plan import CudaShape, held_values, kept_values, needed as _needed, row_level, row_passes
 
 CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU row kernel splits its rows across threads
+_SUM = ops.reduction("aten::sum.dim_IntList")  # (a column sum accumulates as a sum does)
 CPU_MAX_PARTS = 64  # a CPU row kernel's parts of the rows at most, each with its partial row of column sums
 CPU_PART_ROWS = 16  # rows a part at least (its partial row is zeroed, then read by the second stage)
 # ops whose results a CPU row kernel keeps in a scratch row for later passes rather than computing them again
@@ -72,7 +73,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
     always: once per row, it costs nothing). ``shape``: the CUDA kernel's (``plan.cuda_shape``). ``sums``: the
     outputs that are column sums (``plan.column_sum_form``: ``group`` is the form's, those outputs the values
-    summed; CPU only), added into a partial row per part of the rows, then the parts added into the outputs."""
+    summed): on the CPU added into a partial row per part of the rows, on CUDA (a held row) into each thread's
+    registers over its rows, then written as its slot's partial row; a second stage adds the partial rows."""
     rows_v = row_level(group)
     vname, vtype, vdtype, tensor_index, j = input_names(group, inputs, target)
 
@@ -103,8 +105,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         target == "cpu" and vectorize) else None
 
     cuda = target == "cuda"
-    if cuda and sums:
-        raise NotFusable("column sums in a CUDA row kernel")
+    if cuda and sums and not shape.held:
+        raise NotFusable("column sums in a CUDA row kernel whose row is not held in registers")
     # CUDA, a row held in registers: per pass, the values it finds in registers (plan.held_values), in arrays
     # h_<name>[items]; the pass being generated is counted in npass
     holds = held_values(group) if cuda and shape.held else [frozenset()] * len(row_passes(group))
@@ -251,15 +253,19 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
 
     if elem_out and cuda:  # each item's values into a vector per output, stored whole where the launch allows
         wanted = [o for _, o in elem_out]
-        decls = [f"fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}> w{m};" for m, o in elem_out]
+        kept_out = [(m, o) for m, o in elem_out if m not in sums]
+        decls = [f"fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}> w{m};" for m, o in kept_out]
+        # column sums: a live row's values added into the thread's registers (its columns are the same every row)
         body = guarded(element_lines(wanted) + [store(m, o, "v").replace(f"o{m}[v]", f"w{m}.v[v]")
-                                                for m, o in elem_out])
+                                                for m, o in kept_out] + [
+            f"if (live) fz_a{m}[i * {shape.vec} + v] += ({accumulator_type(_SUM, node_types[position[o.id]], target)})"
+            f"({vname[o.id]});" for m, o in elem_out if m in sums])
         stores = [f"if (live{'' if shape.full else ' && cb < cols'}) {{", "  if (args.vec) {"]
         stores += [f"    *reinterpret_cast<fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}>*>("
-                   f"o{m} + row * cols + cb) = w{m};" for m, o in elem_out]
+                   f"o{m} + row * cols + cb) = w{m};" for m, o in kept_out]
         stores += ["  } else {", "#pragma unroll", f"    for (int v = 0; v < {shape.vec}; ++v) {{",
                    f"      if ({'true' if shape.full else 'cb + v < cols'}) {{"]
-        stores += [f"        o{m}[row * cols + cb + v] = w{m}.v[v];" for m, _ in elem_out]
+        stores += [f"        o{m}[row * cols + cb + v] = w{m}.v[v];" for m, _ in kept_out]
         stores += ["      }", "    }", "  }", "}"]
         phases.append(cuda_pass("", wanted, body, [], item_decls=decls, after_item=stores))
     elif elem_out:
@@ -303,10 +309,29 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     if cuda:
         ever = sorted(set().union(*holds), key=lambda i: vname[i])
         cache = [f"    {vtype[i]} h_{vname[i]}[{shape.items}];" for i in ever]
+        sum_t = {m: accumulator_type(_SUM, node_types[position[group.outputs[m].id]], target) for m in sums}
+        n_ptrs = n_in + len(out_dtypes)
+        sums_decl = "\n".join(f"  {sum_t[m]} fz_a{m}[{shape.items}] = {{}};" for m in sums)
+        sums_store = t.CUDA_PARTS_STORE.substitute(
+            nv=shape.items // shape.vec, tpr=shape.tpr, vec=shape.vec, rpb=shape.block // shape.tpr,
+            check="true" if shape.full else "cb + v < cols", stores="\n".join(
+                f"        (({sum_t[m]}*)args.ptrs[{n_ptrs + k}])[slot * cols + cb + v] = fz_a{m}[i * {shape.vec} + v];"
+                for k, m in enumerate(sums))) if sums else ""
+        parts_kernel = t.CUDA_PARTS_KERNEL.substitute(name=name, sums="\n".join(
+            f"    {{ {sum_t[m]} s = 0; if (c < cols) for (long long q = g; q < args.slots; q += 8) "
+            f"s += (({sum_t[m]}*)args.ptrs[{n_ptrs + k}])[q * cols + c]; fz_sh{m}[g][lc] = s; }}"
+            for k, m in enumerate(sums)), stores="\n".join(
+            f"      {{ {sum_t[m]} s = fz_sh{m}[0][lc]; for (int k = 1; k < 8; ++k) s += fz_sh{m}[k][lc]; "
+            f"o{m}[c] = fz_st<{storage_type(out_dtypes[m])}>(({compute_type(out_dtypes[m])})s); }}" for m in sums),
+            params="\n".join(
+                f"  {storage_type(out_dtypes[m])}* __restrict__ o{m} = "
+                f"({storage_type(out_dtypes[m])}*)args.ptrs[{n_in + m}];\n  __shared__ {sum_t[m]} fz_sh{m}[8][32];"
+                for m in sums)) if sums else ""
         return t.CUDA_KERNEL.substitute(
+            sums_decl=sums_decl, sums_store=sums_store, parts_kernel=parts_kernel,
             name=name, prelude=cuda_t.PRELUDE, row_prelude=t.ROW_PRELUDE.substitute(
                 fn="__device__ __forceinline__", row_reduce=t.ROW_REDUCE),
-            max_dims=t.MAX_DIMS, n_stride_rows=max(1, n_in), n_ptrs=n_in + len(out_dtypes),
+            max_dims=t.MAX_DIMS, n_stride_rows=max(1, n_in), n_ptrs=n_in + len(out_dtypes) + len(sums),
             n_scalar_slots=max(1, n_scalar_slots), block=shape.block, 
             tpr=shape.tpr, rpb=shape.block // shape.tpr,
             items=shape.items, vec=shape.vec, params="\n".join(params),

@@ -9,7 +9,8 @@ product of F's other dims, cols of the reduced ones. Element-level values broadc
 leading dims (with the reduced dims kept as 1, or dropped); a row-level value read by an element-level node keeps
 its dims (otherwise broadcasting would align it with F's trailing dims, not its rows). An output that sums an
 element-level value of shape F over F's leading dims (a weight's gradient in a norm's backward) is a column sum
-(:func:`column_sum_form`): the kernel adds it up across the rows as it goes, on the CPU.
+(:func:`column_sum_form`): the kernel adds it up across the rows as it goes (on CUDA where the row is held in
+registers).
 """
 from __future__ import annotations
 
@@ -429,8 +430,6 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
     sum_shapes: dict = {}
     chosen = _column_sums(group, shape)
     if chosen:  # column sums: the row kernel runs the group without them, and sums their values per column
-        if target == "cuda":
-            return "column sums in a CUDA row kernel (not generated yet: a column kernel sums them)"
         sums = tuple(m for m, v in enumerate(group.outputs) if v.id in chosen)
         producer = {n.out.id: n for n in group.nodes}
         if any(dtype[i] not in FLOATING or dtype[producer[i].args[0].id] != dtype[i] for i in chosen):
@@ -503,15 +502,19 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
             return f"a row of {cols} elements (CUDA row kernels index a row with 32 bits)"
         dts = [t.dtype for t in tensors] + out_dtypes
         sizes = [torch.empty((), dtype=dt).element_size() for dt in dts]
-        cuda_sh = cuda_shape(cols, sizes, *pass_width(group, True))
+        width, first = pass_width(group, True)
+        cuda_sh = cuda_shape(cols, sizes, width + len(sums), first)  # (a column sum's registers: a held value's)
         if not cuda_sh.held:  # each pass loads what it reads
+            if sums:
+                return "column sums of a CUDA row kernel whose row is not held in registers (a column kernel sums them)"
             cuda_sh = cuda_shape(cols, sizes, pass_width(group, False)[0])
         vec = cuda_sh.vec
         vec_ok = cols > 0 and cols % vec == 0 and all(st[-1] in (0, 1) and (st[-1] == 0 or all(x % vec == 0 for x in st[:-1]))
                                          for st in strides)
         size = lambda dt: min(16, torch.empty((), dtype=dt).element_size() * vec)  # noqa: E731
         vec_align = tuple(size(t.dtype) if st[-1] == 1 else 0 for t, st in zip(tensors, strides)) + tuple(
-            size(dt) if v.id not in rows_v else 0 for v, dt in zip(group.outputs, out_dtypes))
+            size(dt) if v.id not in rows_v and m not in sums else 0
+            for m, (v, dt) in enumerate(zip(group.outputs, out_dtypes)))
     out_shapes = [shape[v.id] for v in group.outputs]
     if sums and rows == 0:
         return "column sums over no rows (zeros: eager's sum gives them)"
