@@ -105,7 +105,7 @@ CPU_ROWS = "  for (int64_t row = 0; row < rows; ++row) {"
 # column sums (fuser.rows.plan.column_sum_form): the rows in parts of consecutive rows, their number fixed by the
 # row count and the work (not by the threads, so the sums do not depend on how many there are), each part adding
 # its rows' values into a partial row of its own (in the values' compute type); then the partial rows added
-# in order into the first, a block of columns at a time (independent adds along the columns: vector code, where a
+# in order into the first, 256 columns at a time (independent adds along the columns: vector code, where a
 # column's chain of adds would wait on each), and stored
 CPU_PARTS = Template(r"""  const int64_t fz_parts = rows * cols < ${parallel_threshold} || rows < 2 * ${part_rows} ? 1 : rows / ${part_rows} < ${max_parts} ? rows / ${part_rows} : ${max_parts};
 ${alloc}""")
@@ -113,8 +113,8 @@ CPU_PARTS_LOOP = Template(r"""  for (int64_t part = 0; part < fz_parts; ++part) 
 ${zero}
   for (int64_t row = rows * part / fz_parts, row_end = rows * (part + 1) / fz_parts; row < row_end; ++row) {""")
 CPU_PARTS_SUM = Template(r"""#pragma omp parallel for schedule(static) if (fz_parts > 1 && fz_parts * cols >= ${parallel_threshold})
-  for (int64_t c0 = 0; c0 < cols; c0 += 1024) {
-    const int64_t c1 = cols - c0 < 1024 ? cols : c0 + 1024;
+  for (int64_t c0 = 0; c0 < cols; c0 += 256) {
+    const int64_t c1 = cols - c0 < 256 ? cols : c0 + 256;
     for (int64_t q = 1; q < fz_parts; ++q) {
 ${sums}
     }
