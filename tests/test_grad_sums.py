@@ -343,7 +343,7 @@ def test_cuda_kernels_emulated_sum_as_eager(case, monkeypatch):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_broadcast_gradients_are_summed_by_a_column_kernel_on_the_gpu(case, dtype, watch):
-    """As on the CPU; a row backward's sums in its row kernel where the row is held in registers, by the column
+    """As on the CPU; a row backward's sums in its row kernel where the row takes one trip, by the column
     kernel otherwise (fuser/rows/plan.py). (rms_norm's forward is left to eager on CUDA in float64: its gradients
     are eager's own there, checked against float64 without asking the path.)"""
     for n in LENGTHS + (4096,):

@@ -73,8 +73,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
     always: once per row, it costs nothing). ``shape``: the CUDA kernel's (``plan.cuda_shape``). ``sums``: the
     outputs that are column sums (``plan.column_sum_form``: ``group`` is the form's, those outputs the values
-    summed): on the CPU added into a partial row per part of the rows, on CUDA (a held row) into each thread's
-    registers over its rows, then written as its slot's partial row; a second stage adds the partial rows."""
+    summed): on the CPU added into a partial row per part of the rows, on CUDA (a row of one trip) into each
+    thread's registers over its rows, then written as its slot's partial row; a second stage adds the partial rows."""
     rows_v = row_level(group)
     vname, vtype, vdtype, tensor_index, j = input_names(group, inputs, target)
 
@@ -105,8 +105,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         target == "cpu" and vectorize) else None
 
     cuda = target == "cuda"
-    if cuda and sums and not shape.held:
-        raise NotFusable("column sums in a CUDA row kernel whose row is not held in registers")
+    # CUDA column sums: the plan gives them a row of one trip (held in registers or not: tb is 0), so a thread's
+    # columns, element i * vec + v of its trip, are the same every row
     # CUDA, a row held in registers: per pass, the values it finds in registers (plan.held_values), in arrays
     # h_<name>[items]; the pass being generated is counted in npass
     holds = held_values(group) if cuda and shape.held else [frozenset()] * len(row_passes(group))

@@ -9,8 +9,8 @@ product of F's other dims, cols of the reduced ones. Element-level values broadc
 leading dims (with the reduced dims kept as 1, or dropped); a row-level value read by an element-level node keeps
 its dims (otherwise broadcasting would align it with F's trailing dims, not its rows). An output that sums an
 element-level value of shape F over F's leading dims (a weight's gradient in a norm's backward) is a column sum
-(:func:`column_sum_form`): the kernel adds it up across the rows as it goes (on CUDA where the row is held in
-registers).
+(:func:`column_sum_form`): the kernel adds it up across the rows as it goes (on CUDA where the row takes one trip
+of a thread's elements).
 """
 from __future__ import annotations
 
@@ -505,9 +505,9 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
         width, first = pass_width(group, True)
         cuda_sh = cuda_shape(cols, sizes, width + len(sums), first)  # (a column sum's registers: a held value's)
         if not cuda_sh.held:  # each pass loads what it reads
-            if sums:
-                return "column sums of a CUDA row kernel whose row is not held in registers (a column kernel sums them)"
-            cuda_sh = cuda_shape(cols, sizes, pass_width(group, False)[0])
+            cuda_sh = cuda_shape(cols, sizes, pass_width(group, False)[0] + len(sums))
+            if sums and cols > cuda_sh.tpr * cuda_sh.items:
+                return "column sums of a CUDA row kernel of several trips along the row (a column kernel sums them)"
         vec = cuda_sh.vec
         vec_ok = cols > 0 and cols % vec == 0 and all(st[-1] in (0, 1) and (st[-1] == 0 or all(x % vec == 0 for x in st[:-1]))
                                          for st in strides)

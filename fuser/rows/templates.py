@@ -171,7 +171,7 @@ ${sums_store}
 }
 ${parts_kernel}""")
 
-# column sums (fuser.rows.plan.column_sum_form) of a row held in registers: a thread's columns are the same for
+# column sums (fuser.rows.plan.column_sum_form) of a row of one trip: a thread's columns are the same for
 # every row it takes (the grid-strided rows of its slot, blockIdx.x * rows a block + its row in the block), so it adds
 # its live rows' values in registers and writes them once, as its slot's partial row (every slot writes its row,
 # zeros where it took none); a second kernel adds the slots' partial rows in a fixed order
