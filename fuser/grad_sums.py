@@ -11,11 +11,20 @@ which leading dims are summed), into:
   element (its prologue, reading the backward's inputs and those row-level values, broadcast along the row) and a
   ``sum(grad, dims, keepdim=True)`` of each, one column kernel for the weight's and the bias's gradients together.
 
-Both are registered in the kernel store and run through the executor like any group. Where a pattern does not
-split (dims that are not leading, a random or cat group, float16/bfloat16 statistics that would be rounded
-in memory, an empty shape, autograd recording the backward), or where a column kernel did not run for a
-signature (its plan fell back: that call and the later ones of that signature, so that a backward run twice
-gives the same values), the caller keeps the old path: the whole backward group, then ``sum_to_size``.
+Both are registered in the kernel store and run through the executor like any group.
+
+A row backward (one with reductions along the row: layer_norm's, rms_norm's, softmax's) is first tried in a fused
+form (:class:`Fused`): the backward group with each summed output replaced by its sum over the leading dims, which
+the row plan takes as column sums (``fuser.rows.plan.column_sum_form``): the row kernel that computes x's gradient
+adds the weight's and the bias's per-element gradients into partial rows and a second stage adds those, so x and
+dy are read once (eager's and Inductor's layer_norm backward sum per block, then reduce the blocks, the same way).
+Where that kernel does not run for a signature (its plan fell back: a CUDA row of several trips, float32 on the
+CPU past ``fuser.rows.plan.CPU_MAX_SUMMED`` elements, sums over some of the row dims only), that call and the later
+ones of that signature take the split. Where a pattern does not split (dims that are not leading, a random or cat
+group, float16/bfloat16 statistics that would be rounded in memory, an empty shape, autograd recording the
+backward), or where a column kernel did not run for a signature (its plan fell back: that call and the later ones of
+that signature, so that a backward run twice gives the same values), the caller keeps the old path: the whole
+backward group, then ``sum_to_size``.
 """
 from __future__ import annotations
 
@@ -63,9 +72,23 @@ class Split:
     apart_outputs: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class Fused:
+    """The backward group with its summed outputs as sums over the rows (``fuser.rows.plan.column_sum_form``: one
+    row kernel adds them up while it computes x's gradient, reading the inputs once); per backward output, its
+    position among ``spec``'s outputs taken whole (``whole``) and summed (``summed``), or None."""
+
+    spec: KernelSpec
+    whole: tuple[Optional[int], ...]
+    summed: tuple[Optional[int], ...]
+
+
+_fused: dict[tuple, Optional[Fused]] = {}
+_no_fused: set = set()  # (backward key, shapes, dtypes, device) whose fused kernel did not run: the split from then on
+fused_keys: set[int] = set()  # the fused groups' spec keys (tests ask whether one ran)
 _splits: dict[tuple, Optional[Split]] = {}
 _plans: dict[tuple, Optional[tuple]] = {}
-_no_kernel: set = set()  # (backward key, shapes, dtypes) whose column kernel fell back: the old path from then on
+_no_kernel: set = set()  # (backward key, shapes, dtypes, device) whose column kernel fell back: the old path from then on
 _lock = threading.Lock()
 column_keys: set[int] = set()  # the column groups' spec keys (tests ask whether one ran)
 
@@ -161,14 +184,45 @@ def _plan(spec, bw, shapes, full, sig, args) -> Optional[tuple]:
             per_out.append((None in dims, sums.pop(), False))
     if all(d is None and not apart for _, d, apart in per_out):
         return None
-    result = tuple(per_out)
-    if spec.has_reduction and any(dt in REDUCED for dt, _ in sig):
-        # a row backward's statistics would pass through memory in the input's dtype (the kernel holds them in
-        # float): only where the column groups read none
-        split = split_for(bw, result)
-        if split is None or split.n_rows:
-            return None
-    return result
+    return tuple(per_out)
+
+
+def _rounded_statistics(spec: KernelSpec, bw, dims: tuple, sig: tuple) -> bool:
+    """Whether the split of a row backward would pass its statistics through memory in a float16/bfloat16 input's
+    dtype (the kernel holds them in float): then the split does not apply (the fused form reads none)."""
+    if not (spec.has_reduction and any(dt in REDUCED for dt, _ in sig)):
+        return False
+    split = split_for(bw, dims)
+    return split is None or bool(split.n_rows)
+
+
+def fused_for(bw, dims: tuple) -> Optional[Fused]:
+    """The fused form of ``bw`` for :func:`plan`'s ``dims`` (None where an output is computed apart), built once."""
+    key = (bw.spec.key, dims)
+    if key in _fused:
+        return _fused[key]
+    got = None if any(apart for _, _, apart in dims) else _build_fused(bw.spec.group, dims)
+    with _lock:
+        return _bounded(_fused).setdefault(key, got)
+
+
+def _build_fused(g: ir.Group, dims: tuple) -> Fused:
+    from .backward import _backward_keys
+    next_id = 1 + max([v.id for v in g.inputs] + [n.out.id for n in g.nodes])
+    outputs, sums, whole, summed = [], [], [], []
+    for k, (keep, d, _) in enumerate(dims):
+        whole.append(len(outputs) if keep else None)
+        if keep:
+            outputs.append(g.outputs[k])
+        summed.append(len(outputs) if d is not None else None)
+        if d is not None:
+            sums.append(ir.Node(SUM, (g.outputs[k], d, True, None), ir.Value(next_id)))
+            outputs.append(sums[-1].out)
+            next_id += 1
+    spec = STORE.get(STORE.register(ir.Group(g.inputs, g.nodes + tuple(sums), tuple(outputs)).pruned()))
+    fused_keys.add(spec.key)
+    _backward_keys.add(spec.key)
+    return Fused(spec, tuple(whole), tuple(summed))
 
 
 def split_for(bw, dims: tuple) -> Optional[Split]:
@@ -256,14 +310,25 @@ def run(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: to
     dims = plan(spec, bw, shapes, full, sig, args)
     if dims is None:
         return None
-    signature = (bw.spec.key, tuple(shapes), sig)
-    if signature in _no_kernel:
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    signature = (bw.spec.key, tuple(shapes), sig, device)  # (a kernel may run on one device and not another)
+    whole: list = [None] * len(dims)
+    summed: list = [None] * len(dims)
+    if bw.spec.has_reduction and signature not in _no_fused:  # a row backward: the sums inside its row kernel
+        fused = fused_for(bw, dims)
+        outs = None if fused is None else launch(fused.spec, args)
+        if outs is not None:
+            for k, (w, s) in enumerate(zip(fused.whole, fused.summed)):
+                whole[k] = None if w is None else outs[w]
+                summed[k] = None if s is None else outs[s]
+            return _gathered(spec, bw, dims, shapes, full, whole, summed)
+        with _lock:  # the split from now on for this signature (the same values every call)
+            _bounded(_no_fused).add(signature)
+    if signature in _no_kernel or _rounded_statistics(spec, bw, dims, sig):
         return None
     split = split_for(bw, dims)
     if split is None:
         return None
-    whole: list = [None] * len(dims)
-    summed: list = [None] * len(dims)
     main: list = []
     if split.main is not None:
         margs = [args[p] for p in split.main_inputs]
@@ -286,6 +351,11 @@ def run(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: to
             return None
         for k, r in zip(col.sums, outs):
             summed[k] = r
+    return _gathered(spec, bw, dims, shapes, full, whole, summed)
+
+
+def _gathered(spec: KernelSpec, bw, dims: tuple, shapes, full, whole: list, summed: list) -> list:
+    """:func:`run`'s result from the backward outputs taken whole and summed."""
     got = []
     for out, js in _users(spec, bw).items():
         d = dims[out][1]
@@ -295,4 +365,5 @@ def run(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: to
     return got
 
 
-__all__ = ["Column", "Split", "column_keys", "plan", "run", "split_for", "summed", "summed_dims"]
+__all__ = ["Column", "Fused", "Split", "column_keys", "fused_for", "fused_keys", "plan", "run", "split_for", "summed",
+           "summed_dims"]

@@ -715,3 +715,58 @@ def train_block_alongside_eager(block, eager_block, device: str = "cpu", rtol: f
         for a, b in zip(mine, ref):
             torch.testing.assert_close(a.detach(), b.detach(), rtol=rtol, atol=10 * atol)
     return mine, xs[0]
+
+
+class SumsWatch:
+    """The column groups (fuser/grad_sums.py) and fused row backwards (sums inside the row kernel) that ran as
+    kernels, and the calls of sum_to_size, from now on (a fixture's monkeypatch)."""
+
+    def __init__(self, monkeypatch):
+        self.columns, self.fused, self.sum_to_size = [], [], 0
+        from fuser import executor, grad_sums
+        real_run, real_sum = executor.run, torch.Tensor.sum_to_size
+
+        def run(spec, args, rng_state=None):
+            out = real_run(spec, args, rng_state)
+            if out is not None and spec.key in grad_sums.column_keys:
+                self.columns.append(spec)
+            if out is not None and spec.key in grad_sums.fused_keys:
+                self.fused.append(spec)
+            return out
+
+        def sum_to_size(t, *shape):
+            self.sum_to_size += 1
+            return real_sum(t, *shape)
+
+        monkeypatch.setattr(executor, "run", run)
+        monkeypatch.setattr(torch.Tensor, "sum_to_size", sum_to_size)
+
+    def clear(self):
+        self.columns.clear()
+        self.fused.clear()
+        self.sum_to_size = 0
+
+    def summed(self, row_backward: bool) -> bool:
+        """Whether the sums ran as expected: a row backward's inside its row kernel (tests/test_row_partial_sums.py),
+        the others' by one column kernel; sum_to_size never."""
+        want = (0, 1) if row_backward else (1, 0)
+        return (len(self.columns), len(self.fused)) == want and self.sum_to_size == 0
+
+    def took(self) -> tuple:
+        """(fused row kernels, column kernels, sum_to_size calls)."""
+        return len(self.fused), len(self.columns), self.sum_to_size
+
+
+def scripted_training_steps(fn, make_args, watch, steps: int = 5):
+    """``fn`` through torch.jit.script and the pass, ``steps`` calls on fresh ``make_args()`` (the later ones served
+    by the native hot path, which hands a backward that sums a gradient to Python): per call (step, output,
+    arguments, output gradient, their gradients), ``watch`` (a :class:`SumsWatch`) cleared just before the
+    backward."""
+    import fuser
+    f = fuser.fuse(torch.jit.script(fn))
+    for step in range(steps):
+        args = make_args()
+        y = f(*args)
+        gy = torch.randn_like(y)
+        watch.clear()
+        yield step, y, args, gy, torch.autograd.grad(y, args, gy)

@@ -18,7 +18,7 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import FUSED_BACKWARD, tolerances
+from helpers import FUSED_BACKWARD, SumsWatch, scripted_training_steps, tolerances
 
 import fuser
 from fuser import autodiff, executor, grad_sums, ir
@@ -45,6 +45,7 @@ class Case:
     n_inputs: int
     eager: Callable[..., list]
     scale: float = 1.0  # x's scale (the mask case's softmax wants a spread)
+    row_backward: bool = False  # its backward is a row kernel: on the CPU the sums are added up inside it
 
 
 def _gelu_bias(n):
@@ -80,9 +81,9 @@ def _softmax_mask(n):
 CASES = [
     Case("gelu_bias", _gelu_bias, 2, lambda x, c: [F.gelu(x + c)]),
     Case("mul_add", _mul_add, 3, lambda x, w, c: [x * w + c]),
-    Case("layer_norm", _layer_norm, 3, lambda x, w, c: [F.layer_norm(x, (x.shape[-1],), w, c, 1e-5)]),
-    Case("rms_norm", _rms_norm, 2, lambda x, w: [torch.rms_norm(x, (x.shape[-1],), w, 1e-6) * 0.5]),
-    Case("softmax_mask", _softmax_mask, 2, lambda x, m: [torch.softmax(x * 0.125 + m, -1)], 8.0),
+    Case("layer_norm", _layer_norm, 3, lambda x, w, c: [F.layer_norm(x, (x.shape[-1],), w, c, 1e-5)], 1.0, True),
+    Case("rms_norm", _rms_norm, 2, lambda x, w: [torch.rms_norm(x, (x.shape[-1],), w, 1e-6) * 0.5], 1.0, True),
+    Case("softmax_mask", _softmax_mask, 2, lambda x, m: [torch.softmax(x * 0.125 + m, -1)], 8.0, True),
 ]
 MAIN = [c for c in CASES if c.id != "softmax_mask"]
 _SPECS: dict = {}
@@ -99,34 +100,9 @@ def _inputs(case: Case, dtype, n, lead=(3, 5), device="cpu"):
     return [x] + [torch.randn(n, dtype=dtype, device=device) for _ in range(case.n_inputs - 1)]
 
 
-class _Watch:
-    """The column groups that ran as kernels, and the calls of sum_to_size, from now on."""
-
-    def __init__(self, monkeypatch):
-        self.columns, self.sum_to_size = [], 0
-        real_run, real_sum = executor.run, torch.Tensor.sum_to_size
-
-        def run(spec, args, rng_state=None):
-            out = real_run(spec, args, rng_state)
-            if out is not None and spec.key in grad_sums.column_keys:
-                self.columns.append(spec)
-            return out
-
-        def sum_to_size(t, *shape):
-            self.sum_to_size += 1
-            return real_sum(t, *shape)
-
-        monkeypatch.setattr(executor, "run", run)
-        monkeypatch.setattr(torch.Tensor, "sum_to_size", sum_to_size)
-
-    def clear(self):
-        self.columns.clear()
-        self.sum_to_size = 0
-
-
 @pytest.fixture
 def watch(monkeypatch):
-    return _Watch(monkeypatch)
+    return SumsWatch(monkeypatch)
 
 
 def _leaves(args, which=None):
@@ -162,13 +138,12 @@ def _fused_and_eager64(case, spec, args, watch=None):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_broadcast_gradients_are_summed_by_a_column_kernel(case, dtype, watch):
     """Every input's gradient within the dtype's tolerance of eager's float64 ones; the weight's and bias's from a
-    column kernel (one for both), sum_to_size never called."""
+    column kernel (one for both), or for a row backward from its row kernel; sum_to_size never called."""
     for n in LENGTHS:
         for lead in ((3, 5), (40,)):
             got, want = _fused_and_eager64(case, _spec(case, n), _leaves(_inputs(case, dtype, n, lead)), watch)
             _assert_grads(got, want, dtype)
-            assert len(watch.columns) == 1, (n, lead, "the column kernel did not run")
-            assert watch.sum_to_size == 0, (n, lead)
+            assert watch.summed(case.row_backward), (n, lead, watch.columns, watch.fused, watch.sum_to_size)
 
 
 def test_the_backward_is_split_once_per_pattern_and_the_statistics_are_read_not_recomputed():
@@ -203,8 +178,10 @@ def test_some_inputs_want_gradients(which, case, watch):
     n = 33
     got, want = _fused_and_eager64(case, _spec(case, n), _leaves(_inputs(case, torch.float64, n), which), watch)
     _assert_grads(got, want, torch.float64)
-    assert len(watch.columns) == (0 if which == (0,) else 1)
-    assert watch.sum_to_size == 0
+    if which == (0,):
+        assert not watch.columns and not watch.fused and watch.sum_to_size == 0
+    else:  # (the bias's gradient alone: dy summed, a backward without reductions)
+        assert watch.summed(case.row_backward and which != (2,))
 
 
 def test_other_broadcasts_keep_sum_to_size(watch):
@@ -245,26 +222,42 @@ def test_a_column_kernel_that_does_not_run_gives_eagers_result_then_the_old_path
     monkeypatch.setattr(executor, "run", run)
     case = CASES[1]
     spec = _spec(case, 24)
-    w = _Watch(monkeypatch)
+    w = SumsWatch(monkeypatch)
     for k in range(2):
         got, want = _fused_and_eager64(case, spec, _leaves(_inputs(case, torch.float32, 24, (7, 3))), w)
         _assert_grads(got, want, torch.float32)
         assert len(declined) == 1 and w.sum_to_size == 2
 
 
-def test_bfloat16_statistics_keep_the_old_path_and_pointwise_sums_are_as_close_as_eagers(watch):
-    """bfloat16 layer_norm: its statistics would pass through memory rounded, so the old path; bfloat16 gelu(x + b):
-    the column kernel, its bias gradient within eager's own error of float64 (plus a unit)."""
-    for case, summed in ((CASES[2], False), (CASES[0], True)):
+def test_bfloat16_statistics_keep_the_old_path_and_pointwise_sums_are_as_close_as_eagers(watch, monkeypatch):
+    """bfloat16 layer_norm: summed inside its row kernel (the statistics stay in it); where that kernel does not
+    run (declined here, as where its form is not generated) the split would pass the statistics through memory
+    rounded, so the old path. bfloat16 gelu(x + b): the column kernel. Each gradient within eager's own error of
+    float64 (plus a unit)."""
+    real = executor.run
+    decline = []
+
+    def run(spec, args, rng_state=None):
+        if decline and spec.key in grad_sums.fused_keys:
+            return None
+        return real(spec, args, rng_state)
+
+    monkeypatch.setattr(executor, "run", run)
+    seen = SumsWatch(monkeypatch)
+    for case, path, lead in ((CASES[2], "fused", (40,)), (CASES[2], "old", (24,)), (CASES[0], "column", (40,))):
+        decline[:] = [True] if path == "old" else []  # (a declined signature keeps the old path: its own shape)
         n = 64
-        args = _leaves(_inputs(case, torch.bfloat16, n, (40,)))
+        args = _leaves(_inputs(case, torch.bfloat16, n, lead))
         args64 = _leaves([a.detach().double() for a in args])
         ref = case.eager(*args64)
         gy = [torch.randn_like(r).to(torch.bfloat16) for r in ref]
         outs = fuser.run_fusion(_spec(case, n).key, args)
-        watch.clear()
+        seen.clear()
         got = torch.autograd.grad(outs, args, gy)
-        assert (len(watch.columns) == 1) == summed and (watch.sum_to_size == 0) == summed
+        if path == "old":
+            assert not seen.columns and not seen.fused and seen.sum_to_size == 2
+        else:
+            assert seen.summed(path == "fused"), (path, seen.columns, seen.fused, seen.sum_to_size)
         want = torch.autograd.grad(case.eager(*args), args, gy)
         want64 = torch.autograd.grad(ref, args64, [g.double() for g in gy])
         for g, w, w64 in zip(got, want, want64):
@@ -295,13 +288,8 @@ def _bias_gelu_mlp(x, w, c):
 def test_the_pass_and_the_native_hot_path_sum_with_the_column_kernel(watch):
     """gelu(x @ w + c) * 2 through the TorchScript pass: the repeated calls the native hot path serves hand the
     backward to Python, which sums c's gradient with the column kernel; eager's gradients every call."""
-    f = fuser.fuse(torch.jit.script(_bias_gelu_mlp))
-    for step in range(5):
-        args = _leaves([torch.randn(33, 16), torch.randn(16, 24) / 4, torch.randn(24)])
-        y = f(*args)
-        gy = torch.randn_like(y)
-        watch.clear()
-        got = torch.autograd.grad(y, args, gy)
+    for step, y, args, gy, got in scripted_training_steps(
+            _bias_gelu_mlp, lambda: _leaves([torch.randn(33, 16), torch.randn(16, 24) / 4, torch.randn(24)]), watch):
         if step >= 2:  # (the profiling executor's first calls run unfused)
             assert y.grad_fn.name() in FUSED_BACKWARD
             assert len(watch.columns) == 1 and watch.sum_to_size == 0, step
@@ -324,8 +312,10 @@ def _emulated(spec, args):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_cuda_kernels_emulated_sum_as_eager(case):
-    """The split run through the CUDA kernels (emulated) on float32 inputs: eager's float64 gradients."""
+def test_cuda_kernels_emulated_sum_as_eager(case, monkeypatch):
+    """The CUDA kernels (emulated) on float32 inputs, the split or a row backward's fused form (the sums in its row
+    kernel: tests/test_row_partial_sums.py): eager's float64 gradients."""
+    monkeypatch.setattr(grad_sums, "_no_fused", set())  # (a decline of these CPU tensors would be this test's)
     for n in (31, 1024):
         args = _leaves(_inputs(case, torch.float32, n, (3, 5)))
         args64 = _leaves([a.detach().double() for a in args])
@@ -353,9 +343,10 @@ def test_cuda_kernels_emulated_sum_as_eager(case):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_broadcast_gradients_are_summed_by_a_column_kernel_on_the_gpu(case, dtype, watch):
-    """As on the CPU. (rms_norm's forward is left to eager on CUDA in float64 and over row lengths that are not a
-    multiple of 4, fuser/rows/plan.py: its gradients are eager's own there, checked against float64 without asking
-    the path.)"""
+    """As on the CPU; a row backward's sums in its row kernel where the row takes one trip, by the column
+    kernel otherwise (fuser/rows/plan.py). (rms_norm's forward is left to eager on CUDA in float64 and over row
+    lengths that are not a multiple of 4: its gradients are eager's own there, checked against float64 without
+    asking the path.)"""
     for n in LENGTHS + (4096,):
         for lead in ((3, 5), (4096,)):
             args = _leaves(_inputs(case, dtype, n, lead, "cuda"))
@@ -370,7 +361,7 @@ def test_broadcast_gradients_are_summed_by_a_column_kernel_on_the_gpu(case, dtyp
                 continue
             got, want = _fused_and_eager64(case, spec, args, watch)
             _assert_grads(got, want, dtype)
-            assert len(watch.columns) == 1 and watch.sum_to_size == 0, (n, lead)
+            assert watch.summed(False) or (case.row_backward and watch.summed(True)), (n, lead, watch.took())
 
 
 # ------------------------------------------------------------------------- column groups under autograd

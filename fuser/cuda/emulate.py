@@ -169,6 +169,7 @@ class Emulator:
         self._pending: dict[str, str] = {}  # name -> CUDA source, not compiled yet
         self._sources: dict[str, str] = {}  # every registered name -> its CUDA source
         self._where: dict[str, _Executable] = {}
+        self._entries: dict[str, tuple] = {}  # name -> the other kernels its source defines (launched by name too)
         self._kernels: dict = {}  # (spec key, arg spec) -> compiler.CompiledKernel or None
         self._executables: list[_Executable] = []
         self._dir = tempfile.TemporaryDirectory(prefix="fuser-emu-")
@@ -190,13 +191,16 @@ class Emulator:
                 self._kernels[key] = compiler.build(spec, arg_spec, load=self._load, probe_device="cpu")
             return self._kernels[key]
 
-    def add(self, name: str, source: str) -> None:
+    def add(self, name: str, source: str, entries: tuple = ()) -> None:
         """Register CUDA kernel source ``source`` (which holds ``templates.PRELUDE`` and defines ``FzArgs``
-        with a ``ptrs`` array and ``extern "C"`` kernel ``name``) for the next batch."""
+        with a ``ptrs`` array and ``extern "C"`` kernel ``name``, and the kernels ``entries`` taking the same
+        ``FzArgs``: a module of several kernels) for the next batch."""
         with self._lock:
             known = self._sources.setdefault(name, source)
             if known != source:
                 raise ValueError(f"kernel name {name} stands for two sources")
+            if entries:
+                self._entries[name] = tuple(entries)
             if name not in self._where:
                 self._pending[name] = source
 
@@ -221,8 +225,10 @@ class Emulator:
                 units[f"batch{b}.cpp"] = host_prelude.BATCH_UNIT.substitute(
                     header=host_prelude.HEADER, index=b,
                     kernels="\n".join(host_prelude.KERNEL_UNIT.substitute(name=n, source=host_source(
-                        self._pending[n])) for n in chunk),
-                    infos="\n".join(host_prelude.KERNEL_INFO.substitute(name=n) for n in chunk))
+                        self._pending[n]), entries="".join(host_prelude.KERNEL_ENTRY.substitute(entry=e)
+                                                           for e in self._entries.get(n, ()))) for n in chunk),
+                    infos="\n".join(host_prelude.KERNEL_INFO.substitute(name=n, entry=e, fn="fz_entry" + (
+                        "" if e == n else "_" + e)) for n in chunk for e in (n, *self._entries.get(n, ()))))
             units["main.cpp"] = host_prelude.MAIN_UNIT.substitute(
                 header=host_prelude.HEADER, timeout_s=EMU_TIMEOUT_S,
                 batch_decls="\n".join(host_prelude.BATCH_DECL.substitute(index=b) for b in range(n_units)),
@@ -249,7 +255,8 @@ class Emulator:
             exe = _Executable(exe_path, units)
             self._executables.append(exe)
             for n in names:
-                self._where[n] = exe
+                for e in (n, *self._entries.get(n, ())):
+                    self._where[e] = exe
             self._pending.clear()
             self.compile_seconds += time.perf_counter() - t0
             cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -261,7 +268,7 @@ class Emulator:
         Returns the outputs' bytes."""
         with self._lock:
             if name not in self._where:
-                if name not in self._pending:
+                if name not in self._pending and not any(name in es for es in self._entries.values()):
                     raise KeyError(f"no kernel {name} registered with this emulator")
                 self.compile_pending()
             parts = [struct.pack("<I", len(name)), name.encode(), struct.pack("<III", grid, block, len(args)), args,

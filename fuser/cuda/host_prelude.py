@@ -124,10 +124,15 @@ PRELUDE = templates.PRELUDE_TEMPLATE.substitute(half_load=HALF_LOAD, half_store=
 KERNEL_UNIT = Template(r"""namespace fzk_${name} {
 ${source}
 static void fz_entry(const void* args) { ${name}(*static_cast<const FzArgs*>(args)); }
-}  // namespace fzk_${name}
+${entries}}  // namespace fzk_${name}
+""")
+# another kernel of the same source (fuser.cuda.emulate.Emulator.add's entries), launched by its own name
+KERNEL_ENTRY = Template(r"""static void fz_entry_${entry}(const void* args) {
+  ${entry}(*static_cast<const FzArgs*>(args));
+}
 """)
 
-KERNEL_INFO = Template(r"""  {"${name}", &fzk_${name}::fz_entry, sizeof(fzk_${name}::FzArgs),
+KERNEL_INFO = Template(r"""  {"${entry}", &fzk_${name}::${fn}, sizeof(fzk_${name}::FzArgs),
    offsetof(fzk_${name}::FzArgs, ptrs), sizeof(fzk_${name}::FzArgs::ptrs) / sizeof(void*)},""")
 
 # a batch of kernels, compiled to its own object (batches compile in parallel)

@@ -29,7 +29,7 @@ class RowGeometry:
     ``executor.run`` asks of a geometry (``kernel.scalar_limits``, ``requires_grad``, ``device``)."""
 
     __slots__ = ("kernel", "rows", "cols", "lead", "strides", "out_shapes", "out_dtypes", "device", "cpu_args",
-                 "requires_grad", "vec_ok", "vec_align")
+                 "requires_grad", "vec_ok", "vec_align", "hot_path")
 
     def __init__(self, p: RowPlan, kernel: launch.RowKernel):
         self.kernel, self.rows, self.cols, self.lead, self.strides = kernel, p.rows, p.cols, p.lead, p.strides
@@ -38,6 +38,8 @@ class RowGeometry:
         self.device = p.tensors[0].device
         self.requires_grad = any(t.requires_grad for t in p.tensors)
         self.cpu_args = launch.CpuArgs(p) if kernel.target == "cpu" else None
+        # CUDA column sums launch two kernels with partial-row buffers: the native hot path hands them over
+        self.hot_path = kernel.target == "cpu" or not p.key.sums
 
     def run(self, tensors, scalars) -> list[torch.Tensor]:
         """Allocate the outputs and launch (the executor checked everything else)."""

@@ -26,6 +26,9 @@ from . import templates as t
 from .plan import CudaShape, held_values, kept_values, needed as _needed, row_level, row_passes
 
 CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU row kernel splits its rows across threads
+_SUM = ops.reduction("aten::sum.dim_IntList")  # (a column sum accumulates as a sum does)
+CPU_MAX_PARTS = 64  # a CPU row kernel's parts of the rows at most, each with its partial row of column sums
+CPU_PART_ROWS = 16  # rows a part at least (its partial row is zeroed, then read by the second stage)
 # ops whose results a CPU row kernel keeps in a scratch row for later passes rather than computing them again
 # (plan.kept_values): a SLEEF call or more per element
 CPU_KEPT_OPS = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "tanh", "sigmoid", "erf", "erfc",
@@ -74,12 +77,15 @@ def input_names(group: ir.Group, inputs: Sequence[torch.dtype], target: str) -> 
 
 def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
              name: str, n_scalar_slots: int, vectorize: bool = False, round_reduced: bool = False,
-             shape: CudaShape = None) -> str:
+             shape: CudaShape = None, sums: tuple[int, ...] = ()) -> str:
     """Source of the row kernel ``name``; ``inputs``: the tensor inputs' dtypes. Raises NotFusable where an op
     has no expression for its types (the executor falls back). ``vectorize``: the CPU kernel's passes get
     at::vec loops (see :class:`_Vector`) where every node has a vector form. ``round_reduced``: as
     ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
-    always: once per row, it costs nothing). ``shape``: the CUDA kernel's (``plan.cuda_shape``)."""
+    always: once per row, it costs nothing). ``shape``: the CUDA kernel's (``plan.cuda_shape``). ``sums``: the
+    outputs that are column sums (``plan.column_sum_form``: ``group`` is the form's, those outputs the values
+    summed): on the CPU added into a partial row per part of the rows, on CUDA (a row of one trip) into each
+    thread's registers over its rows, then written as its slot's partial row; a second stage adds the partial rows."""
     rows_v = row_level(group)
     vname, vtype, vdtype, tensor_index, j = input_names(group, inputs, target)
 
@@ -110,6 +116,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         target == "cpu" and vectorize) else None
 
     cuda = target == "cuda"
+    # CUDA column sums: the plan gives them a row of one trip (held in registers or not: tb is 0), so a thread's
+    # columns, element i * vec + v of its trip, are the same every row
     # CUDA, a row held in registers: per pass, the values it finds in registers (plan.held_values), in arrays
     # h_<name>[items]; the pass being generated is counted in npass
     holds = held_values(group) if cuda and shape.held else [frozenset()] * len(row_passes(group))
@@ -256,24 +264,31 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
 
     if elem_out and cuda:  # each item's values into a vector per output, stored whole where the launch allows
         wanted = [o for _, o in elem_out]
-        decls = [f"fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}> w{m};" for m, o in elem_out]
+        kept_out = [(m, o) for m, o in elem_out if m not in sums]
+        decls = [f"fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}> w{m};" for m, o in kept_out]
+        # column sums: a live row's values added into the thread's registers (its columns are the same every row)
         body = guarded(element_lines(wanted) + [store(m, o, "v").replace(f"o{m}[v]", f"w{m}.v[v]")
-                                                for m, o in elem_out])
+                                                for m, o in kept_out] + [
+            f"if (live) fz_a{m}[i * {shape.vec} + v] += ({accumulator_type(_SUM, node_types[position[o.id]], target)})"
+            f"({vname[o.id]});" for m, o in elem_out if m in sums])
         stores = [f"if (live{'' if shape.full else ' && cb < cols'}) {{", "  if (args.vec) {"]
         stores += [f"    *reinterpret_cast<fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}>*>("
-                   f"o{m} + row * cols + cb) = w{m};" for m, o in elem_out]
+                   f"o{m} + row * cols + cb) = w{m};" for m, o in kept_out]
         stores += ["  } else {", "#pragma unroll", f"    for (int v = 0; v < {shape.vec}; ++v) {{",
                    f"      if ({'true' if shape.full else 'cb + v < cols'}) {{"]
-        stores += [f"        o{m}[row * cols + cb + v] = w{m}.v[v];" for m, _ in elem_out]
+        stores += [f"        o{m}[row * cols + cb + v] = w{m}.v[v];" for m, _ in kept_out]
         stores += ["      }", "    }", "  }", "}"]
         phases.append(cuda_pass("", wanted, body, [], item_decls=decls, after_item=stores))
     elif elem_out:
-        body = element_lines([o for _, o in elem_out], cpass) + [store(m, o, "row * cols + c") for m, o in elem_out]
+        body = element_lines([o for _, o in elem_out], cpass) + [
+            store(m, o, "row * cols + c") if m not in sums else
+            f"fz_p{m}[c] += ({compute_type(node_types[position[o.id]].result)})({vname[o.id]});"
+            for m, o in elem_out]
         phases.append(t.PHASE.substitute(acc_decl="", first="c0_out", step="1",
                                           body="\n".join(indent + ln for ln in body), after=""))
         if vector is not None:
             vector.stores([(m, o, node_types[position[o.id]].result) for m, o in elem_out], *kept[cpass],
-                          [o for _, o in elem_out])
+                          [o for _, o in elem_out], sums)
         phases[-1] = (vector.parts[-1] if vector is not None and vector.on else
                       "    const int64_t c0_out = 0;") + "\n" + phases[-1]
     if row_out:
@@ -305,10 +320,29 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     if cuda:
         ever = sorted(set().union(*holds), key=lambda i: vname[i])
         cache = [f"    {vtype[i]} h_{vname[i]}[{shape.items}];" for i in ever]
+        sum_t = {m: accumulator_type(_SUM, node_types[position[group.outputs[m].id]], target) for m in sums}
+        n_ptrs = n_in + len(out_dtypes)
+        sums_decl = "\n".join(f"  {sum_t[m]} fz_a{m}[{shape.items}] = {{}};" for m in sums)
+        sums_store = t.CUDA_PARTS_STORE.substitute(
+            nv=shape.items // shape.vec, tpr=shape.tpr, vec=shape.vec, rpb=shape.block // shape.tpr,
+            check="true" if shape.full else "cb + v < cols", stores="\n".join(
+                f"        (({sum_t[m]}*)args.ptrs[{n_ptrs + k}])[slot * cols + cb + v] = fz_a{m}[i * {shape.vec} + v];"
+                for k, m in enumerate(sums))) if sums else ""
+        parts_kernel = t.CUDA_PARTS_KERNEL.substitute(name=name, sums="\n".join(
+            f"    {{ {sum_t[m]} s = 0; if (c < cols) for (long long q = g; q < args.slots; q += 8) "
+            f"s += (({sum_t[m]}*)args.ptrs[{n_ptrs + k}])[q * cols + c]; fz_sh{m}[g][lc] = s; }}"
+            for k, m in enumerate(sums)), stores="\n".join(
+            f"      {{ {sum_t[m]} s = fz_sh{m}[0][lc]; for (int k = 1; k < 8; ++k) s += fz_sh{m}[k][lc]; "
+            f"o{m}[c] = fz_st<{storage_type(out_dtypes[m])}>(({compute_type(out_dtypes[m])})s); }}" for m in sums),
+            params="\n".join(
+                f"  {storage_type(out_dtypes[m])}* __restrict__ o{m} = "
+                f"({storage_type(out_dtypes[m])}*)args.ptrs[{n_in + m}];\n  __shared__ {sum_t[m]} fz_sh{m}[8][32];"
+                for m in sums)) if sums else ""
         return t.CUDA_KERNEL.substitute(
+            sums_decl=sums_decl, sums_store=sums_store, parts_kernel=parts_kernel,
             name=name, prelude=cuda_t.PRELUDE, row_prelude=t.ROW_PRELUDE.substitute(
                 fn="__device__ __forceinline__", row_reduce=t.ROW_REDUCE),
-            max_dims=t.MAX_DIMS, n_stride_rows=max(1, n_in), n_ptrs=n_in + len(out_dtypes),
+            max_dims=t.MAX_DIMS, n_stride_rows=max(1, n_in), n_ptrs=n_in + len(out_dtypes) + len(sums),
             n_scalar_slots=max(1, n_scalar_slots), block=shape.block, 
             tpr=shape.tpr, rpb=shape.block // shape.tpr,
             items=shape.items, vec=shape.vec, params="\n".join(params),
@@ -316,7 +350,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             offsets=offsets, cache="\n".join(cache), phases="\n".join(phases))
     if vector is not None and not vector.on:  # some pass has no vector form: scalar loops throughout
         return generate(group, inputs, node_types, target, name, n_scalar_slots, vectorize=False,
-                        round_reduced=round_reduced)
+                        round_reduced=round_reduced, sums=sums)
     work = 1 + len(statement) + len(reductions)
     vectorized = vector is not None
     if vectorized:
@@ -329,12 +363,31 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         parallel = t.CPU_PARALLEL_SCRATCH.substitute(parallel_threshold=threshold, scratch="\n".join(
             f"  {vtype[i]}* __restrict__ fz_s_{vname[i]} = new {vtype[i]}[cols > 0 ? cols : 1];" for i in scratch))
         end = "".join(f"  delete[] fz_s_{vname[i]};\n" for i in scratch) + "  }\n"
+    parts = parts_sum = ""
+    loop, loop_end = t.CPU_ROWS, "  }"
+    if sums:
+        part_t = {m: compute_type(out_dtypes[m]) for m in sums}
+        parts = t.CPU_PARTS.substitute(parallel_threshold=threshold, max_parts=CPU_MAX_PARTS,
+                                       part_rows=CPU_PART_ROWS, alloc="\n".join(
+            f"  {part_t[m]}* const fz_pb{m} = new {part_t[m]}[fz_parts * cols > 0 ? fz_parts * cols : 1];"
+            for m in sums))
+        parallel = parallel.replace("rows > 1 &&", "fz_parts > 1 &&")
+        loop = t.CPU_PARTS_LOOP.substitute(zero="\n".join(
+            f"    {part_t[m]}* __restrict__ const fz_p{m} = fz_pb{m} + part * cols;\n"
+            f"    for (int64_t c = 0; c < cols; ++c) fz_p{m}[c] = 0;" for m in sums))
+        loop_end = "  }\n  }"
+        parts_sum = t.CPU_PARTS_SUM.substitute(
+            parallel_threshold=threshold, free="\n".join(f"  delete[] fz_pb{m};" for m in sums),
+            sums="\n".join(f"      for (int64_t c = c0; c < c1; ++c) fz_pb{m}[c] += fz_pb{m}[q * cols + c];"
+                           for m in sums),
+            stores="\n".join(f"      o{m}[c] = fz_st<{storage_type(out_dtypes[m])}>(fz_pb{m}[c]);" for m in sums))
     return t.CPU_KERNEL.substitute(
         name=name, head=t.CPU_HEAD.substitute(
             prelude=cpu_t.VECTOR_INCLUDE if vectorized else cpu_t.PRELUDE,
             row_prelude=t.ROW_PRELUDE.substitute(fn="inline", row_reduce=""), name=name, count="rows"),
         vector_types=t.CPU_VECTOR_TYPES.substitute(vtype=vector.vtype) if vectorized else "",
-        params="\n".join(params), parallel=parallel, end=end, offsets=offsets, phases="\n".join(phases))
+        params="\n".join(params), parallel=parallel, end=end, offsets=offsets, phases="\n".join(phases),
+        parts=parts, loop=loop, loop_end=loop_end, parts_sum=parts_sum)
 
 
 class _Vector:
@@ -404,7 +457,7 @@ class _Vector:
                                for c in range(1, COPIES)),
             ctype=self.ctype, acc_t=acc_t, combine_fn=red.combine))
 
-    def stores(self, outs, held: frozenset, keep: frozenset, wanted) -> None:
+    def stores(self, outs, held: frozenset, keep: frozenset, wanted, sums: tuple = ()) -> None:
         got = self._lines(wanted, held, keep) if self.on else None
         if got is None or any(compute_type(dt) != self.ctype or self.vdtype[o.id] != dt for _, o, dt in outs):
             self.on = False
@@ -413,7 +466,8 @@ class _Vector:
         if any(self.vname[o.id] in cv.masks for _, o, _ in outs):
             self.on = False
             return
-        lines += [f"fz_vstore(o{m} + row * cols + c + {c} * W, {self.vname[o.id]}_{c});"
+        lines += [f"fz_vstore(o{m} + row * cols + c + {c} * W, {self.vname[o.id]}_{c});" if m not in sums else
+                  f"fz_vstore(fz_p{m} + c + {c} * W, fz_vload(fz_p{m} + c + {c} * W) + {self.vname[o.id]}_{c});"
                   for m, o, _ in outs for c in range(COPIES)]
         self.parts.append(t.CPU_VECTOR_STORES.substitute(copies=COPIES,
                                                          lines="\n".join("        " + ln for ln in lines)))

@@ -31,7 +31,8 @@ def kernel_for(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emu
         name, source = (outer_launch.source_for if isinstance(p, OuterPlan) else launch.source_for)(spec, p)
     except codegen.NotFusable:
         return None
-    emulator.add(name, source)
+    # a row kernel with column sums: its source's second kernel adds their partial rows
+    emulator.add(name, source, (name + "_sum",) if not isinstance(p, OuterPlan) and p.key.sums else ())
     return name
 
 
@@ -52,18 +53,34 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
         return outputs
     if p.rows == 0:
         return outputs
-    struct = launch.args_struct(len(p.tensors), len(p.tensors) + len(outputs), len(p.scalars))
+    sums = p.key.sums
+    struct = launch.args_struct(len(p.tensors), len(p.tensors) + len(outputs) + len(sums), len(p.scalars))
     vec = launch.vector_ok(p.vec_ok, p.vec_align, p.tensors, outputs)
-    args = launch.fill_args(struct, p.rows, p.cols, p.lead, p.strides, p.tensors, p.scalars, outputs, vec)
-    spans = _spans(p.tensors, empty=0) + [(o.data_ptr(), max(1, o.numel()) * o.element_size(), None)
-                                          for o in outputs]
     block = p.key.shape.block
     grid = min(emulate.EMU_BLOCKS, -(-p.rows // (block // p.key.shape.tpr)))
+    # column sums: the launcher's partial rows, one wave (here the emulated blocks) of slots
+    _, slots, parts = launch.part_buffers(p.rows, p.cols, p.key.shape, sums, tuple(p.out_dtypes[m] for m in sums),
+                                          emulate.EMU_BLOCKS, "cpu")
+    args = launch.fill_args(struct, p.rows, p.cols, p.lead, p.strides, p.tensors, p.scalars, outputs, vec, parts,
+                            slots)
+    spans = _spans(p.tensors, empty=0) + [(o.data_ptr(), max(1, o.numel()) * o.element_size(), None)
+                                          for o in (*outputs, *parts)]
     results = emulator.run(name, grid, block, bytes(args), spans)
-    for o, data in zip(outputs, results):
+    _copy_back([*outputs, *parts], results)
+    if sums:  # the second kernel: reads the partial rows, writes the sums, leaves the other outputs alone
+        spans = _spans(p.tensors, empty=0) + [
+            (o.data_ptr(), max(1, o.numel()) * o.element_size(), None) if m in sums else _spans([o], empty=0)[0]
+            for m, o in enumerate(outputs)] + _spans(parts)
+        results = emulator.run(name + "_sum", min(emulate.EMU_BLOCKS, launch.parts_grid(p.cols)), launch.PARTS_BLOCK,
+                               bytes(args), spans)
+        _copy_back([outputs[m] for m in sums], results)
+    return outputs
+
+
+def _copy_back(tensors: list, results: list) -> None:
+    for o, data in zip(tensors, results):
         if o.numel():
             o.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(o.dtype).view(o.shape))
-    return outputs
 
 
 def _spans(tensors, empty: int = 1) -> list:

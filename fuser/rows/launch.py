@@ -13,11 +13,11 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import codegen, settings
+from .. import codegen, ir, settings
 from . import codegen as row_codegen
 from . import decompose
 from . import templates as t
-from .plan import RowPlan
+from .plan import RowPlan, column_sum_form
 
 
 @dataclass
@@ -36,13 +36,19 @@ def kernel_name(spec_text: str, key) -> str:
     return "fused_rows_" + hashlib.sha256(f"{spec_text}\n{key!r}".encode()).hexdigest()[:16]
 
 
+def kernel_group(spec, p) -> ir.Group:
+    """The group whose nodes a row or column kernel of ``spec`` computes (``p.types``' nodes): its composite ops'
+    steps, less a row plan's column sums (``plan.column_sum_form``)."""
+    return column_sum_form(decompose.expand(spec.group), getattr(p.key, "sums", ()))
+
+
 def source_for(spec, p: RowPlan) -> tuple[str, str]:
     """(name, source) of the row kernel of ``spec`` for plan ``p``; raises codegen.NotFusable."""
     name = kernel_name(spec.text, p.key)
     from .. import compiler
-    source = row_codegen.generate(decompose.expand(spec.group), [dt for dt, _ in p.key.inputs], p.types, p.key.target, name,
-                                  len(p.scalars), vectorize=p.key.target == "cpu" and compiler._cpu_vectorize(),
-                                  round_reduced=settings.round_reduced, shape=p.key.shape)
+    source = row_codegen.generate(kernel_group(spec, p), [dt for dt, _ in p.key.inputs], p.types, p.key.target,
+                                  name, len(p.scalars), vectorize=p.key.target == "cpu" and compiler._cpu_vectorize(),
+                                  round_reduced=settings.round_reduced, shape=p.key.shape, sums=p.key.sums)
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: row kernel {name} for {p.key}\n{source}", file=sys.stderr)
     return name, source
@@ -71,7 +77,7 @@ def build_kernel(spec, p, source: Callable, load_cuda: Callable, kernel: type):
         backend, compiled = load_cuda(text, name, p)
     if compiled:
         compiler._count_compile()
-    limits = compiler._scalar_limits(_Steps(decompose.expand(spec.group)), p.types)
+    limits = compiler._scalar_limits(_Steps(kernel_group(spec, p)), p.types)
     return kernel(name, text, p.key.target, tuple(p.out_dtypes), backend, limits, (time.perf_counter() - t0) * 1e3)
 
 
@@ -105,13 +111,15 @@ def launch_cpu(kernel: RowKernel, args: CpuArgs, tensors, scalars, outputs) -> N
 # ---- CUDA
 
 def args_struct(n_inputs: int, n_ptrs: int, n_scalars: int):
-    """ctypes mirror of the row kernel's ``FzArgs`` (``fuser/rows/templates.py``)."""
+    """ctypes mirror of the row kernel's ``FzArgs`` (``fuser/rows/templates.py``); ``n_ptrs``: the inputs, the
+    outputs and a column sum's partial rows."""
     i64 = ctypes.c_int64
 
     class FzRowArgs(ctypes.Structure):
         _fields_ = [("rows", i64), ("cols", i64), ("sizes", i64 * t.MAX_DIMS),
                     ("strides", (i64 * (t.MAX_DIMS + 1)) * max(1, n_inputs)), ("rank", ctypes.c_int32),
-                    ("vec", ctypes.c_int32), ("ptrs", ctypes.c_void_p * n_ptrs), ("scalars", ctypes.c_double * max(1, n_scalars))]
+                    ("vec", ctypes.c_int32), ("ptrs", ctypes.c_void_p * n_ptrs),
+                    ("scalars", ctypes.c_double * max(1, n_scalars)), ("slots", i64)]
 
     return FzRowArgs
 
@@ -122,30 +130,56 @@ def vector_ok(vec_ok: bool, vec_align: tuple, tensors, outputs) -> bool:
     return vec_ok and all(not a or x.data_ptr() % a == 0 for a, x in zip(vec_align, (*tensors, *outputs)))
 
 
-def fill_args(struct, p_rows: int, p_cols: int, lead, strides, tensors, scalars, outputs, vec: bool = False):
-    """An ``FzArgs`` for one launch: the rows, the row dims and each input's strides (the row stride last)."""
+def fill_args(struct, p_rows: int, p_cols: int, lead, strides, tensors, scalars, outputs, vec: bool = False,
+              parts: tuple = (), slots: int = 0):
+    """An ``FzArgs`` for one launch: the rows, the row dims and each input's strides (the row stride last);
+    ``parts``: column sums' partial rows ([``slots``, cols] each, :func:`part_buffers`)."""
     a = struct()
-    a.rows, a.cols, a.rank, a.vec = p_rows, p_cols, len(lead), int(vec)
+    a.rows, a.cols, a.rank, a.vec, a.slots = p_rows, p_cols, len(lead), int(vec), slots
     for d, s in enumerate(lead):
         a.sizes[d] = s
     for k, st in enumerate(strides):
         for d, x in enumerate(st[:-1]):
             a.strides[k][d] = x
         a.strides[k][t.MAX_DIMS] = st[-1]
-    a.ptrs[:] = [x.data_ptr() for x in (*tensors, *outputs)]
+    a.ptrs[:] = [x.data_ptr() for x in (*tensors, *outputs, *parts)]
     if scalars:
         a.scalars[:len(scalars)] = scalars
     return a
+
+
+def part_buffers(p_rows: int, p_cols: int, shape, sums: tuple, sum_dtypes: tuple, max_blocks: int, device
+                 ) -> tuple[int, int, list]:
+    """A row kernel with column sums (``plan.column_sum_form``): (its grid, its slots, a partial-row buffer
+    [slots, cols] per sum in its accumulator's dtype). One wave of blocks at most (``max_blocks``), every slot (a
+    block's row) writing its partial row; float64 sums in double, the others in float."""
+    if not sums:
+        return 0, 0, []
+    rpb = shape.block // shape.tpr
+    grid = max(1, min(-(-p_rows // rpb), max_blocks))
+    slots = grid * rpb
+    return grid, slots, [torch.empty((slots, p_cols), dtype=torch.float64 if dt == torch.float64 else torch.float32,
+                                     device=device) for dt in sum_dtypes]
+
+
+PARTS_BLOCK = 256  # threads a block of the column sums' second kernel (templates.CUDA_PARTS_KERNEL): 32 columns
+
+
+def parts_grid(p_cols: int) -> int:
+    return max(1, min(-(-p_cols // 32), 65535))
 
 
 def _load_cuda(source: str, name: str, p: RowPlan):
     from ..cuda import launch as cuda_launch
     index = p.key.device_index if p.key.device_index is not None else torch.cuda.current_device()
     image, compiled = cuda_launch.cached_image(source, name, index)
-    n_in, n_out = len(p.key.inputs), len(p.out_dtypes)
+    n_in, n_out, n_sums = len(p.key.inputs), len(p.out_dtypes), len(p.key.sums)
     kernel = cuda_launch.CudaKernel(name, image, index, False, 0, n_in + n_out, len(p.scalars), 1,
                                     (0,) * (n_in + n_out))
-    return RowCudaKernel(kernel, args_struct(n_in, n_in + n_out, len(p.scalars)), p.key.shape), compiled
+    second = cuda_launch.CudaKernel(name + "_sum", image, index, False, 0, n_in + n_out, len(p.scalars), 1,
+                                    (0,) * (n_in + n_out)) if n_sums else None
+    return RowCudaKernel(kernel, args_struct(n_in, n_in + n_out + n_sums, len(p.scalars)), p.key.shape,
+                         p.key.sums, second), compiled
 
 
 ROW_WAVES = 8  # blocks a launch holds at most, in waves of the device's resident blocks (the kernel grid-strides)
@@ -156,10 +190,11 @@ class RowCudaKernel:
     kernel's arguments, block (``plan.CudaShape.block``) and grid (a block per ``block // tpr`` rows, at most
     :data:`ROW_WAVES` waves of resident blocks)."""
 
-    def __init__(self, kernel, struct, shape):
+    def __init__(self, kernel, struct, shape, sums: tuple = (), second=None):
         from cuda.bindings import driver
         from ..cuda import launch as cuda_launch
         self.kernel, self.struct, self.shape = kernel, struct, shape
+        self.sums, self.second = sums, second  # column sums, and the kernel adding their partial rows
         self.block, self.rows_per_block = shape.block, shape.block // shape.tpr
         with torch.cuda.device(kernel.device_index):
             per_sm = cuda_launch.call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, kernel._function,
@@ -173,6 +208,9 @@ class RowCudaKernel:
 
     def launch(self, geo, tensors, scalars, outputs) -> None:
         vec = vector_ok(geo.vec_ok, geo.vec_align, tensors, outputs)
+        if self.sums:
+            self._launch_sums(geo, tensors, scalars, outputs, vec)
+            return
         a = fill_args(self.struct, geo.rows, geo.cols, geo.lead, geo.strides, tensors, scalars, outputs, vec)
         params = (ctypes.c_void_p * 1)(ctypes.addressof(a))
         loc = getattr(self._local, "loc", None)
@@ -182,6 +220,32 @@ class RowCudaKernel:
         index = self.kernel.device_index
         with torch.cuda.device(index):
             self._do_launch(loc, self.grid(geo), index)
+
+    def _launch_sums(self, geo, tensors, scalars, outputs, vec: bool) -> None:
+        """The row kernel on one wave of blocks, each slot writing its partial rows, then the second kernel adding
+        them (the same stream: the buffers go back to the caching allocator after both)."""
+        from ..cuda import launch as cuda_launch
+        index = self.kernel.device_index
+        grid, slots, parts = part_buffers(geo.rows, geo.cols, self.shape, self.sums,
+                                          tuple(geo.out_dtypes[m] for m in self.sums),
+                                          max(1, self.max_blocks // ROW_WAVES), geo.device)
+        a = fill_args(self.struct, geo.rows, geo.cols, geo.lead, geo.strides, tensors, scalars, outputs, vec,
+                      parts, slots)
+        params = (ctypes.c_void_p * 1)(ctypes.addressof(a))
+        loc = getattr(self._local, "loc", None)
+        if loc is None:
+            loc = self._local.loc = _Loc()
+        with torch.cuda.device(index):
+            if not loc.context_ready:
+                cuda_launch._primary_context(index)
+                loc.context_ready = True
+            stream = cuda_launch._raw_stream(index)
+            for kernel, g, block in ((self.kernel, grid, self.block),
+                                     (self.second, parts_grid(geo.cols), PARTS_BLOCK)):
+                err, = kernel._launch(kernel._function, g, 1, 1, block, 1, 1, 0, stream, ctypes.addressof(params), 0)
+                if err != kernel._success:
+                    from cuda.bindings import driver
+                    cuda_launch.check(driver.CUresult(err), "cuLaunchKernel")
 
     def _do_launch(self, loc, grid: int, index: int) -> None:
         from ..cuda import launch as cuda_launch

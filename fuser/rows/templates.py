@@ -90,13 +90,39 @@ ${head}
 ${vector_types}
 ${params}
   const int64_t cols = sizes[rank];
+${parts}
 ${parallel}
-  for (int64_t row = 0; row < rows; ++row) {
+${loop}
 ${offsets}
 ${phases}
-  }
-${end}}
+${loop_end}
+${end}${parts_sum}
+}
 """)
+
+CPU_ROWS = "  for (int64_t row = 0; row < rows; ++row) {"
+
+# column sums (fuser.rows.plan.column_sum_form): the rows in parts of consecutive rows, their number fixed by the
+# row count and the work (not by the threads, so the sums do not depend on how many there are), each part adding
+# its rows' values into a partial row of its own (in the values' compute type); then the partial rows added
+# in order into the first, 256 columns at a time (independent adds along the columns: vector code, where a
+# column's chain of adds would wait on each), and stored
+CPU_PARTS = Template(r"""  const int64_t fz_parts = rows * cols < ${parallel_threshold} || rows < 2 * ${part_rows} ? 1 : rows / ${part_rows} < ${max_parts} ? rows / ${part_rows} : ${max_parts};
+${alloc}""")
+CPU_PARTS_LOOP = Template(r"""  for (int64_t part = 0; part < fz_parts; ++part) {
+${zero}
+  for (int64_t row = rows * part / fz_parts, row_end = rows * (part + 1) / fz_parts; row < row_end; ++row) {""")
+CPU_PARTS_SUM = Template(r"""#pragma omp parallel for schedule(static) if (fz_parts > 1 && fz_parts * cols >= ${parallel_threshold})
+  for (int64_t c0 = 0; c0 < cols; c0 += 256) {
+    const int64_t c1 = cols - c0 < 256 ? cols : c0 + 256;
+    for (int64_t q = 1; q < fz_parts; ++q) {
+${sums}
+    }
+    for (int64_t c = c0; c < c1; ++c) {
+${stores}
+    }
+  }
+${free}""")
 
 # the CPU row kernel's loop over rows: split across threads from ${parallel_threshold} elements; with scratch rows
 # (fuser.rows.plan.kept_values) a parallel region allocates each thread's (${scratch}) around the loop
@@ -119,6 +145,7 @@ struct FzArgs {
   int vec;  // the launch may read and write whole vectors of ${vec} elements (fuser.rows.launch)
   void* ptrs[${n_ptrs}];
   double scalars[${n_scalar_slots}];
+  long long slots;  // column sums: the partial rows (fuser.rows.launch)
 };
 
 // ${tpr} threads a row, ${rpb} rows a block; a thread holds ${items} elements of a row a trip, in vectors of ${vec}
@@ -130,6 +157,7 @@ extern "C" __global__ void __launch_bounds__(${block}) ${name}(const FzArgs args
   const int lane = threadIdx.x % ${tpr};
 ${params}
 ${shared}
+${sums_decl}
   for (long long base = (long long)blockIdx.x * ${rpb}; base < rows; base += (long long)gridDim.x * ${rpb}) {
     // a row past the end (the last block's) computes the last row again and stores nothing, so no element needs
     // a check of its row
@@ -138,6 +166,43 @@ ${shared}
 ${offsets}
 ${cache}
 ${phases}
+  }
+${sums_store}
+}
+${parts_kernel}""")
+
+# column sums (fuser.rows.plan.column_sum_form) of a row of one trip: a thread's columns are the same for
+# every row it takes (the grid-strided rows of its slot, blockIdx.x * rows a block + its row in the block), so it adds
+# its live rows' values in registers and writes them once, as its slot's partial row (every slot writes its row,
+# zeros where it took none); a second kernel adds the slots' partial rows in a fixed order
+CUDA_PARTS_STORE = Template(r"""  {
+    const long long slot = (long long)blockIdx.x * ${rpb} + threadIdx.x / ${tpr};
+#pragma unroll
+    for (int i = 0; i < ${nv}; ++i) {
+      const int cb = (i * ${tpr} + lane) * ${vec};
+#pragma unroll
+      for (int v = 0; v < ${vec}; ++v) {
+        if (${check}) {
+${stores}
+        }
+      }
+    }
+  }""")
+CUDA_PARTS_KERNEL = Template(r"""
+// the second kernel: a block takes 32 columns at a time; its 8 warps add every 8th slot's partial rows each (32
+// consecutive columns a load), then the first warp adds the 8 warps' sums in order (a fixed order: deterministic)
+extern "C" __global__ void __launch_bounds__(256) ${name}_sum(const FzArgs args) {
+  const long long cols = args.cols;
+  const int g = threadIdx.x / 32, lc = threadIdx.x % 32;
+${params}
+  for (long long c0 = (long long)blockIdx.x * 32; c0 < cols; c0 += (long long)gridDim.x * 32) {
+    const long long c = c0 + lc;
+${sums}
+    __syncthreads();
+    if (g == 0 && c < cols) {
+${stores}
+    }
+    __syncthreads();
   }
 }
 """)
