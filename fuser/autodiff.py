@@ -1,7 +1,9 @@
 """Fusion groups under autograd: a differentiable group op whose backward is a generated fusion group too.
 
 When grad mode is on and an input requires grad, :func:`run` wraps the group in an autograd Function. Its
-forward runs the forward kernel (grad mode is off inside it) and saves the inputs the backward reads. Its
+forward runs the forward kernel (grad mode is off inside it) and saves the inputs the backward reads, and the
+outputs it reads (a softmax or log_softmax result, ``Backward.saved_outputs``: saved as eager saves its output, so
+an in-place change of it before backward raises eager's error). Its
 backward is a group that ``fuser/backward.py`` builds from the derivative table. That group is registered in the kernel store like any group, so it gets a fused kernel (or the
 fallback, when it cannot be fused), and, when the backward itself runs under grad mode
 (``create_graph=True``), it is differentiated the same way: double backward either runs fused or through
@@ -62,6 +64,7 @@ def run(spec: KernelSpec, args: list, rng_state: Optional[list] = None) -> list[
 # (spec key, needs, defined, dtype signature) -> Backward, or None where the table cannot form it
 _backwards: dict[tuple, Optional[Backward]] = {}
 _floating: dict[tuple, frozenset] = {}
+_dtypes: dict[tuple, dict] = {}
 _lock = threading.Lock()
 
 
@@ -75,10 +78,20 @@ def _bounded(cache: dict) -> dict:
 
 
 def _floating_values(spec: KernelSpec, sig: tuple) -> frozenset:
-    """ids of the group values whose dtype is floating, for tensor inputs of dtypes ``sig`` (the dtypes come
-    from the same eager probe the compiler uses; it raises what eager raises for these dtypes)."""
+    """ids of the group values whose dtype is floating, for tensor inputs of dtypes ``sig``."""
     key = (spec.key, sig)
     got = _floating.get(key)
+    if got is None:
+        got = frozenset(v for v, dt in _value_dtypes(spec, sig).items() if dt.is_floating_point)
+        _bounded(_floating)[key] = got
+    return got
+
+
+def _value_dtypes(spec: KernelSpec, sig: tuple) -> dict:
+    """id -> dtype of the group's tensor inputs and nodes, for tensor inputs of dtypes ``sig`` (the dtypes come
+    from the same eager probe the compiler uses; it raises what eager raises for these dtypes)."""
+    key = (spec.key, sig)
+    got = _dtypes.get(key)
     if got is not None:
         return got
     if spec.has_reduction:
@@ -86,10 +99,10 @@ def _floating_values(spec: KernelSpec, sig: tuple) -> frozenset:
     else:
         arg_spec = ArgSpec("cpu", None, tuple(TensorDesc(dt, DENSE, zero_dim) for dt, zero_dim in sig))
         results = [t.result for t in compiler.infer_types(spec, arg_spec)]
-    got = frozenset(n.out.id for n, dt in zip(spec.group.nodes, results) if dt.is_floating_point)
+    got = {n.out.id: dt for n, dt in zip(spec.group.nodes, results)}
     dtypes = iter(sig)
-    got |= frozenset(v.id for v in spec.group.inputs if v.is_tensor and next(dtypes)[0].is_floating_point)
-    _bounded(_floating)[key] = got
+    got.update({v.id: next(dtypes)[0] for v in spec.group.inputs if v.is_tensor})
+    _bounded(_dtypes)[key] = got
     return got
 
 
@@ -125,7 +138,7 @@ def backward_for(spec: KernelSpec, needs: tuple, defined: tuple, sig: tuple,
     if key in _backwards:
         return _backwards[key]
     try:
-        bw = build_backward(spec, needs, defined, _floating_values(spec, sig), columns)
+        bw = build_backward(spec, needs, defined, _floating_values(spec, sig), columns, _value_dtypes(spec, sig))
     except _Unsupported:
         bw = None
     except RuntimeError:  # eager rejects these dtypes (the type probe raised): the interpreter will say so
@@ -149,14 +162,17 @@ _carried: dict[tuple, tuple] = {}
 class _Call:
     """What the autograd Function needs besides the tensors: the group and where its arguments go."""
 
-    __slots__ = ("spec", "scalars", "needs", "sig", "saved", "carried", "rng_state", "outputs", "columns")
+    __slots__ = ("spec", "scalars", "needs", "sig", "saved", "carried", "rng_state", "outputs", "columns",
+                 "saved_outputs")
 
-    def __init__(self, spec, scalars, needs, sig, saved, carried, rng_state=None, outputs=None, columns=False):
+    def __init__(self, spec, scalars, needs, sig, saved, carried, rng_state=None, outputs=None, columns=False,
+                 saved_outputs=()):
         self.spec, self.scalars, self.needs, self.sig, self.saved = spec, scalars, needs, sig, saved
         self.carried = carried  # per output: whether a wanted gradient reaches it
         self.rng_state = rng_state  # a random group's launch state: the backward redraws the same numbers
         self.outputs = outputs  # a random group's forward outputs, computed before (its kernel had to run)
         self.columns = columns  # the forward ran as a column kernel (its backward is formed for that)
+        self.saved_outputs = saved_outputs  # forward outputs the backward reads (Backward.saved_outputs)
 
     def args(self, tensors: Sequence) -> list:
         if self.spec.all_tensors:
@@ -177,7 +193,9 @@ class _FusedGroup(torch.autograd.Function):
         call.outputs = None  # the Function holds them now
         ctx.call = call
         ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
-        ctx.save_for_backward(*[t if keep else None for t, keep in zip(tensors, call.saved)])
+        ctx.n_tensors = len(tensors)
+        ctx.save_for_backward(*[t if keep else None for t, keep in zip(tensors, call.saved)],
+                              *[out[k] for k in call.saved_outputs])
         # outputs no wanted gradient reaches do not require grad, as in eager
         ctx.mark_non_differentiable(*[o for o, d in zip(out, differentiable_outputs(call, out)) if not d])
         ctx.set_materialize_grads(False)
@@ -185,7 +203,10 @@ class _FusedGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *input_grads(ctx.call, ctx.saved_tensors, ctx.meta, grads))
+        saved = ctx.saved_tensors
+        n, call = ctx.n_tensors, ctx.call
+        outputs = dict(zip(call.saved_outputs, saved[n:]))
+        return (None, *input_grads(call, saved[:n], ctx.meta, grads, outputs))
 
 
 def tensor_index(spec: KernelSpec) -> dict:
@@ -198,10 +219,11 @@ def tensor_index(spec: KernelSpec) -> dict:
     return t_index
 
 
-def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence) -> list:
+def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence, outputs: Optional[dict] = None) -> list:
     """The gradients of the tensor inputs (None where none is wanted) from the outputs' gradients (None where
     none arrived): the backward group of this pattern run as a group. ``saved``: per tensor input, the saved
-    tensor or None; ``meta``: per tensor input, (shape, dtype, device)."""
+    tensor or None; ``meta``: per tensor input, (shape, dtype, device); ``outputs``: output index -> the saved
+    forward output (those in ``call.saved_outputs``)."""
     spec = call.spec
     defined = tuple(gr is not None for gr in grads)
     result: list = [None] * len(saved)
@@ -212,7 +234,7 @@ def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence) -
     fwd_args = call.args(saved)
     if bw.spec is not None:
         shapes = [m[0] for m in meta]
-        args = backward_args(spec, bw, fwd_args, grads, shapes)
+        args = backward_args(spec, bw, fwd_args, grads, shapes, outputs or {})
         got = None
         if not torch.is_grad_enabled():  # inputs broadcast over leading dims: summed by column groups (grad_sums)
             got = grad_sums.run(spec, bw, args, shapes, _full_shape(spec, tuple(shapes)), call.sig)
@@ -232,11 +254,16 @@ def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence) -
 
 
 def backward_args(spec: KernelSpec, bw: Backward, fwd_args: Sequence, grads: Sequence,
-                  shapes: Sequence[torch.Size]) -> list:
-    """The arguments of ``bw``'s group: the forward arguments it reads, then the output gradients it reads (and
-    the row length, for a group with reductions whose backward reads it). ``shapes``: the forward's tensor
-    inputs' shapes."""
+                  shapes: Sequence[torch.Size], outputs: Optional[dict] = None) -> list:
+    """The arguments of ``bw``'s group: the forward arguments it reads, the forward outputs it reads (``outputs``:
+    output index -> saved tensor), then the output gradients it reads (and the row length, for a group with
+    reductions whose backward reads it). ``shapes``: the forward's tensor inputs' shapes."""
     args = [fwd_args[j] for j in bw.fwd_inputs]
+    for k in bw.saved_outputs:
+        if outputs is None or outputs.get(k) is None:  # the forward saves what the every-gradient pattern reads
+            raise RuntimeError(f"fuser: the backward reads forward output {k}, which the forward did not save. "
+                               "Please report this.")
+        args.append(outputs[k])
     if not bw.grad_unsqueeze:
         args += [_grad_arg(spec, grads, k, j) for k, j in bw.grad_outputs]
     else:
@@ -337,7 +364,8 @@ def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None)
     for j, is_t in enumerate(spec.input_is_tensor):
         if is_t:
             saved.append(j in used)
-    call = _Call(spec, tuple(float(s) for s in scalars), needs, sig, tuple(saved), _carried_outputs(spec, needs, sig))
+    call = _Call(spec, tuple(float(s) for s in scalars), needs, sig, tuple(saved), _carried_outputs(spec, needs, sig),
+                 saved_outputs=bw.saved_outputs)
     if spec.random or spec.has_reduction:  # (a row kernel's backward is planned for the shapes its forward takes)
         if spec.random:
             call.rng_state = rng.launch_state(device) if rng_state is None else rng_state
@@ -354,6 +382,7 @@ def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None)
                 return None
             call.columns = True
             call.saved = tuple(j in bw.fwd_inputs for j, is_t in enumerate(spec.input_is_tensor) if is_t)
+            call.saved_outputs = bw.saved_outputs
     return call
 
 

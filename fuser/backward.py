@@ -1,9 +1,14 @@
 """A group's backward, built from the derivative table (``fuser/derivatives.py``) as a group of its own.
 
-Its inputs are the forward inputs the gradients read, then the output gradients; it recomputes the forward's
-ops from those inputs (cheaper than saving intermediates: the backward kernel reads the inputs once, eager's
-backward reads each saved intermediate), then applies each op's gradient formula, and casts each input's
-gradient to its dtype. ``fuser/autodiff.py`` runs it.
+Its inputs are the forward inputs the gradients read, then the forward outputs it reads (below), then the output
+gradients; it recomputes the forward's ops from those inputs (cheaper than saving intermediates: the backward
+kernel reads the inputs once, eager's backward reads each saved intermediate), then applies each op's gradient
+formula, and casts each input's gradient to its dtype. ``fuser/autodiff.py`` runs it.
+
+The one value it does not recompute is a softmax or log_softmax that is itself a group output: the forward writes
+it anyway, so the backward reads it as eager's does (``(g - sum(g * y)) * y``, ``g - exp(y) * sum(g)``), where a
+recompute would read the input and form its max and sum again (two more passes over the row, and every prologue
+input read once more). ``Backward.saved_outputs`` names those outputs; the forward saves them for backward.
 
 A group with reductions (a row kernel's, ``fuser/rows/``) gets a backward that is one too. There every reduction
 keeps its dims (the forward's are recomputed with keepdim; a dropped-dims output's gradient comes with its dims
@@ -42,7 +47,8 @@ class Backward:
     ``grad_outputs``, how many trailing dims of size 1 its gradient gets before the call (an output of a
     reduction with keepdim off, whose backward reads it with the dims kept; empty: none anywhere).
     ``row_length``: the group's last input is a float, the number of elements a row reduces (a mean's gradient
-    divides by it, as eager's does).
+    divides by it, as eager's does). ``saved_outputs``: forward outputs (softmax/log_softmax results, see the
+    module's doc) whose values the group reads, its inputs after the forward inputs, before the gradients.
     """
 
     spec: Optional[KernelSpec]
@@ -55,6 +61,7 @@ class Backward:
     # (forward input, index into grad_inputs): an input whose gradient is the same value as that output's (both
     # operands of an add): written once, as eager's backward passes one tensor to both
     aliases: tuple[tuple[int, int], ...] = ()
+    saved_outputs: tuple[int, ...] = ()
 
 
 MEAN = "aten::mean.dim"
@@ -65,13 +72,14 @@ class _Unsupported(Exception):
 
 
 def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bool],
-                   floating: frozenset, columns: bool = False) -> Backward:
+                   floating: frozenset, columns: bool = False, dtypes: Optional[dict] = None) -> Backward:
     """The backward group of ``spec.group``; raises :class:`_Unsupported` when the table cannot form it.
 
     needs: per group input, whether its gradient is wanted. defined: per group output, whether a gradient
     arrives for it. floating: ids of the group's values whose dtype is floating for these inputs (gradients
     flow through those only, as in eager, where integer and bool results never require grad). columns: the
     forward ran as a column kernel (its reductions over leading dims, ``fuser/rows/outer.py``; see ``_Rows``).
+    dtypes: the forward values' dtypes (id -> dtype; see ``_cast_target``), where known.
     """
     if spec.concat_consumed:
         raise _Unsupported("a cat's result used inside the group")
@@ -80,6 +88,8 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     env: dict[int, ir.Value] = {}
     for v in fwd.inputs:
         env[v.id] = b.input(v.kind)
+    reused = _reused_outputs(spec)  # forward value id -> output index, read from the saved output
+    read_out = {vid: b.input(ir.TENSOR) for vid in reused}
     grad_in = []  # ((k, piece or None), forward value the gradient is for, group input)
     for k, o in enumerate(fwd.outputs):
         if not defined[k]:
@@ -98,6 +108,9 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     proxy: dict[int, ir.Value] = {}  # column-level value -> an element-level one of its dtype (_dtype_proxy)
     saved: dict[int, list] = {}  # a normalization's statistics, as eager's kernel saves them (its formula reads them)
     for n in fwd.nodes:  # the forward, recomputed from the saved inputs, rounded where the forward rounds
+        if n.out.id in read_out:  # the forward's output, saved: not recomputed (the module's doc)
+            env[n.out.id], saved[n.out.id] = read_out[n.out.id], []
+            continue
         args = list(map(mapped, n.args))
         k = _keepdim_at(n.op)
         if rows is not None and k is not None:
@@ -159,7 +172,7 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
             if rows is not None and rows.broadcast(n, inp):  # summed along the row to the row-level value's shape
                 r = D.reduce_sum(r, rows.dims)
             if not is_input:  # the engine casts a gradient to its value's dtype
-                r = D.op("aten::type_as", r, D.V(b, proxy.get(inp.id, env[inp.id])))
+                r = D.op("aten::type_as", r, D.V(b, _cast_target(inp, env, proxy, rows, read_out, dtypes)))
             accumulate(inp.id, r)
 
     grad_inputs, zero_inputs, outputs, aliases, written = [], [], [], [], {}
@@ -192,13 +205,44 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     g = g.with_inputs(keep)
     bspec = STORE.get(STORE.register(g))
     _backward_keys.add(bspec.key)
-    n_grad = n_fwd + len(grad_in)  # (then the row length, where a mean's gradient reads it)
+    n_out = n_fwd + len(read_out)
+    n_grad = n_out + len(grad_in)  # (then the row length, where a mean's gradient reads it)
     fwd_inputs = tuple(j for j in keep if j < n_fwd)
-    grad_outputs = tuple(grad_in[j - n_fwd][0] for j in keep if n_fwd <= j < n_grad)
-    unsqueeze = () if rows is None else tuple(rows.dropped(grad_in[j - n_fwd][1]) for j in keep
-                                              if n_fwd <= j < n_grad)
+    out_index = list(reused.values())
+    saved_outputs = tuple(out_index[j - n_fwd] for j in keep if n_fwd <= j < n_out)
+    grad_outputs = tuple(grad_in[j - n_out][0] for j in keep if n_out <= j < n_grad)
+    unsqueeze = () if rows is None else tuple(rows.dropped(grad_in[j - n_out][1]) for j in keep
+                                              if n_out <= j < n_grad)
     return Backward(bspec, fwd_inputs, grad_outputs, tuple(grad_inputs), tuple(zero_inputs),
-                    unsqueeze if any(unsqueeze) else (), any(j >= n_grad for j in keep), tuple(aliases))
+                    unsqueeze if any(unsqueeze) else (), any(j >= n_grad for j in keep), tuple(aliases),
+                    saved_outputs)
+
+
+def _reused_outputs(spec: KernelSpec) -> dict[int, int]:
+    """The softmax and log_softmax results that are group outputs (whole, not a cat's piece): forward value id ->
+    its first output index. The backward reads them from the forward's outputs (the module's doc). A softmax
+    read only inside the group is recomputed: saving it would be a write the forward does not do."""
+    norm = {n.out.id for n in spec.group.nodes
+            if getattr(ops.reduction(n.op), "kind", None) in ("softmax", "log_softmax")}
+    found: dict[int, int] = {}
+    for k, v in enumerate(spec.group.outputs):
+        if v.id in norm and spec.pieces[k] is None:
+            found.setdefault(v.id, k)
+    return found
+
+
+def _cast_target(v: ir.Value, env: dict, proxy: dict, rows, read_out: dict, dtypes: Optional[dict]) -> ir.Value:
+    """What the cast of forward value ``v``'s gradient to ``v``'s dtype reads (``type_as`` reads only its dtype):
+    its column-level proxy (``_dtype_proxy``), else an element-level ``v`` of the dtype of a saved output the
+    backward reads anyway, that output (so that a softmax's prologue, x * scale + mask, is neither recomputed nor
+    its inputs read: the gradient of a mul by a constant or of an add does not read them), else ``v`` itself."""
+    if v.id in proxy:
+        return proxy[v.id]
+    if dtypes and v.id in dtypes and (rows is None or v.id not in rows.row):
+        for u, read in read_out.items():
+            if dtypes.get(u) == dtypes[v.id]:
+                return read
+    return env[v.id]
 
 
 def _dtype_proxy(b: ir.Builder, n: ir.Node, args: list, proxy: dict) -> None:

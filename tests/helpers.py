@@ -681,7 +681,8 @@ def backward_and_args(spec, inputs: list, eager_fn):
     bw = autodiff.backward_for(spec, needs, spec.all_outputs_defined, sig)
     assert bw is not None and bw.spec.has_reduction
     detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-    return bw, autodiff.backward_args(spec, bw, detached, grads, [t.shape for t in tensors]), want
+    outputs = {k: r.detach() for k, r in enumerate(ref)}  # (eager's: a backward that reads a forward output)
+    return bw, autodiff.backward_args(spec, bw, detached, grads, [t.shape for t in tensors], outputs), want
 
 
 def train_block_alongside_eager(block, eager_block, device: str = "cpu", rtol: float = 1e-4, atol: float = 1e-6):

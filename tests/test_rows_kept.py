@@ -1,8 +1,8 @@
 """The CPU row kernel's kept values (issues 11 and 12: fuser/rows/plan.py kept_values, fuser/rows/codegen.py): a
 costly element value (exp, tanh...) that a later pass along the row reads is written to a per-thread scratch row by
 the pass that computes it and read back by the later ones, rather than computed again. Softmax's output pass reads
-exp(x - max) and multiplies (as eager's CPU kernel does), its backward (which recomputes the forward from x)
-computes exp once rather than three times. Against eager in float64 on seeded random inputs, float32 and bfloat16,
+exp(x - max) and multiplies (as eager's CPU kernel does); the backward of a softmax read further (which recomputes
+the forward from x) computes exp once rather than three times, and one of a softmax output none at all. Against eager in float64 on seeded random inputs, float32 and bfloat16,
 at row lengths that end in whole vector trips and in scalar tails, on rows split across threads and on strided
 rows (the scalar loop alone fills the scratch row); and the generated source computing exp in one pass only."""
 from __future__ import annotations
@@ -34,6 +34,17 @@ def _softmax_group():
 
 def _softmax_eager(x):
     return [torch.softmax(x * 0.125, -1)]
+
+
+def _softmax_times_group():
+    """softmax(x * 0.125) * 2: the softmax is not an output, so its backward recomputes it from x."""
+    b = ir.Builder()
+    x = b.input()
+    return b.build([b.call("aten::mul", b.add("aten::softmax.int", b.call("aten::mul", x, 0.125), -1, None), 2.0)])
+
+
+def _softmax_times_eager(x):
+    return [torch.softmax(x * 0.125, -1) * 2]
 
 
 def _chain_group():
@@ -121,9 +132,13 @@ def test_the_chain_computes_each_costly_value_once():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_softmax_backward_matches_eager_and_computes_exp_once(dtype, _backwards):
-    """The backward group recomputes softmax from x: its kernel computes exp in one of its four passes."""
-    spec = _spec(_softmax_group())
+@pytest.mark.parametrize("saved", (False, True), ids=("recomputed", "saved"))
+def test_softmax_backward_matches_eager_and_computes_exp_once(dtype, saved, _backwards):
+    """softmax(x * 0.125) * 2: the backward group recomputes softmax from x, its kernel computes exp in one of its
+    four passes. softmax(x * 0.125) itself: the backward reads the saved output (fuser/backward.py), two passes (the
+    sum of grad * out, the gradient) and no exp."""
+    spec = _spec(_softmax_group() if saved else _softmax_times_group())
+    eager_fn = _softmax_eager if saved else _softmax_times_eager
     for n in LENGTHS:
         _backwards.clear()
         x = (8 * torch.randn(3, 7, n, dtype=dtype)).requires_grad_()
@@ -132,8 +147,8 @@ def test_softmax_backward_matches_eager_and_computes_exp_once(dtype, _backwards)
         assert out.grad_fn is not None and out.grad_fn.name() in FUSED_BACKWARD
         g64 = torch.randn(out.shape, dtype=torch.float64)
         (got,) = torch.autograd.grad(out, x, g64.to(dtype))
-        (want,) = torch.autograd.grad(_softmax_eager(x64), x64, g64)
-        (eager,) = torch.autograd.grad(_softmax_eager(x), x, g64.to(dtype))
+        (want,) = torch.autograd.grad(eager_fn(x64), x64, g64)
+        (eager,) = torch.autograd.grad(eager_fn(x), x, g64.to(dtype))
         assert got.dtype == dtype and got.shape == x.shape
         scale = max(1.0, want.abs().max().item())
         tol = tolerances(dtype)
@@ -146,6 +161,9 @@ def test_softmax_backward_matches_eager_and_computes_exp_once(dtype, _backwards)
         assert keys, f"row {n}: the backward did not run as a fused row kernel"
     (bw,) = [STORE.get(k) for k in keys]
     passes = _passes(_kernel_source(bw, dtype))
+    if saved:
+        assert len(passes) == 2 and not any("exp" in p for p in passes)  # sum of grad * out, the gradient
+        return
     assert len(passes) == 4  # max, sum of exp, sum of grad * out, the gradient
     assert [("exp" in p) for p in passes] == [False, True, False, False]
 

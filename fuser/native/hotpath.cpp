@@ -85,10 +85,12 @@ struct Backward {
   std::vector<int64_t> py_meta;  // what fusion_group_backward_py needs to rebuild the call
   std::vector<uint8_t> saved;  // per tensor input: saved for the backward
   std::vector<uint8_t> differentiable;  // per output
+  std::vector<uint8_t> saved_out;  // per output: saved for the backward (a softmax's result, which it reads)
   bool has_group = false;
   int64_t bw_key = 0;
   std::string bw_digest;
-  std::vector<std::pair<int64_t, int64_t>> inputs;  // per backward input: (0 tensor, 1 float, 2 output grad), index
+  // per backward input: (0 tensor, 1 float, 2 output grad, 3 saved output), index
+  std::vector<std::pair<int64_t, int64_t>> inputs;
   std::vector<int64_t> grad_inputs;  // per backward output: the forward tensor input it is the gradient of
   std::vector<int64_t> zero_inputs;  // forward tensor inputs whose gradient is zero
   std::vector<std::pair<int64_t, int64_t>> aliases;  // (forward tensor input, backward output) sharing a gradient
@@ -318,6 +320,7 @@ using GroupOp = std::vector<at::Tensor>(at::TensorList, at::ArrayRef<double>, in
 struct FusedGroupBackward : public torch::autograd::Node {
   std::shared_ptr<const Backward> bw;
   std::vector<torch::autograd::SavedVariable> saved;  // per tensor input (empty where not saved)
+  std::vector<torch::autograd::SavedVariable> saved_out;  // per output (empty where not saved)
   std::vector<double> scalars;
   std::vector<int64_t> out_index;  // per input of this node (a differentiable output): the output's index
   size_t n_outputs = 0;
@@ -328,6 +331,7 @@ struct FusedGroupBackward : public torch::autograd::Node {
 
   void release_variables() override {
     for (auto& s : saved) s.reset_data();
+    for (auto& s : saved_out) s.reset_data();
   }
 
   variable_list apply(variable_list&& grads) override {
@@ -342,12 +346,16 @@ struct FusedGroupBackward : public torch::autograd::Node {
     std::vector<at::Tensor> unpacked(n_t);
     for (size_t k = 0; k < n_t; ++k)
       if (bw->saved[k]) unpacked[k] = saved[k].unpack();
+    std::vector<at::Tensor> outputs(n_outputs);  // saved as outputs: unpacked with this node as their grad_fn
+    for (size_t k = 0; k < n_outputs; ++k)
+      if (bw->saved_out[k]) outputs[k] = saved_out[k].unpack(getptr());
     if (!all || !bw->has_group) {  // another pattern: Python's backward, which builds its group
       static auto op = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("fuser::fusion_group_backward_py", "")
                            .typed<PyBackward>();
       c10::List<std::optional<at::Tensor>> s, g;
       for (auto& t : unpacked) s.push_back(t.defined() ? std::optional<at::Tensor>(t) : std::nullopt);
+      for (auto& t : outputs) s.push_back(t.defined() ? std::optional<at::Tensor>(t) : std::nullopt);
       std::vector<std::optional<at::Tensor>> full(n_outputs);
       for (size_t j = 0; j < grads.size(); ++j)
         if (grads[j].defined()) full[out_index[j]] = grads[j];
@@ -368,8 +376,10 @@ struct FusedGroupBackward : public torch::autograd::Node {
         tensors.push_back(unpacked[index]);
       else if (kind == 1)
         floats.push_back(scalars[index]);
-      else
+      else if (kind == 2)
         tensors.push_back(output_grads[index]);
+      else
+        tensors.push_back(outputs[index]);
     }
     static auto group = c10::Dispatcher::singleton().findSchemaOrThrow("fuser::fusion_group", "").typed<GroupOp>();
     std::vector<at::Tensor> outs = group.call(tensors, floats, bw->bw_key, bw->bw_digest, "");
@@ -409,6 +419,9 @@ std::vector<at::Tensor> record_call(std::shared_ptr<const Launch> found, at::Ten
     node->out_index.push_back(static_cast<int64_t>(k));
     torch::autograd::create_gradient_edge(outs[k], node_ptr);
   }
+  node->saved_out.resize(outs.size());
+  for (size_t k = 0; k < outs.size(); ++k)  // after the edges: saved as this node's outputs (no reference cycle)
+    if (bw.saved_out[k]) node->saved_out[k] = torch::autograd::SavedVariable(outs[k], true);
   return outs;
 }
 
@@ -616,7 +629,7 @@ void put(int64_t key, c10::string_view digest, std::vector<int64_t> sig, std::ve
 }
 
 // A call autograd records: the forward as put's, the inputs' requires_grad, and the backward (bw: saved inputs,
-// differentiable outputs, then whether a backward group is prepared, its inputs and outputs; see record.py).
+// differentiable outputs, saved outputs, then whether a backward group is prepared, its inputs and outputs; see record.py).
 void put_train(int64_t key, c10::string_view digest, std::vector<int64_t> sig, std::vector<int64_t> rec,
                std::vector<double> floats, std::vector<int64_t> grads, std::vector<int64_t> bw_rec,
                c10::string_view bw_digest, std::vector<int64_t> py_meta) {
@@ -635,6 +648,7 @@ void put_train(int64_t key, c10::string_view digest, std::vector<int64_t> sig, s
   for (int64_t k = 0; k < l->n_tensors; ++k) bw->saved.push_back(static_cast<uint8_t>(r.next() != 0));
   const int64_t n_out = static_cast<int64_t>(l->outs.size());
   for (int64_t k = 0; k < n_out; ++k) bw->differentiable.push_back(static_cast<uint8_t>(r.next() != 0));
+  for (int64_t k = 0; k < n_out; ++k) bw->saved_out.push_back(static_cast<uint8_t>(r.next() != 0));
   bw->has_group = r.next() != 0;
   if (bw->has_group) {
     bw->bw_key = r.next();
@@ -643,8 +657,9 @@ void put_train(int64_t key, c10::string_view digest, std::vector<int64_t> sig, s
     for (int64_t j = 0; j < n_in; ++j) {
       const int64_t kind = r.next(), index = r.next();
       const int64_t bound = kind == 0 ? l->n_tensors : kind == 1 ? l->n_scalars : n_out;
-      TORCH_CHECK(0 <= kind && kind <= 2 && 0 <= index && index < bound, "fuser native record: backward input");
+      TORCH_CHECK(0 <= kind && kind <= 3 && 0 <= index && index < bound, "fuser native record: backward input");
       TORCH_CHECK(kind != 0 || bw->saved[index], "fuser native record: a backward input that is not saved");
+      TORCH_CHECK(kind != 3 || bw->saved_out[index], "fuser native record: a backward output that is not saved");
       TORCH_CHECK(kind != 2 || bw->differentiable[index], "fuser native record: a gradient that never arrives");
       bw->inputs.emplace_back(kind, index);
     }

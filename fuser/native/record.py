@@ -111,7 +111,8 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
     an input's gradient is summed by a column group (``fuser/grad_sums.py``), Python's backward runs it."""
     from .. import autodiff, grad_sums
     diff = autodiff.differentiable_outputs(call, outputs)
-    rec = [int(s) for s in call.saved] + [int(d) for d in diff]
+    rec = [int(s) for s in call.saved] + [int(d) for d in diff] + [int(k in call.saved_outputs)
+                                                                    for k in range(len(outputs))]
     bw = autodiff.backward_for(spec, call.needs, diff, call.sig) if launch is not None else None
     t_index = autodiff.tensor_index(spec)
     s_index = {j: k for k, j in enumerate(j for j, is_t in enumerate(spec.input_is_tensor) if not is_t)}
@@ -119,6 +120,7 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
     if bw is not None and bw.spec is not None and not spec.random:
         for j in bw.fwd_inputs:
             inputs.append((0, t_index[j]) if spec.input_is_tensor[j] else (1, s_index[j]))
+        inputs += [(3, k) for k in bw.saved_outputs]  # (the softmax results it reads, as the forward wrote them)
         inputs += [(2, k) for k, piece in bw.grad_outputs if piece is None]
     # (a row group's backward may read its gradients as views with reduced dims restored, and the row length as a
     # float argument: Python's backward assembles those)
@@ -126,6 +128,7 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
               and not bw.row_length
               and all(piece is None for _, piece in bw.grad_outputs)
               and all(call.saved[i] for kind, i in inputs if kind == 0) and all(diff[i] for kind, i in inputs if kind == 2)
+              and all(i in call.saved_outputs for kind, i in inputs if kind == 3)
               and not (shapes and grad_sums.summed(spec, bw, shapes, autodiff._full_shape(spec, tuple(shapes)))))
     if not usable:
         rec.append(0)
