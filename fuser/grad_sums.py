@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import executor, fallback, ir
+from . import executor, fallback, ir, settings
 from .kernel_cache import STORE, KernelSpec
 from .rows.plan import row_level
 
@@ -314,7 +314,8 @@ def run(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: to
     signature = (bw.spec.key, tuple(shapes), sig, device)  # (a kernel may run on one device and not another)
     whole: list = [None] * len(dims)
     summed: list = [None] * len(dims)
-    if bw.spec.has_reduction and signature not in _no_fused:  # a row backward: the sums inside its row kernel
+    if bw.spec.has_reduction and signature not in _no_fused and (
+            device.type != "cuda" or settings.cuda_column_sums):  # a row backward: the sums inside its row kernel
         fused = fused_for(bw, dims)
         outs = None if fused is None else launch(fused.spec, args)
         if outs is not None:

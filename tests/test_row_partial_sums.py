@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from helpers import FUSED_BACKWARD, SumsWatch, scripted_training_steps, tolerances
 
 import fuser
-from fuser import autodiff, executor, grad_sums, ir
+from fuser import autodiff, executor, grad_sums, ir, settings
 from fuser.kernel_cache import STORE
 from fuser.rows.plan import RowPlan, plan as row_plan
 
@@ -326,12 +326,15 @@ def test_cuda_kernels_emulated_sum_in_the_row_kernel(case, dtype, monkeypatch):
 # ------------------------------------------------------------------------------------------- on a GPU
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("in_row", (True, False), ids=("in_row", "default"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_the_sums_in_the_row_kernel_on_the_gpu(case, dtype, watch):
+def test_the_sums_in_the_row_kernel_on_the_gpu(case, dtype, in_row, watch, monkeypatch):
     """As on the CPU and under the emulation: the fused form where the row takes one trip (the plan says),
     the column kernel otherwise; eager's float64 gradients (bfloat16: within twice eager's error); two runs give
-    the same bits (no atomics)."""
+    the same bits (no atomics). The fused form is off on CUDA by default (``settings.cuda_column_sums``): both
+    settings."""
+    monkeypatch.setattr(settings, "cuda_column_sums", in_row)
     shapes = ((7, 32), (300, 36), (4096, 1024), (16384, 4096), (64, 65536))
     if case.id != "rms_norm":  # (eager's rms_norm on CUDA over rows not a multiple of 4: fuser/rows/plan.py)
         shapes += ((7, 31), (300, 33))
@@ -341,6 +344,7 @@ def test_the_sums_in_the_row_kernel_on_the_gpu(case, dtype, watch):
         got = _grads(case, args, gy.to(dtype), watch)
         took = watch.took()  # (bfloat16 without the fused form: the old path, sum_to_size)
         assert took in ((1, 0, 0), (0, 1, 0)) or (dtype == torch.bfloat16 and took[:2] == (0, 0)), (shape, took)
+        assert in_row or took[0] == 0, (shape, took)
         again = _grads(case, args, gy.to(dtype))
         assert all(torch.equal(g, h) for g, h in zip(got, again)), shape
         want64 = _eager(case, [a.double() for a in args], gy)
