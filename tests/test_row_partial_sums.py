@@ -332,8 +332,8 @@ def test_cuda_kernels_emulated_sum_in_the_row_kernel(case, dtype, monkeypatch):
 def test_the_sums_in_the_row_kernel_on_the_gpu(case, dtype, in_row, watch, monkeypatch):
     """As on the CPU and under the emulation: the fused form where the row takes one trip (the plan says),
     the column kernel otherwise; eager's float64 gradients (bfloat16: within twice eager's error); two runs give
-    the same bits (no atomics). The fused form is off on CUDA by default (``settings.cuda_column_sums``): both
-    settings."""
+    the same bits (no atomics). Both settings of ``settings.cuda_column_sums`` (the
+    fused form on CUDA, on by default)."""
     monkeypatch.setattr(settings, "cuda_column_sums", in_row)
     shapes = ((7, 32), (300, 36), (4096, 1024), (16384, 4096), (64, 65536))
     if case.id != "rms_norm":  # (eager's rms_norm on CUDA over rows not a multiple of 4: fuser/rows/plan.py)

@@ -203,7 +203,8 @@ ${vstores}
 # is TILE_A wide so that each thread has several loads in flight per phase. Measured on an H100 (GELU of a transposed
 # view plus a contiguous residual, 16384 x 4096, float32 / float16 of the copy floor): 32 x 32 tiles in rolled loops
 # 0.56 / 0.37; unrolled 0.76 / 0.41; 64 wide 0.74 / 0.45; with the operands loaded ahead (below) 0.93 / 0.63;
-# 128 wide for 2-byte dtypes 0.55 (fewer blocks resident).
+# 128 wide for 2-byte dtypes 0.55 (fewer blocks resident); 64 x 64 for 2-byte dtypes (a warp's stage reads covering
+# whole 128-byte lines) 0.54 / 0.58 against 0.62 / 0.64 in the same run (64 registers a thread: half the occupancy).
 TILED_LOOP = Template(r"""  if (args.tile_dim >= 0) {
     const int bd = args.tile_dim, ad = args.rank - 1;
     const fz_index sa = args.sizes[ad], sb = args.sizes[bd];
