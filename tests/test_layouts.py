@@ -365,6 +365,8 @@ TILED_CASES = {
     "2d_wide": (lambda dt: [_t((40, 100), dt), _t((100, 40), dt).t(), _t((100,), dt)], 0),
     # more rows than a tile takes along the transposed input's fastest dim (32, or 64 for 2-byte elements)
     "2d_tall": (lambda dt: [_t((100, 40), dt), _t((40, 100), dt).t(), _t((40,), dt)], 0),
+    # many tiles both ways, partial ones at both ends (7 x 6 tiles: the kernel divides tile numbers by these counts)
+    "2d_many_tiles": (lambda dt: [_t((163, 391), dt), _t((391, 163), dt).t(), _t((391,), dt)], 0),
     # both the second and third inputs transposed, sizes multiples of the tile
     "2d_two_transposed": (lambda dt: [_t((64, 96), dt), _t((96, 64), dt).t(), _t((96, 64), dt).t()], 0),
     # a batch of transposes, a row vector beside them
