@@ -6,6 +6,7 @@
 // prepared) goes to the Python operator fuser::fusion_group_py, which runs the group as before and, when asked to,
 // prepares the signature for next time. Nothing here decides anything about a group: it replays what Python
 // prepared (a random CPU kernel's launch state drawn as Python draws it), or hands over.
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty_strided.h>
@@ -289,8 +290,12 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
   }
   std::vector<at::Tensor> outs;
   outs.reserve(l.outs.size());
-  const auto options = at::TensorOptions().device(l.device);
-  for (const Out& o : l.outs) outs.push_back(at::empty_strided(o.sizes, o.strides, options.dtype(o.dtype)));
+  if (l.kind == kCpu) {  // (the CPU factory itself: the dispatcher's round trip costs about as much as a small kernel)
+    for (const Out& o : l.outs) outs.emplace_back(at::detail::empty_strided_cpu(o.sizes, o.strides, o.dtype));
+  } else {
+    const auto options = at::TensorOptions().device(l.device);
+    for (const Out& o : l.outs) outs.push_back(at::empty_strided(o.sizes, o.strides, options.dtype(o.dtype)));
+  }
   n_hits.fetch_add(1, std::memory_order_relaxed);
   if (l.numel != 0) {
     if (l.kind == kCuda)
