@@ -366,7 +366,8 @@ def _takes(spec: KernelSpec, bw, dims: tuple, shapes, full) -> list[tuple[int, i
     for out, js in _users(spec, bw).items():
         d = dims[out][1]
         for j, t in js:
-            got.append((j, out, d is not None and tuple(shapes[t]) != tuple(full) and summed_dims(full, shapes[t]) == d))
+            take = d is not None and tuple(shapes[t]) != tuple(full) and summed_dims(full, shapes[t]) == d
+            got.append((j, out, take))
     return got
 
 
