@@ -258,8 +258,8 @@ def _rms_train(x, w):
 
 @pytest.mark.parametrize("fn", (_ln_train, _rms_train), ids=lambda f: f.__name__)
 def test_the_pass_and_the_native_hot_path_take_the_fused_form(fn, watch):
-    """Through torch.jit.script and the pass: the repeated calls (the native hot path serves them, and hands
-    their backward to Python) sum the weight's and bias's gradients in the row kernel; eager's gradients."""
+    """Through torch.jit.script and the pass: the repeated calls (the native hot path serves them, their backward
+    included: it runs the fused group) sum the weight's and bias's gradients in the row kernel; eager's gradients."""
     n_params = 2 if fn is _ln_train else 1
 
     def make_args():
