@@ -62,6 +62,9 @@ class Backward:
     # operands of an add): written once, as eager's backward passes one tensor to both
     aliases: tuple[tuple[int, int], ...] = ()
     saved_outputs: tuple[int, ...] = ()
+    # the forward inputs (in chunk order) that are the chunks of one tensor (``chunk`` of build_backward), whose
+    # gradients are one output, their cat (listed in grad_inputs under the first): that tensor's gradient whole
+    cat_of: tuple[int, ...] = ()
 
 
 MEAN = "aten::mean.dim"
@@ -72,14 +75,19 @@ class _Unsupported(Exception):
 
 
 def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bool],
-                   floating: frozenset, columns: bool = False, dtypes: Optional[dict] = None) -> Backward:
+                   floating: frozenset, columns: bool = False, dtypes: Optional[dict] = None,
+                   chunk: Optional[tuple] = None) -> Backward:
     """The backward group of ``spec.group``; raises :class:`_Unsupported` when the table cannot form it.
 
     needs: per group input, whether its gradient is wanted. defined: per group output, whether a gradient
     arrives for it. floating: ids of the group's values whose dtype is floating for these inputs (gradients
     flow through those only, as in eager, where integer and bool results never require grad). columns: the
     forward ran as a column kernel (its reductions over leading dims, ``fuser/rows/outer.py``; see ``_Rows``).
-    dtypes: the forward values' dtypes (id -> dtype; see ``_cast_target``), where known.
+    dtypes: the forward values' dtypes (id -> dtype; see ``_cast_target``), where known. chunk: (dim, group input
+    indices) where those inputs are, in order, the equal chunks along dim of one tensor (an LSTM's gates): their
+    gradients become one ``cat`` output, that tensor's gradient, which the caller passes on whole (eager's chunk
+    backward would cat them in a kernel of its own); where one of them has no gradient of its own (zero, shared
+    with another input), the outputs stay separate (``Backward.cat_of`` empty).
     """
     if spec.concat_consumed:
         raise _Unsupported("a cat's result used inside the group")
@@ -193,6 +201,7 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
         grad_inputs.append(i)
     if not grad_inputs:
         return Backward(None, (), (), (), tuple(zero_inputs))
+    cat_of = _cat_chunks(chunk, grad_inputs, outputs, aliases, b)
     g = b.build(outputs).pruned()
     if _n_random(g) not in (0, _n_random(fwd)):
         # the backward redraws the forward's numbers with its state: op r's numbers depend on its ordinal r,
@@ -215,7 +224,27 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
                                               if n_out <= j < n_grad)
     return Backward(bspec, fwd_inputs, grad_outputs, tuple(grad_inputs), tuple(zero_inputs),
                     unsqueeze if any(unsqueeze) else (), any(j >= n_grad for j in keep), tuple(aliases),
-                    saved_outputs)
+                    saved_outputs, cat_of)
+
+
+def _cat_chunks(chunk: Optional[tuple], grad_inputs: list, outputs: list, aliases: list, b: ir.Builder) -> tuple:
+    """Where ``chunk`` = (dim, inputs) names inputs whose gradients are each an output of their own, those outputs
+    replaced (in place, in ``grad_inputs`` and ``outputs``) by one: their cat along dim, under the first input.
+    Returns the inputs so joined (empty: none)."""
+    if chunk is None:
+        return ()
+    dim, pieces = chunk
+    at = {j: k for k, j in enumerate(grad_inputs)}
+    if not all(j in at for j in pieces) or any(k in {at[j] for j in pieces} for _, k in aliases):
+        return ()
+    cat = b.add(ir.CAT, tuple(outputs[at[j]] for j in pieces), dim)
+    first = at[pieces[0]]
+    outputs[first] = cat
+    gone = sorted(at[j] for j in pieces[1:])
+    for k in reversed(gone):
+        del outputs[k], grad_inputs[k]
+    aliases[:] = [(i, k - sum(1 for g in gone if g < k)) for i, k in aliases]
+    return tuple(pieces)
 
 
 def _reused_outputs(spec: KernelSpec) -> dict[int, int]:

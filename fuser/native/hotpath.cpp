@@ -13,6 +13,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/generated/Functions.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
@@ -94,6 +96,11 @@ struct Backward {
   std::vector<int64_t> grad_inputs;  // per backward output: the forward tensor input it is the gradient of
   std::vector<int64_t> zero_inputs;  // forward tensor inputs whose gradient is zero
   std::vector<std::pair<int64_t, int64_t>> aliases;  // (forward tensor input, backward output) sharing a gradient
+  // tensor inputs (in chunk order) that are every chunk along chunk_dim of one tensor (autodiff._chunked_input):
+  // the node's edge for the first is that tensor's, the others have none, and the first's gradient is the whole
+  // tensor's (the backward group's cat output, or Python's)
+  std::vector<int64_t> chunk;
+  int64_t chunk_dim = 0;
 };
 
 constexpr size_t kMaxPerGroup = 64;
@@ -244,6 +251,38 @@ bool grads_match(const Launch& l, at::TensorList inputs) {
 std::vector<at::Tensor> record_call(std::shared_ptr<const Launch> found, at::TensorList inputs,
                                     at::ArrayRef<double> scalars, std::vector<at::Tensor> outs);
 
+// The edge of the tensor that bw.chunk's inputs are every chunk of: their autograd edges are outputs 0..n-1, in
+// order, of one split node (eager's chunk or split_with_sizes) with n outputs along bw.chunk_dim; nullopt where
+// they are not. Its backward would cat their gradients into that tensor's: the edge takes the whole one instead.
+std::optional<torch::autograd::Edge> chunk_source(const Backward& bw, at::TensorList inputs) {
+  const size_t n = bw.chunk.size();
+  const auto first = torch::autograd::impl::gradient_edge(inputs[bw.chunk[0]]);
+  auto* node = first.function.get();
+  if (node == nullptr || node->num_inputs() != n) return std::nullopt;
+  int64_t dim = 0;
+  c10::SymInt whole;
+  if (auto* s = dynamic_cast<torch::autograd::generated::SplitBackward0*>(node)) {
+    dim = s->dim;
+    if (dim < 0) dim += static_cast<int64_t>(s->self_sym_sizes.size());
+    if (dim < 0 || dim >= static_cast<int64_t>(s->self_sym_sizes.size())) return std::nullopt;
+    whole = s->self_sym_sizes[dim];
+  } else if (auto* s = dynamic_cast<torch::autograd::generated::SplitWithSizesBackward0*>(node)) {
+    dim = s->dim;
+    if (dim < 0) dim += static_cast<int64_t>(s->self_sym_sizes.size());
+    if (dim < 0 || dim >= static_cast<int64_t>(s->self_sym_sizes.size())) return std::nullopt;
+    whole = s->self_sym_sizes[dim];
+  } else {
+    return std::nullopt;
+  }
+  const at::Tensor& t0 = inputs[bw.chunk[0]];
+  if (dim != bw.chunk_dim || dim >= t0.dim() || whole != t0.size(dim) * static_cast<int64_t>(n)) return std::nullopt;
+  for (size_t k = 0; k < n; ++k) {
+    const auto e = torch::autograd::impl::gradient_edge(inputs[bw.chunk[k]]);
+    if (e.function.get() != node || e.input_nr != k || inputs[bw.chunk[k]].sizes() != t0.sizes()) return std::nullopt;
+  }
+  return node->next_edge(0);
+}
+
 std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double> scalars, int64_t key,
                                      c10::string_view digest, c10::string_view ir) {
   const Call call = classify(inputs);
@@ -267,6 +306,8 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
   if (!found) return hand_over(inputs, scalars, key, digest, ir, true);
   const Launch& l = *found;
   if (l.kind == kPython) return hand_over(inputs, scalars, key, digest, ir, false);
+  if (grad && !l.backward->chunk.empty() && !chunk_source(*l.backward, inputs))
+    return hand_over(inputs, scalars, key, digest, ir, false);  // chunks of no one tensor: Python's backward
   for (const Limit& lim : l.limits) {
     const double x = scalars[lim.index];
     if (!(lim.lo <= x && x <= lim.hi) && !(lim.nonfinite && !std::isfinite(x)))
@@ -365,6 +406,11 @@ struct FusedGroupBackward : public torch::autograd::Node {
         std::optional<at::Tensor> r = out.get(k);
         if (r.has_value()) result[k] = *r;
       }
+      if (!bw->chunk.empty()) {  // the chunked tensor's gradient, last: on the first chunk's edge (its tensor's)
+        for (int64_t k : bw->chunk) result[k] = at::Tensor();
+        std::optional<at::Tensor> r = out.size() > n_t ? out.get(n_t) : std::nullopt;
+        if (r.has_value()) result[bw->chunk[0]] = *r;
+      }
       return result;
     }
     std::vector<at::Tensor> output_grads(n_outputs);
@@ -386,7 +432,8 @@ struct FusedGroupBackward : public torch::autograd::Node {
     TORCH_CHECK(outs.size() == bw->grad_inputs.size(), "fuser: the backward group returned ", outs.size(),
                 " gradients, expected ", bw->grad_inputs.size());
     auto shaped = [&](int64_t k, at::Tensor g) {
-      if (g.sizes() != c10::IntArrayRef(sizes[k])) g = g.sum_to_size(sizes[k]);
+      const bool whole = !bw->chunk.empty() && k == bw->chunk[0];  // the chunked tensor's gradient (cat output)
+      if (!whole && g.sizes() != c10::IntArrayRef(sizes[k])) g = g.sum_to_size(sizes[k]);
       if (g.scalar_type() != options[k].dtype().toScalarType()) g = g.to(options[k].dtype().toScalarType());
       result[k] = std::move(g);
     };
@@ -403,7 +450,12 @@ std::vector<at::Tensor> record_call(std::shared_ptr<const Launch> found, at::Ten
   NodePtr node_ptr = make_node<NodePtr, FusedGroupBackward>();
   auto* node = static_cast<FusedGroupBackward*>(node_ptr.get());
   node->bw = found->backward;
-  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  auto edges = torch::autograd::collect_next_edges(inputs);
+  if (!bw.chunk.empty()) {  // fusion_group checked that they are chunks of one tensor
+    edges[bw.chunk[0]] = *chunk_source(bw, inputs);
+    for (size_t k = 1; k < bw.chunk.size(); ++k) edges[bw.chunk[k]] = torch::autograd::Edge();
+  }
+  node->set_next_edges(std::move(edges));
   node->saved.resize(inputs.size());
   node->sizes.reserve(inputs.size());
   node->options.reserve(inputs.size());
@@ -649,6 +701,11 @@ void put_train(int64_t key, c10::string_view digest, std::vector<int64_t> sig, s
   const int64_t n_out = static_cast<int64_t>(l->outs.size());
   for (int64_t k = 0; k < n_out; ++k) bw->differentiable.push_back(static_cast<uint8_t>(r.next() != 0));
   for (int64_t k = 0; k < n_out; ++k) bw->saved_out.push_back(static_cast<uint8_t>(r.next() != 0));
+  for (int64_t k : r.take(r.next())) {
+    TORCH_CHECK(0 <= k && k < l->n_tensors, "fuser native record: chunk input");
+    bw->chunk.push_back(k);
+  }
+  if (!bw->chunk.empty()) bw->chunk_dim = r.next();
   bw->has_group = r.next() != 0;
   if (bw->has_group) {
     bw->bw_key = r.next();
