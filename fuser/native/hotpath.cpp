@@ -43,6 +43,7 @@ enum Kind : int64_t { kCpu = 0, kCuda = 1, kPython = 2 };
 struct Out {
   c10::ScalarType dtype;
   std::vector<int64_t> sizes, strides;
+  int64_t pieces = 1, step = 0;  // a cat's result: the kernel writes it through one pointer per piece, step bytes apart
 };
 
 struct Limit {
@@ -61,6 +62,7 @@ struct Launch {
   int64_t numel = 0;
   c10::Device device{c10::kCPU};
   std::vector<Out> outs;
+  int64_t n_kernel_outs = 0;  // the pointers the kernel writes through (a cat's result: one per piece)
   std::vector<Limit> limits;
   void* fn = nullptr;
   // CPU
@@ -197,7 +199,8 @@ void launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sc
     ++k;
   };
   for (const at::Tensor& t : inputs) put(t.data_ptr());
-  for (const at::Tensor& o : outs) put(o.data_ptr());
+  for (size_t j = 0; j < outs.size(); ++j)
+    for (int64_t p = 0; p < l.outs[j].pieces; ++p) put(static_cast<char*>(outs[j].data_ptr()) + p * l.outs[j].step);
   const int32_t v = vec ? 1 : 0;
   if (l.vec_off >= 0) std::memcpy(base + l.vec_off, &v, 4);
   if (!scalars.empty()) std::memcpy(base + l.scalars_off, scalars.data(), scalars.size() * sizeof(double));
@@ -213,14 +216,15 @@ void launch_cpu(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sca
   void* ptrs[64];
   std::vector<void*> many;
   void** p = ptrs;
-  const size_t n = inputs.size() + outs.size();
+  const size_t n = inputs.size() + static_cast<size_t>(l.n_kernel_outs);
   if (n > 64) {
     many.resize(n);
     p = many.data();
   }
   size_t k = 0;
   for (const at::Tensor& t : inputs) p[k++] = t.data_ptr();
-  for (const at::Tensor& o : outs) p[k++] = o.data_ptr();
+  for (size_t j = 0; j < outs.size(); ++j)
+    for (int64_t q = 0; q < l.outs[j].pieces; ++q) p[k++] = static_cast<char*>(outs[j].data_ptr()) + q * l.outs[j].step;
   const double none = 0.0;
   reinterpret_cast<CpuKernel>(l.fn)(l.numel, l.rank, l.sizes.data(), l.strides.data(), p,
                                     scalars.empty() ? &none : scalars.data());
@@ -616,6 +620,10 @@ std::shared_ptr<Launch> parse(const std::vector<int64_t>& sig, const std::vector
       const int64_t dim = r.next();
       o.sizes = r.take(dim);
       o.strides = r.take(dim);
+      o.pieces = r.next();
+      o.step = r.next();
+      TORCH_CHECK(o.pieces >= 1 && o.step >= 0, "fuser native record: output pieces");
+      l->n_kernel_outs += o.pieces;
       l->outs.push_back(std::move(o));
     }
     const int64_t n_limits = r.next();
@@ -649,7 +657,7 @@ std::shared_ptr<Launch> parse(const std::vector<int64_t>& sig, const std::vector
       l->vec_off = r.next();
       l->scalars_off = r.next();
       l->align = r.take(r.next());
-      TORCH_CHECK(static_cast<int64_t>(l->align.size()) == l->n_tensors + static_cast<int64_t>(l->outs.size()),
+      TORCH_CHECK(static_cast<int64_t>(l->align.size()) == l->n_tensors + l->n_kernel_outs,
                   "fuser native record: pointers");
       const std::vector<int64_t> bytes = r.take(r.next());
       l->args.assign(bytes.begin(), bytes.end());

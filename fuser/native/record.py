@@ -4,8 +4,9 @@ From what a Python call just did (the executor's geometry for the inputs' signat
 returned), the record holds: the signature to match (per tensor: dtype, device, sizes, strides), the outputs to
 allocate (dtype, sizes, strides: the Python path's own), the float arguments' limits, and the launch: the CPU
 kernel's function, its sizes/strides arrays and whether it draws random numbers, or the CUDA function, grids,
-context and the by-value argument struct's bytes with the offsets of what changes per call. A signature this path
-must not take (a CUDA random kernel, a cat, a group that falls back) gets a record of kind "python", so the hot
+context and the by-value argument struct's bytes with the offsets of what changes per call. A cat's result is
+allocated whole and written through one pointer per piece (its slices, a fixed number of bytes apart). A signature
+this path must not take (a CUDA random kernel, a group that falls back) gets a record of kind "python", so the hot
 path hands it over without asking again.
 """
 from __future__ import annotations
@@ -50,7 +51,7 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     rows = hasattr(geo, "rows")  # a row kernel's geometry (fuser.rows.RowGeometry)
     cols = hasattr(geo, "red")  # a column kernel's (fuser.rows.OuterGeometry): the CPU ones, as a row kernel's
     if kernel is None or not getattr(geo, "hot_path", True) or (  # hot_path False: e.g. a CUDA column kernel's
-            not rows and not cols and (geo.concat is not None or (kernel.random and geo.device.type != "cpu"))) or \
+            not rows and not cols and kernel.random and geo.device.type != "cpu") or \
             len(outputs) != len(kernel.out_dtypes):
         return None
     device = geo.device
@@ -60,8 +61,12 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
         return None
     rec = [KIND_CPU if device.type == "cpu" else KIND_CUDA, geo.red if cols else geo.rows if rows else geo.numel,
            len(outputs)]
-    for o in outputs:
-        rec += [scalar_type(o.dtype), o.dim(), *o.shape, *o.stride()]
+    concat = None if rows or cols else geo.concat
+    kernel_outputs = []  # a cat's result is written as one slice per piece: m pointers, step bytes apart
+    for o, info in zip(outputs, concat or [None] * len(outputs)):
+        m, step = (1, 0) if info is None else (info[2], info[3] * o.stride(info[1]) * o.element_size())
+        rec += [scalar_type(o.dtype), o.dim(), *o.shape, *o.stride(), m, step]
+        kernel_outputs += [o] if info is None else [o.narrow(info[1], j * info[3], info[3]) for j in range(m)]
     limits = kernel.scalar_limits or ()
     rec.append(len(limits))
     floats: list[float] = []
@@ -93,7 +98,7 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
                 struct.vec.offset, struct.scalars.offset, len(geo.vec_align), *geo.vec_align, len(raw), *raw]
         return rec, floats, backend
     loc = cuda_launch.LaunchArgs(backend._struct, backend.vec_align)
-    loc.fill(geo, tensors, scalars, outputs)
+    loc.fill(geo, tensors, scalars, kernel_outputs)
     struct = type(loc.args)
     raw = ctypes.string_at(ctypes.addressof(loc.args), ctypes.sizeof(loc.args))
     ctx = cuda_launch.primary_context_handle(backend.device_index)
