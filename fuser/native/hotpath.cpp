@@ -253,7 +253,8 @@ bool grads_match(const Launch& l, at::TensorList inputs) {
 }
 
 std::vector<at::Tensor> record_call(std::shared_ptr<const Launch> found, at::TensorList inputs,
-                                    at::ArrayRef<double> scalars, std::vector<at::Tensor> outs);
+                                    at::ArrayRef<double> scalars, std::vector<at::Tensor> outs,
+                                    const std::optional<torch::autograd::Edge>& chunked);
 
 // The edge of the tensor that bw.chunk's inputs are every chunk of: their autograd edges are outputs 0..n-1, in
 // order, of one split node (eager's chunk or split_with_sizes) with n outputs along bw.chunk_dim; nullopt where
@@ -263,23 +264,23 @@ std::optional<torch::autograd::Edge> chunk_source(const Backward& bw, at::Tensor
   const auto first = torch::autograd::impl::gradient_edge(inputs[bw.chunk[0]]);
   auto* node = first.function.get();
   if (node == nullptr || node->num_inputs() != n) return std::nullopt;
-  int64_t dim = 0;
+  int64_t dim = -1;
   c10::SymInt whole;
-  if (auto* s = dynamic_cast<torch::autograd::generated::SplitBackward0*>(node)) {
-    dim = s->dim;
-    if (dim < 0) dim += static_cast<int64_t>(s->self_sym_sizes.size());
-    if (dim < 0 || dim >= static_cast<int64_t>(s->self_sym_sizes.size())) return std::nullopt;
-    whole = s->self_sym_sizes[dim];
-  } else if (auto* s = dynamic_cast<torch::autograd::generated::SplitWithSizesBackward0*>(node)) {
-    dim = s->dim;
-    if (dim < 0) dim += static_cast<int64_t>(s->self_sym_sizes.size());
-    if (dim < 0 || dim >= static_cast<int64_t>(s->self_sym_sizes.size())) return std::nullopt;
-    whole = s->self_sym_sizes[dim];
-  } else {
-    return std::nullopt;
-  }
+  auto read = [&](const auto* split) {  // the split's dim and the size of the tensor it splits along it
+    const auto nd = static_cast<int64_t>(split->self_sym_sizes.size());
+    const int64_t d = split->dim < 0 ? split->dim + nd : split->dim;
+    if (0 <= d && d < nd) {
+      dim = d;
+      whole = split->self_sym_sizes[d];
+    }
+  };
+  if (auto* s = dynamic_cast<torch::autograd::generated::SplitBackward0*>(node))
+    read(s);
+  else if (auto* s = dynamic_cast<torch::autograd::generated::SplitWithSizesBackward0*>(node))
+    read(s);
   const at::Tensor& t0 = inputs[bw.chunk[0]];
-  if (dim != bw.chunk_dim || dim >= t0.dim() || whole != t0.size(dim) * static_cast<int64_t>(n)) return std::nullopt;
+  if (dim < 0 || dim != bw.chunk_dim || dim >= t0.dim() || whole != t0.size(dim) * static_cast<int64_t>(n))
+    return std::nullopt;
   for (size_t k = 0; k < n; ++k) {
     const auto e = torch::autograd::impl::gradient_edge(inputs[bw.chunk[k]]);
     if (e.function.get() != node || e.input_nr != k || inputs[bw.chunk[k]].sizes() != t0.sizes()) return std::nullopt;
@@ -310,8 +311,11 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
   if (!found) return hand_over(inputs, scalars, key, digest, ir, true);
   const Launch& l = *found;
   if (l.kind == kPython) return hand_over(inputs, scalars, key, digest, ir, false);
-  if (grad && !l.backward->chunk.empty() && !chunk_source(*l.backward, inputs))
-    return hand_over(inputs, scalars, key, digest, ir, false);  // chunks of no one tensor: Python's backward
+  std::optional<torch::autograd::Edge> chunked;
+  if (grad && !l.backward->chunk.empty()) {
+    chunked = chunk_source(*l.backward, inputs);
+    if (!chunked) return hand_over(inputs, scalars, key, digest, ir, false);  // chunks of no one tensor: Python's
+  }
   for (const Limit& lim : l.limits) {
     const double x = scalars[lim.index];
     if (!(lim.lo <= x && x <= lim.hi) && !(lim.nonfinite && !std::isfinite(x)))
@@ -337,7 +341,7 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
     else
       launch_cpu(l, inputs, scalars, outs);
   }
-  if (grad) return record_call(std::move(found), inputs, scalars, std::move(outs));
+  if (grad) return record_call(std::move(found), inputs, scalars, std::move(outs), chunked);
   return outs;
 }
 
@@ -448,15 +452,17 @@ struct FusedGroupBackward : public torch::autograd::Node {
   }
 };
 
+// chunked: the edge of the tensor bw.chunk's inputs are the chunks of (chunk_source), where bw has them
 std::vector<at::Tensor> record_call(std::shared_ptr<const Launch> found, at::TensorList inputs,
-                                    at::ArrayRef<double> scalars, std::vector<at::Tensor> outs) {
+                                    at::ArrayRef<double> scalars, std::vector<at::Tensor> outs,
+                                    const std::optional<torch::autograd::Edge>& chunked) {
   const Backward& bw = *found->backward;
   NodePtr node_ptr = make_node<NodePtr, FusedGroupBackward>();
   auto* node = static_cast<FusedGroupBackward*>(node_ptr.get());
   node->bw = found->backward;
   auto edges = torch::autograd::collect_next_edges(inputs);
-  if (!bw.chunk.empty()) {  // fusion_group checked that they are chunks of one tensor
-    edges[bw.chunk[0]] = *chunk_source(bw, inputs);
+  if (!bw.chunk.empty()) {  // fusion_group found the tensor they are chunks of
+    edges[bw.chunk[0]] = *chunked;
     for (size_t k = 1; k < bw.chunk.size(); ++k) edges[bw.chunk[k]] = torch::autograd::Edge();
   }
   node->set_next_edges(std::move(edges));
