@@ -132,15 +132,15 @@ def _reduction_dtypes(spec: KernelSpec, sig: tuple) -> list:
 
 
 def backward_for(spec: KernelSpec, needs: tuple, defined: tuple, sig: tuple,
-                 columns: bool = False, chunk: Optional[tuple] = None) -> Optional[Backward]:
+                 columns: bool = False, chunks: tuple = ()) -> Optional[Backward]:
     """``columns``: the forward ran as a column kernel (``fuser/rows/outer.py``), whose backward differs.
-    ``chunk``: (dim, group inputs) that are the chunks of one tensor (``_chunked_input``)."""
-    key = (spec.key, needs, defined, sig, columns, chunk)
+    ``chunks``: per tensor, (dim, group inputs) that are its chunks (``_chunked_inputs``)."""
+    key = (spec.key, needs, defined, sig, columns, chunks)
     if key in _backwards:
         return _backwards[key]
     try:
         bw = build_backward(spec, needs, defined, _floating_values(spec, sig), columns, _value_dtypes(spec, sig),
-                            chunk)
+                            chunks)
     except _Unsupported:
         bw = None
     except RuntimeError:  # eager rejects these dtypes (the type probe raised): the interpreter will say so
@@ -165,19 +165,19 @@ class _Call:
     """What the autograd Function needs besides the tensors: the group and where its arguments go."""
 
     __slots__ = ("spec", "scalars", "needs", "sig", "saved", "carried", "rng_state", "outputs", "columns",
-                 "saved_outputs", "chunk", "source")
+                 "saved_outputs", "chunks", "sources")
 
     def __init__(self, spec, scalars, needs, sig, saved, carried, rng_state=None, outputs=None, columns=False,
-                 saved_outputs=(), chunk=None):
+                 saved_outputs=(), chunks=()):
         self.spec, self.scalars, self.needs, self.sig, self.saved = spec, scalars, needs, sig, saved
         self.carried = carried  # per output: whether a wanted gradient reaches it
         self.rng_state = rng_state  # a random group's launch state: the backward redraws the same numbers
         self.outputs = outputs  # a random group's forward outputs, computed before (its kernel had to run)
         self.columns = columns  # the forward ran as a column kernel (its backward is formed for that)
         self.saved_outputs = saved_outputs  # forward outputs the backward reads (Backward.saved_outputs)
-        # (dim, group inputs): chunks of one tensor whose gradient the backward writes whole (_chunked_input)
-        self.chunk = chunk
-        self.source = None  # that tensor, until the Function is applied; then the chunks, until its forward runs
+        # per tensor whose gradient the backward writes whole: (dim, group inputs that are its chunks); _chunked_inputs
+        self.chunks = chunks
+        self.sources = None  # those tensors, until the Function is applied; then their chunks, until its forward runs
 
     def args(self, tensors: Sequence) -> list:
         if self.spec.all_tensors:
@@ -189,11 +189,12 @@ class _Call:
 class _FusedGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, *tensors):
-        if call.chunk:  # the kernel reads the chunks as they came (the executor's signature counts requires_grad)
-            ins = list(tensors[:-1])
-            for k, t in zip(chunk_positions(call), call.source):
-                ins[k] = t
-            call.source = None
+        if call.chunks:  # the kernel reads the chunks as they came (the executor's signature counts requires_grad)
+            ins = list(tensors[:-len(call.chunks)])
+            for c, pieces in zip(call.chunks, call.sources):
+                for k, t in zip(chunk_positions(call.spec, c), pieces):
+                    ins[k] = t
+            call.sources = None
             args = call.args(ins)
         else:
             args = call.args(tensors)
@@ -218,15 +219,17 @@ class _FusedGroup(torch.autograd.Function):
         saved = ctx.saved_tensors
         n, call = ctx.n_tensors, ctx.call
         outputs = dict(zip(call.saved_outputs, saved[n:]))
-        if not call.chunk:
+        if not call.chunks:
             return (None, *input_grads(call, saved[:n], ctx.meta, grads, outputs))
-        # the chunks went in detached: read again from the saved tensor they are chunks of (double backward
-        # then differentiates through them to it); their gradient goes to it whole, the last input
-        ins = list(saved[:n - 1])
-        if saved[n - 1] is not None:
-            for k, t in zip(chunk_positions(call), chunk_views(call, saved[n - 1])):
-                ins[k] = t
-        return (None, *input_grads(call, ins, ctx.meta[:n - 1], grads, outputs))
+        # the chunks went in detached: read again from the saved tensors they are chunks of (double backward
+        # then differentiates through them to those); their gradients go to those whole, the last inputs
+        m = len(call.chunks)
+        ins = list(saved[:n - m])
+        for c, source in zip(call.chunks, saved[n - m:n]):
+            if source is not None:
+                for k, t in zip(chunk_positions(call.spec, c), source.chunk(len(c[1]), c[0])):
+                    ins[k] = t
+        return (None, *input_grads(call, ins, ctx.meta[:n - m], grads, outputs))
 
 
 def tensor_index(spec: KernelSpec) -> dict:
@@ -248,11 +251,12 @@ def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence, o
     defined = tuple(gr is not None for gr in grads)
     result: list = [None] * len(saved)
     if not any(defined):
-        return result + [None] if call.chunk else result
-    bw = backward_for(spec, call.needs, defined, call.sig, call.columns, call.chunk)
+        return result + [None] * len(call.chunks)
+    bw = backward_for(spec, call.needs, defined, call.sig, call.columns, call.chunks)
     t_index = tensor_index(spec)
     fwd_args = call.args(saved)
-    whole = None
+    wholes: dict = {}  # first chunk's input -> its tensor's gradient, whole
+    firsts = {pieces[0] for pieces in bw.cat_of}
     if bw.spec is not None:
         shapes = [m[0] for m in meta]
         args = backward_args(spec, bw, fwd_args, grads, shapes, outputs or {})
@@ -264,8 +268,8 @@ def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence, o
             got = [*zip(bw.grad_inputs, outs), *((j, outs[k]) for j, k in bw.aliases)]
         for j, r in got:
             shape, dtype, _ = meta[t_index[j]]
-            if bw.cat_of and j == bw.cat_of[0]:  # the chunked tensor's gradient, whole
-                whole = r if r.dtype == dtype else r.to(dtype)
+            if j in firsts:  # a chunked tensor's gradient, whole
+                wholes[j] = r if r.dtype == dtype else r.to(dtype)
                 continue
             if r.shape != shape:  # a column group's sum (keepdim) is a view of the shape; the old path sums here
                 r = r.reshape(shape) if r.numel() == math.prod(shape) and _same_dims(r.shape, shape) else \
@@ -274,54 +278,46 @@ def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence, o
     for j in bw.zero_inputs:
         shape, dtype, device = meta[t_index[j]]
         result[t_index[j]] = torch.zeros(shape, dtype=dtype, device=device)
-    if not call.chunk:
+    if not call.chunks:
         return result
-    if whole is None:  # the chunks' gradients apart (a pattern without the cat): joined as eager's chunk backward
-        whole = _joined(call, result, meta)
-    for k in chunk_positions(call):
-        result[k] = None
-    return result + [whole]
+    # the chunks' gradients apart (a pattern without the cat): joined as eager's chunk backward joins them
+    whole = [wholes[c[1][0]] if c[1][0] in wholes else _joined(spec, c, result, meta) for c in call.chunks]
+    for c in call.chunks:
+        for k in chunk_positions(spec, c):
+            result[k] = None
+    return result + whole
 
 
-def _joined(call: _Call, result: list, meta: Sequence) -> Optional[torch.Tensor]:
-    """The chunked tensor's gradient from its chunks' (zeros for a chunk without one; None where none has one), as
+def _joined(spec: KernelSpec, chunk: tuple, result: list, meta: Sequence) -> Optional[torch.Tensor]:
+    """A chunked tensor's gradient from its chunks' (zeros for a chunk without one; None where none has one), as
     eager's backward of split forms it."""
-    pos = chunk_positions(call)
+    pos = chunk_positions(spec, chunk)
     if all(result[k] is None for k in pos):
         return None
     parts = [result[k] if result[k] is not None else torch.zeros(meta[k][0], dtype=meta[k][1], device=meta[k][2])
              for k in pos]
-    return torch.cat(parts, call.chunk[0])
+    return torch.cat(parts, chunk[0])
 
 
-def chunk_positions(call: _Call) -> tuple[int, ...]:
-    """The tensor-input indices of ``call.chunk``'s group inputs, in chunk order."""
-    return chunk_positions_of(call.spec, call.chunk)
-
-
-def chunk_positions_of(spec: KernelSpec, chunk: tuple) -> tuple[int, ...]:
+def chunk_positions(spec: KernelSpec, chunk: tuple) -> tuple[int, ...]:
+    """The tensor-input indices of ``chunk``'s group inputs (one entry of ``_Call.chunks``), in chunk order."""
     t_index = tensor_index(spec)
     return tuple(t_index[j] for j in chunk[1])
-
-
-def chunk_views(call: _Call, source: torch.Tensor) -> list[torch.Tensor]:
-    """``call.chunk``'s chunks of ``source``, in chunk order."""
-    return list(source.chunk(len(call.chunk[1]), call.chunk[0]))
 
 
 _SPLITS = ("SplitBackward0", "SplitWithSizesBackward0")
 
 
-def _chunked_input(spec: KernelSpec, args: Sequence, full: torch.Size) -> Optional[tuple]:
-    """(dim, group input indices in chunk order, the tensor) where tensor inputs of the group are every chunk, of
-    equal size and the group's full shape, of one tensor (an LSTM's ``gates.chunk(4, 1)``): eager's ``chunk``
+def _chunked_inputs(spec: KernelSpec, args: Sequence, full: torch.Size) -> list:
+    """Per tensor whose every chunk, of equal size and the group's full shape, is a tensor input of the group (an
+    LSTM's ``gates.chunk(4, 1)``): (dim, group input indices in chunk order, the tensor). Eager's ``chunk``
     (or ``fuser::broadcasting_chunk``) made them views whose backward concatenates their gradients, which the
     group's backward can instead write as one tensor. The chunked tensor is the views' base and autograd's edge
     of their split is that tensor's own (so a view of a view, whose gradient eager forms through more nodes, does
-    not match). None where no such inputs exist; only pointwise groups (a reduction's or random group's backward
-    keeps its pieces apart)."""
+    not match). Only pointwise groups (a reduction's or random group's backward keeps its pieces apart)."""
+    found: list = []
     if spec.has_reduction or spec.random:
-        return None
+        return found
     by_node: dict = {}
     for j, a in enumerate(args):
         fn = a.grad_fn if isinstance(a, torch.Tensor) else None
@@ -344,8 +340,8 @@ def _chunked_input(spec: KernelSpec, args: Sequence, full: torch.Size) -> Option
         if [args[j].output_nr for j in order] != list(range(len(js))) or tuple(fn._saved_self_sym_sizes) != \
                 tuple(src.shape) or any(args[j].shape != full for j in js) or full[dim] * len(js) != src.shape[dim]:
             continue
-        return dim, tuple(order), src
-    return None
+        found.append((dim, tuple(order), src))
+    return found
 
 
 def backward_args(spec: KernelSpec, bw: Backward, fwd_args: Sequence, grads: Sequence,
@@ -421,12 +417,12 @@ def differentiable(spec: KernelSpec, args: list, rng_state: Optional[list] = Non
     if call is None:
         return None
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if call.chunk:  # the chunks go in detached (no edge to their split), their tensor last (its gradient, whole)
-        pos = chunk_positions(call)
-        tensors.append(call.source)
-        call.source = [tensors[k] for k in pos]  # what the forward reads
-        for k in pos:
-            tensors[k] = tensors[k].detach()
+    if call.chunks:  # the chunks go in detached (no edge to their split), their tensors last (gradients, whole)
+        tensors += call.sources
+        call.sources = [[tensors[k] for k in chunk_positions(spec, c)] for c in call.chunks]  # the forward reads
+        for c in call.chunks:
+            for k in chunk_positions(spec, c):
+                tensors[k] = tensors[k].detach()
     return list(_FusedGroup.apply(call, *tensors))
 
 
@@ -470,16 +466,20 @@ def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None)
             saved.append(j in used)
     call = _Call(spec, tuple(float(s) for s in scalars), needs, sig, tuple(saved), _carried_outputs(spec, needs, sig),
                  saved_outputs=bw.saved_outputs)
-    chunked = _chunked_input(spec, args, full)
-    if chunked is not None:
-        chunk = chunked[:2]
-        whole = backward_for(spec, needs, spec.all_outputs_defined, sig, False, chunk)
-        if whole is not None and whole.cat_of:
-            pos = {t_k for t_k in chunk_positions_of(spec, chunk)}
-            # the chunks are not saved: their tensor is, where the backward reads one (the Function's last input)
-            call.saved = (*(False if k in pos else keep for k, keep in enumerate(saved)),
-                          any(saved[k] for k in pos))
-            call.chunk, call.source = chunk, chunked[2]
+    chunked = _chunked_inputs(spec, args, full)
+    if chunked:
+        chunks = tuple(c[:2] for c in chunked)
+        whole = backward_for(spec, needs, spec.all_outputs_defined, sig, False, chunks)
+        if whole is not None and len(whole.cat_of) < len(chunks):  # those it writes whole
+            chunked = [c for c in chunked if c[1] in whole.cat_of]
+            chunks = tuple(c[:2] for c in chunked)
+            whole = backward_for(spec, needs, spec.all_outputs_defined, sig, False, chunks) if chunks else None
+        if whole is not None and len(whole.cat_of) == len(chunks):
+            pos = [set(chunk_positions(spec, c)) for c in chunks]
+            # the chunks are not saved: their tensors are, where the backward reads one (the Function's last inputs)
+            call.saved = (*(False if any(k in p for p in pos) else keep for k, keep in enumerate(saved)),
+                          *(any(saved[k] for k in p) for p in pos))
+            call.chunks, call.sources = chunks, [c[2] for c in chunked]
     if spec.random or spec.has_reduction:  # (a row kernel's backward is planned for the shapes its forward takes)
         if spec.random:
             call.rng_state = rng.launch_state(device) if rng_state is None else rng_state

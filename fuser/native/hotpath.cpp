@@ -98,11 +98,14 @@ struct Backward {
   std::vector<int64_t> grad_inputs;  // per backward output: the forward tensor input it is the gradient of
   std::vector<int64_t> zero_inputs;  // forward tensor inputs whose gradient is zero
   std::vector<std::pair<int64_t, int64_t>> aliases;  // (forward tensor input, backward output) sharing a gradient
-  // tensor inputs (in chunk order) that are every chunk along chunk_dim of one tensor (autodiff._chunked_input):
-  // the node's edge for the first is that tensor's, the others have none, and the first's gradient is the whole
-  // tensor's (the backward group's cat output, or Python's)
-  std::vector<int64_t> chunk;
-  int64_t chunk_dim = 0;
+  // per tensor whose every chunk along dim is a tensor input (autodiff._chunked_inputs): those inputs, in chunk
+  // order. The node's edge for the first is that tensor's, the others have none, and the first's gradient is the
+  // whole tensor's (the backward group's cat output, or Python's)
+  struct Chunks {
+    int64_t dim = 0;
+    std::vector<int64_t> inputs;
+  };
+  std::vector<Chunks> chunks;
 };
 
 constexpr size_t kMaxPerGroup = 64;
@@ -254,14 +257,14 @@ bool grads_match(const Launch& l, at::TensorList inputs) {
 
 std::vector<at::Tensor> record_call(std::shared_ptr<const Launch> found, at::TensorList inputs,
                                     at::ArrayRef<double> scalars, std::vector<at::Tensor> outs,
-                                    const std::optional<torch::autograd::Edge>& chunked);
+                                    const std::vector<torch::autograd::Edge>& sources);
 
-// The edge of the tensor that bw.chunk's inputs are every chunk of: their autograd edges are outputs 0..n-1, in
-// order, of one split node (eager's chunk or split_with_sizes) with n outputs along bw.chunk_dim; nullopt where
-// they are not. Its backward would cat their gradients into that tensor's: the edge takes the whole one instead.
-std::optional<torch::autograd::Edge> chunk_source(const Backward& bw, at::TensorList inputs) {
-  const size_t n = bw.chunk.size();
-  const auto first = torch::autograd::impl::gradient_edge(inputs[bw.chunk[0]]);
+// The edge of the tensor that c's inputs are every chunk of: their autograd edges are outputs 0..n-1, in order, of
+// one split node (eager's chunk or split_with_sizes) with n outputs along c.dim; nullopt where they are not. Its
+// backward would cat their gradients into that tensor's: the edge takes the whole one instead.
+std::optional<torch::autograd::Edge> chunk_source(const Backward::Chunks& c, at::TensorList inputs) {
+  const size_t n = c.inputs.size();
+  const auto first = torch::autograd::impl::gradient_edge(inputs[c.inputs[0]]);
   auto* node = first.function.get();
   if (node == nullptr || node->num_inputs() != n) return std::nullopt;
   int64_t dim = -1;
@@ -278,12 +281,12 @@ std::optional<torch::autograd::Edge> chunk_source(const Backward& bw, at::Tensor
     read(s);
   else if (auto* s = dynamic_cast<torch::autograd::generated::SplitWithSizesBackward0*>(node))
     read(s);
-  const at::Tensor& t0 = inputs[bw.chunk[0]];
-  if (dim < 0 || dim != bw.chunk_dim || dim >= t0.dim() || whole != t0.size(dim) * static_cast<int64_t>(n))
+  const at::Tensor& t0 = inputs[c.inputs[0]];
+  if (dim < 0 || dim != c.dim || dim >= t0.dim() || whole != t0.size(dim) * static_cast<int64_t>(n))
     return std::nullopt;
   for (size_t k = 0; k < n; ++k) {
-    const auto e = torch::autograd::impl::gradient_edge(inputs[bw.chunk[k]]);
-    if (e.function.get() != node || e.input_nr != k || inputs[bw.chunk[k]].sizes() != t0.sizes()) return std::nullopt;
+    const auto e = torch::autograd::impl::gradient_edge(inputs[c.inputs[k]]);
+    if (e.function.get() != node || e.input_nr != k || inputs[c.inputs[k]].sizes() != t0.sizes()) return std::nullopt;
   }
   return node->next_edge(0);
 }
@@ -311,10 +314,13 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
   if (!found) return hand_over(inputs, scalars, key, digest, ir, true);
   const Launch& l = *found;
   if (l.kind == kPython) return hand_over(inputs, scalars, key, digest, ir, false);
-  std::optional<torch::autograd::Edge> chunked;
-  if (grad && !l.backward->chunk.empty()) {
-    chunked = chunk_source(*l.backward, inputs);
-    if (!chunked) return hand_over(inputs, scalars, key, digest, ir, false);  // chunks of no one tensor: Python's
+  std::vector<torch::autograd::Edge> sources;  // per chunked tensor, its edge
+  if (grad) {
+    for (const auto& c : l.backward->chunks) {
+      auto e = chunk_source(c, inputs);
+      if (!e) return hand_over(inputs, scalars, key, digest, ir, false);  // chunks of no one tensor: Python's
+      sources.push_back(std::move(*e));
+    }
   }
   for (const Limit& lim : l.limits) {
     const double x = scalars[lim.index];
@@ -341,7 +347,7 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
     else
       launch_cpu(l, inputs, scalars, outs);
   }
-  if (grad) return record_call(std::move(found), inputs, scalars, std::move(outs), chunked);
+  if (grad) return record_call(std::move(found), inputs, scalars, std::move(outs), sources);
   return outs;
 }
 
@@ -414,10 +420,11 @@ struct FusedGroupBackward : public torch::autograd::Node {
         std::optional<at::Tensor> r = out.get(k);
         if (r.has_value()) result[k] = *r;
       }
-      if (!bw->chunk.empty()) {  // the chunked tensor's gradient, last: on the first chunk's edge (its tensor's)
-        for (int64_t k : bw->chunk) result[k] = at::Tensor();
-        std::optional<at::Tensor> r = out.size() > n_t ? out.get(n_t) : std::nullopt;
-        if (r.has_value()) result[bw->chunk[0]] = *r;
+      for (size_t c = 0; c < bw->chunks.size(); ++c) {  // the chunked tensors' gradients, last: on their first
+        const auto& ks = bw->chunks[c].inputs;           // chunk's edge (the tensor's)
+        for (int64_t k : ks) result[k] = at::Tensor();
+        std::optional<at::Tensor> r = out.size() > n_t + c ? out.get(n_t + c) : std::nullopt;
+        if (r.has_value()) result[ks[0]] = *r;
       }
       return result;
     }
@@ -440,7 +447,8 @@ struct FusedGroupBackward : public torch::autograd::Node {
     TORCH_CHECK(outs.size() == bw->grad_inputs.size(), "fuser: the backward group returned ", outs.size(),
                 " gradients, expected ", bw->grad_inputs.size());
     auto shaped = [&](int64_t k, at::Tensor g) {
-      const bool whole = !bw->chunk.empty() && k == bw->chunk[0];  // the chunked tensor's gradient (cat output)
+      bool whole = false;  // a chunked tensor's gradient (a cat output)
+      for (const auto& c : bw->chunks) whole = whole || k == c.inputs[0];
       if (!whole && g.sizes() != c10::IntArrayRef(sizes[k])) g = g.sum_to_size(sizes[k]);
       if (g.scalar_type() != options[k].dtype().toScalarType()) g = g.to(options[k].dtype().toScalarType());
       result[k] = std::move(g);
@@ -452,18 +460,19 @@ struct FusedGroupBackward : public torch::autograd::Node {
   }
 };
 
-// chunked: the edge of the tensor bw.chunk's inputs are the chunks of (chunk_source), where bw has them
+// sources: per entry of bw.chunks, the edge of the tensor those inputs are the chunks of (chunk_source)
 std::vector<at::Tensor> record_call(std::shared_ptr<const Launch> found, at::TensorList inputs,
                                     at::ArrayRef<double> scalars, std::vector<at::Tensor> outs,
-                                    const std::optional<torch::autograd::Edge>& chunked) {
+                                    const std::vector<torch::autograd::Edge>& sources) {
   const Backward& bw = *found->backward;
   NodePtr node_ptr = make_node<NodePtr, FusedGroupBackward>();
   auto* node = static_cast<FusedGroupBackward*>(node_ptr.get());
   node->bw = found->backward;
   auto edges = torch::autograd::collect_next_edges(inputs);
-  if (!bw.chunk.empty()) {  // fusion_group found the tensor they are chunks of
-    edges[bw.chunk[0]] = *chunked;
-    for (size_t k = 1; k < bw.chunk.size(); ++k) edges[bw.chunk[k]] = torch::autograd::Edge();
+  for (size_t c = 0; c < bw.chunks.size(); ++c) {  // fusion_group found the tensors they are chunks of
+    const auto& ks = bw.chunks[c].inputs;
+    edges[ks[0]] = sources[c];
+    for (size_t k = 1; k < ks.size(); ++k) edges[ks[k]] = torch::autograd::Edge();
   }
   node->set_next_edges(std::move(edges));
   node->saved.resize(inputs.size());
@@ -715,11 +724,15 @@ void put_train(int64_t key, c10::string_view digest, std::vector<int64_t> sig, s
   const int64_t n_out = static_cast<int64_t>(l->outs.size());
   for (int64_t k = 0; k < n_out; ++k) bw->differentiable.push_back(static_cast<uint8_t>(r.next() != 0));
   for (int64_t k = 0; k < n_out; ++k) bw->saved_out.push_back(static_cast<uint8_t>(r.next() != 0));
-  for (int64_t k : r.take(r.next())) {
-    TORCH_CHECK(0 <= k && k < l->n_tensors, "fuser native record: chunk input");
-    bw->chunk.push_back(k);
+  const int64_t n_chunked = r.next();
+  for (int64_t c = 0; c < n_chunked; ++c) {
+    Backward::Chunks chunks;
+    chunks.dim = r.next();
+    chunks.inputs = r.take(r.next());
+    TORCH_CHECK(chunks.inputs.size() >= 2, "fuser native record: chunks");
+    for (int64_t k : chunks.inputs) TORCH_CHECK(0 <= k && k < l->n_tensors, "fuser native record: chunk input");
+    bw->chunks.push_back(std::move(chunks));
   }
-  if (!bw->chunk.empty()) bw->chunk_dim = r.next();
   bw->has_group = r.next() != 0;
   if (bw->has_group) {
     bw->bw_key = r.next();

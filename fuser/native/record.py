@@ -117,13 +117,19 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
     from .. import autodiff, grad_sums
     diff = autodiff.differentiable_outputs(call, outputs)
     saved = call.saved
-    chunk = autodiff.chunk_positions(call) if call.chunk else ()
-    if chunk:  # the Function saves the chunked tensor (last) for its chunks; here the chunks themselves are saved
-        saved = [saved[-1] if k in chunk else keep for k, keep in enumerate(saved[:-1])]
+    chunks = [autodiff.chunk_positions(spec, c) for c in call.chunks]
+    if chunks:  # the Function saves the chunked tensors (last) for their chunks; here the chunks themselves are saved
+        m = len(chunks)
+        saved = list(saved[:-m])
+        for pos, keep in zip(chunks, call.saved[-m:]):
+            for k in pos:
+                saved[k] = keep
     rec = [int(s) for s in saved] + [int(d) for d in diff] + [int(k in call.saved_outputs)
                                                                for k in range(len(outputs))]
-    rec += [len(chunk), *chunk, *([call.chunk[0]] if chunk else [])]
-    bw = autodiff.backward_for(spec, call.needs, diff, call.sig, False, call.chunk) if launch is not None else None
+    rec.append(len(chunks))
+    for c, pos in zip(call.chunks, chunks):
+        rec += [c[0], len(pos), *pos]
+    bw = autodiff.backward_for(spec, call.needs, diff, call.sig, False, call.chunks) if launch is not None else None
     t_index = autodiff.tensor_index(spec)
     s_index = {j: k for k, j in enumerate(j for j, is_t in enumerate(spec.input_is_tensor) if not is_t)}
     inputs = []
@@ -137,7 +143,7 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
     usable = (bw is not None and bw.spec is not None and not spec.random and not any(bw.grad_unsqueeze or ())
               and not bw.row_length
               and all(piece is None for _, piece in bw.grad_outputs)
-              and (not chunk or bool(bw.cat_of))  # (else Python's backward joins the chunks' gradients)
+              and len(bw.cat_of) == len(chunks)  # (else Python's backward joins the chunks' gradients)
               and all(saved[i] for kind, i in inputs if kind == 0) and all(diff[i] for kind, i in inputs if kind == 2)
               and all(i in call.saved_outputs for kind, i in inputs if kind == 3)
               and not (shapes and grad_sums.summed(spec, bw, shapes, autodiff._full_shape(spec, tuple(shapes)))))
@@ -155,17 +161,18 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
 
 def backward_meta(call, tensors: Sequence[torch.Tensor]) -> list[int]:
     """What ``fusion_group_backward_py`` rebuilds a call from: per group input whether it needs a gradient, then
-    per tensor input its dtype, dim and sizes, then ``call.chunk`` (its dim and group inputs; none: nothing)."""
+    per tensor input its dtype, dim and sizes, then ``call.chunks`` (each: its dim and group inputs)."""
     meta = [len(call.needs), *[int(n) for n in call.needs], len(tensors)]
     for t in tensors:
         meta += [scalar_type(t.dtype), t.dim(), *t.shape]
-    if call.chunk:
-        meta += [call.chunk[0], len(call.chunk[1]), *call.chunk[1]]
+    meta.append(len(call.chunks))
+    for dim, pieces in call.chunks:
+        meta += [dim, len(pieces), *pieces]
     return meta
 
 
-def parse_backward_meta(meta: Sequence[int]) -> tuple[tuple, list, Optional[tuple]]:
-    """(needs, per tensor input (dtype, shape), chunk) from :func:`backward_meta`'s list."""
+def parse_backward_meta(meta: Sequence[int]) -> tuple[tuple, list, tuple]:
+    """(needs, per tensor input (dtype, shape), chunks) from :func:`backward_meta`'s list."""
     dtypes = {code: dt for dt, code in _codes.items()}
     n = meta[0]
     needs = tuple(bool(x) for x in meta[1:1 + n])
@@ -177,5 +184,8 @@ def parse_backward_meta(meta: Sequence[int]) -> tuple[tuple, list, Optional[tupl
         code, dim = meta[i], meta[i + 1]
         tensors.append((dtypes[code], torch.Size(meta[i + 2:i + 2 + dim])))
         i += 2 + dim
-    chunk = (meta[i], tuple(meta[i + 2:i + 2 + meta[i + 1]])) if i < len(meta) else None
-    return needs, tensors, chunk
+    chunks = []
+    for _ in range(meta[i]):
+        chunks.append((meta[i + 1], tuple(meta[i + 3:i + 3 + meta[i + 2]])))
+        i += 2 + meta[i + 2]
+    return needs, tensors, tuple(chunks)
