@@ -70,16 +70,19 @@ def _grads(fn, args, pattern, weights):
 
 
 PATTERNS = [(True, True), (True, False), (False, True)]  # hy and cy, only hy, only cy
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("pattern", PATTERNS, ids=["both", "hy", "cy"])
-def test_lstm_cell_gradient_of_the_gates_is_written_whole(dtype, pattern):
+def test_lstm_cell_gradient_of_the_gates_is_written_whole(dtype, pattern, device):
     ff = fuser.fuse(torch.jit.script(lstm_cell))
     for batch, hidden in [(5, 7), (16, 32), (1, 1)]:
-        weights = [torch.randn(batch, hidden, dtype=dtype) for _ in range(2)]
+        weights = [torch.randn(batch, hidden, dtype=dtype, device=device) for _ in range(2)]
         for call in range(4):  # the first calls prepare (Python's Function), the later ones the native hot path's
-            args = [torch.randn(batch, 4 * hidden, dtype=dtype), torch.randn(batch, hidden, dtype=dtype)]
+            args = [torch.randn(batch, 4 * hidden, dtype=dtype, device=device),
+                    torch.randn(batch, hidden, dtype=dtype, device=device)]
             outs, grads = _grads(ff, args, pattern, weights)
             ref_outs, ref = _grads(lstm_cell, args, pattern, weights)
             for o, r in zip(outs, ref_outs):
@@ -203,8 +206,9 @@ def lstm_cell_two_mm(x, hx, cx, w_ih, w_hh, b_ih, b_hh):
     return lstm_cell(gates, cx)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
-def test_chunk_motion_two_matmuls_share_one_whole_gradient(dtype, monkeypatch):
+def test_chunk_motion_two_matmuls_share_one_whole_gradient(dtype, monkeypatch, device):
     """The LSTM cell as nn.LSTMCell computes it: chunk motion chunks both matmul results (and the biases, broadcast
     in the group: their splits stay); the two matmuls' chunks share their gradients, so the backward writes one
     whole gradient that both matmuls' backward nodes take, with no split between. In bfloat16 the weights'
@@ -213,10 +217,9 @@ def test_chunk_motion_two_matmuls_share_one_whole_gradient(dtype, monkeypatch):
     ff = fuser.fuse(torch.jit.script(lstm_cell_two_mm))
     b, i, h = 5, 6, 8
     for _ in range(4):
-        args = [torch.randn(b, i, dtype=dtype), torch.randn(b, h, dtype=dtype), torch.randn(b, h, dtype=dtype),
-                torch.randn(4 * h, i, dtype=dtype), torch.randn(4 * h, h, dtype=dtype),
-                torch.randn(4 * h, dtype=dtype), torch.randn(4 * h, dtype=dtype)]
-        weights = [torch.randn(b, h, dtype=dtype) for _ in range(2)]
+        shapes = [(b, i), (b, h), (b, h), (4 * h, i), (4 * h, h), (4 * h,), (4 * h,)]
+        args = [torch.randn(s, dtype=dtype, device=device) for s in shapes]
+        weights = [torch.randn(b, h, dtype=dtype, device=device) for _ in range(2)]
         outs, grads = _grads(ff, args, (True, True), weights)
         ref_outs, ref = _grads(lstm_cell_two_mm, args, (True, True), weights)
         if dtype == torch.bfloat16:
