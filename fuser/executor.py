@@ -371,22 +371,8 @@ def run(spec: KernelSpec, args: Sequence, rng_state: Optional[list] = None) -> O
         return None
     geo = spec.geometries.get(sig)
     if geo is None:
-        with torch.no_grad():  # the geometry is the same with or without grad; the check below decides
-            p = plan(spec, args)
-        if isinstance(p, str) and p.endswith("fusion is off"):
-            return None  # a switch, not a property of the inputs: do not remember it
-        kernel = None if isinstance(p, str) else kernel_for(spec, p)
-        if kernel is None:
-            geo = _NOT_FUSABLE
-        elif spec.has_reduction:  # a row kernel (fuser/rows/)
-            from . import rows
-            geo = rows.geometry(p, kernel)
-        else:
-            geo = Geometry(p, kernel)
-        if len(spec.geometries) >= MAX_SIGNATURES:
-            spec.geometries.clear()
-        spec.geometries[sig] = geo
-    if geo is _NOT_FUSABLE:
+        geo = _planned(spec, args, sig)
+    if geo is None or geo is _NOT_FUSABLE:
         return None
     if scalars and geo.kernel.scalar_limits:
         for j, lo, hi, nonfinite in geo.kernel.scalar_limits:
@@ -419,6 +405,41 @@ def run(spec: KernelSpec, args: Sequence, rng_state: Optional[list] = None) -> O
     else:
         geo.kernel.backend.launch(geo, tensors, scalars, kernel_outputs)
     return outputs
+
+
+def _planned(spec: KernelSpec, args: Sequence, sig: tuple):
+    """The geometry of ``args`` (signature ``sig``), planned and cached, or ``_NOT_FUSABLE``; None where fusion is
+    switched off (a switch, not a property of the inputs: not remembered)."""
+    with torch.no_grad():  # the geometry is the same with or without grad; the caller's check decides
+        p = plan(spec, args)
+    if isinstance(p, str) and p.endswith("fusion is off"):
+        return None
+    kernel = None if isinstance(p, str) else kernel_for(spec, p)
+    if kernel is None:
+        geo = _NOT_FUSABLE
+    elif spec.has_reduction:  # a row kernel (fuser/rows/)
+        from . import rows
+        geo = rows.geometry(p, kernel)
+    else:
+        geo = Geometry(p, kernel)
+    if len(spec.geometries) >= MAX_SIGNATURES:
+        spec.geometries.clear()
+    spec.geometries[sig] = geo
+    return geo
+
+
+def has_kernel(spec: KernelSpec, tensors: Sequence[torch.Tensor], args: Sequence) -> bool:
+    """Whether a kernel (not the fallback) serves the group for arguments like ``args`` (tensors ``tensors``):
+    their geometry planned and cached now, the kernel compiled, nothing launched. The native hot path asks this
+    when it prepares a backward before any backward ran."""
+    try:
+        sig = signature(tensors)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    geo = spec.geometries.get(sig)
+    if geo is None:
+        geo = _planned(spec, args, sig)
+    return geo is not None and geo is not _NOT_FUSABLE
 
 
 def concat_outputs(geo: Geometry, device) -> tuple[list, list]:

@@ -130,7 +130,7 @@ def plan(spec: KernelSpec, bw, shapes: Sequence[torch.Size], full: torch.Size, s
 
 def summed(spec: KernelSpec, bw, shapes: Sequence[torch.Size], full: torch.Size) -> bool:
     """Whether an input's gradient may be summed by a column group for these shapes (the native hot path hands such
-    backwards to Python; :func:`plan` decides)."""
+    backwards to Python unless :func:`fused_plan` serves them; :func:`plan` decides)."""
     if spec.random or spec.has_concat or math.prod(full) == 0:
         return False
     return any(tuple(shapes[t]) != tuple(full) and summed_dims(full, shapes[t]) is not None
@@ -357,14 +357,40 @@ def run(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: to
 
 def _gathered(spec: KernelSpec, bw, dims: tuple, shapes, full, whole: list, summed: list) -> list:
     """:func:`run`'s result from the backward outputs taken whole and summed."""
+    return [(j, (summed if take else whole)[out]) for j, out, take in _takes(spec, bw, dims, shapes, full)]
+
+
+def _takes(spec: KernelSpec, bw, dims: tuple, shapes, full) -> list[tuple[int, int, bool]]:
+    """Per forward input with a gradient: (its index, the backward output giving it, whether summed)."""
     got = []
     for out, js in _users(spec, bw).items():
         d = dims[out][1]
         for j, t in js:
             take = d is not None and tuple(shapes[t]) != tuple(full) and summed_dims(full, shapes[t]) == d
-            got.append((j, summed[out] if take else whole[out]))
+            got.append((j, out, take))
     return got
 
 
-__all__ = ["Column", "Fused", "Split", "column_keys", "fused_for", "fused_keys", "plan", "run", "split_for", "summed",
-           "summed_dims"]
+def fused_plan(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: torch.Size,
+               sig: tuple) -> Optional[tuple[KernelSpec, list[tuple[int, int]]]]:
+    """For the native hot path, which prepares a backward before it runs: where :func:`run` would take a CPU row
+    backward's fused form for arguments like ``args`` and its kernel serves them (planned and compiled now), the
+    fused group and, per forward input with a gradient, (its index, the fused group's output that is its gradient,
+    summed or taken whole); else None (Python's backward decides per call, as before)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not bw.spec.has_reduction or not tensors or any(t.device.type != "cpu" for t in tensors):
+        return None
+    dims = plan(spec, bw, shapes, full, sig, args)
+    if dims is None or (bw.spec.key, tuple(shapes), sig, tensors[0].device) in _no_fused:
+        return None
+    fused = fused_for(bw, dims)
+    if fused is None or len(fused.spec.group.inputs) != len(args) or not executor.has_kernel(fused.spec, tensors, args):
+        return None
+    takes = [(j, (fused.summed if take else fused.whole)[out]) for j, out, take in _takes(spec, bw, dims, shapes, full)]
+    if any(position is None for _, position in takes):
+        return None
+    return fused.spec, takes
+
+
+__all__ = ["Column", "Fused", "Split", "column_keys", "fused_for", "fused_keys", "fused_plan", "plan", "run",
+           "split_for", "summed", "summed_dims"]

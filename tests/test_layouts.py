@@ -295,18 +295,19 @@ def test_emulated_outer_product_broadcast_takes_the_vector_path(emulated):
         _assert_like_eager(out, _reference(AFFINE_RELU, args))
 
 
-def test_emulated_mixed_dtypes_move_16_bytes_per_access(emulated):
-    """A float16 tensor plus a float32 row bias giving float32: 8 elements per thread, so the float16 input
-    moves one 16-byte vector and the float32 bias and output two each; a float32 pointer needs 16-byte alignment
-    only (fz_vec's), not 32, so a bias starting 16 bytes into its storage keeps the vector path."""
+def test_emulated_mixed_dtypes_take_vectors_of_16_bytes_of_the_widest(emulated):
+    """A float16 tensor plus a float32 row bias giving float32: 4 elements per thread, so the float32 bias and
+    output move one 16-byte vector a lane and the float16 input 8 bytes (each warp access contiguous); the float16
+    pointer needs 8-byte alignment only, so an input starting 8 bytes into its storage keeps the vector path."""
     em, _ = emulated
-    x = _t((67, 96), torch.float16)
+    x = _t((67 * 96 + 4,), torch.float16)[4:].view(67, 96)  # 8 bytes past an aligned start
+    assert x.data_ptr() % 16 == 8
     bias = _t((96 + 4,))[4:]  # 16 bytes past a 512-byte aligned start
     assert bias.data_ptr() % 32 == 16
     graph = torch.parse_ir(GELU_ROW)
     kernel = emulate.kernel_for(graph, [x, bias], emulator=em)
-    assert kernel.vec == 8
-    assert "fz_vec<fz_half, 8>" in kernel.source and "fz_vec<float, 8>" in kernel.source
+    assert kernel.vec == 4
+    assert "fz_vec<fz_half, 4>" in kernel.source and "fz_vec<float, 4>" in kernel.source
     out = emulate.run_graph(graph, [x, bias], emulator=em)
     assert kernel.backend.last_vec
     _assert_like_eager(out, _reference(GELU_ROW, [x, bias]))
@@ -362,6 +363,10 @@ TILED_CASES = {
     "2d_transposed": (lambda dt: [_t((45, 70), dt), _t((70, 45), dt).t(), _t((70,), dt)], 0),
     # rows wider than a tile (64 elements along the innermost dim): a whole tile and a partial one per row of tiles
     "2d_wide": (lambda dt: [_t((40, 100), dt), _t((100, 40), dt).t(), _t((100,), dt)], 0),
+    # more rows than a tile takes along the transposed input's fastest dim (32, or 64 for 2-byte elements)
+    "2d_tall": (lambda dt: [_t((100, 40), dt), _t((40, 100), dt).t(), _t((40,), dt)], 0),
+    # many tiles both ways, partial ones at both ends (7 x 6 tiles: the kernel divides tile numbers by these counts)
+    "2d_many_tiles": (lambda dt: [_t((163, 391), dt), _t((391, 163), dt).t(), _t((391,), dt)], 0),
     # both the second and third inputs transposed, sizes multiples of the tile
     "2d_two_transposed": (lambda dt: [_t((64, 96), dt), _t((96, 64), dt).t(), _t((96, 64), dt).t()], 0),
     # a batch of transposes, a row vector beside them

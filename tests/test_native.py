@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import assert_same, run_in_threads
 
 import fuser
 from fuser import native
@@ -457,3 +457,130 @@ def test_random_cpu_kernels_are_served_natively_with_the_python_paths_numbers():
     kept = (a - r) != 0
     torch.testing.assert_close(a[kept], x[kept] / 0.75 + r[kept])
     assert abs(kept.float().mean().item() - 0.75) < 0.05
+
+
+# ---- norms' weight and bias gradients: the native backward runs the fused group (sums inside the row kernel)
+
+def _ln_affine(x, w, b):
+    return torch.layer_norm(x, [48], None, None, 1e-5) * w + b
+
+
+def _rms_weight(x, w):
+    return torch.rms_norm(x, [48], None, 1e-6) * w
+
+
+def _python_backwards(monkeypatch) -> list:
+    """Every backward the native node hands to Python from now on."""
+    calls = []
+    real = native.python_backward
+
+    def python_backward(*args):
+        calls.append(args[0].key)
+        return real(*args)
+
+    monkeypatch.setattr(native, "python_backward", python_backward)
+    return calls
+
+
+def _norm_args(fn, shape, dtype, wants=(True, True, True)):
+    n_params = 2 if fn is _ln_affine else 1
+    args = [torch.randn(shape, dtype=dtype)] + [torch.randn(shape[-1:], dtype=dtype) for _ in range(n_params)]
+    return [a.requires_grad_(want) for a, want in zip(args, wants)]
+
+
+def _check_norm_step(ff, fn, args, gy=None):
+    """One training step of ``ff`` on ``args``; its output and gradients against eager's float64 ones."""
+    y = ff(*args)
+    gy = torch.randn_like(y) if gy is None else gy
+    wanted = [a for a in args if a.requires_grad]
+    got = torch.autograd.grad(y, wanted, gy)
+    args64 = [a.detach().double().requires_grad_(a.requires_grad) for a in args]
+    y64 = fn(*args64)
+    want = torch.autograd.grad(y64, [a for a in args64 if a.requires_grad], gy.double())
+    tol = dict(rtol=1e-10, atol=1e-10) if args[0].dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(y.double(), y64.detach(), **tol)
+    for g, w, a in zip(got, want, wanted):
+        assert g.dtype == a.dtype and g.shape == a.shape
+        torch.testing.assert_close(g.double(), w, rtol=tol["rtol"], atol=tol["atol"] * max(1.0, w.abs().max().item()))
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("fn", [_ln_affine, _rms_weight], ids=lambda f: f.__name__)
+def test_norm_weight_gradients_are_summed_by_the_native_backward(fn, dtype, monkeypatch):
+    """A layer_norm's / rms_norm's weight and bias gradients (summed over the rows): after the first calls, the
+    native node's backward runs the fused group (the sums in the row kernel), not Python's backward; eager's
+    gradients on fresh inputs every call."""
+    ff = fuser.fuse(torch.jit.script(fn))
+    handed = _python_backwards(monkeypatch)
+    for step in range(5):
+        before, handed_before = _stats()["fused_backwards"], len(handed)
+        y = _check_norm_step(ff, fn, _norm_args(fn, (9, 48), dtype))
+        if step >= 2:  # (the profiling executor's first calls run unfused)
+            assert y.grad_fn.name() == "FusedGroupBackward"
+            assert _stats()["fused_backwards"] == before + 1 and len(handed) == handed_before
+
+
+def test_native_fused_backward_follows_shapes_dtypes_and_requires_grad(monkeypatch):
+    """The prepared backward is per signature: another shape, dtype, or set of inputs requiring grad (the bias's
+    gradient alone summed, or x's alone: nothing summed) gets its own, each with eager's gradients, and the first
+    again keeps its own."""
+    ff = fuser.fuse(torch.jit.script(_ln_affine))
+    variants = [((9, 48), torch.float32, (True, True, True)), ((2, 3, 48), torch.float32, (True, True, True)),
+                ((9, 48), torch.float32, (True, False, True)), ((9, 48), torch.float32, (True, False, False)),
+                ((9, 48), torch.float64, (True, True, True)), ((9, 48), torch.float32, (False, True, False)),
+                ((9, 48), torch.float32, (True, True, True))]
+    for shape, dtype, wants in variants:
+        for _ in range(3):
+            _check_norm_step(ff, _ln_affine, _norm_args(_ln_affine, shape, dtype, wants))
+    before = _stats()["fused_backwards"]
+    _check_norm_step(ff, _ln_affine, _norm_args(_ln_affine, (9, 48), torch.float32))
+    assert _stats()["fused_backwards"] == before + 1
+
+
+def test_native_fused_backward_where_its_kernel_does_not_serve(monkeypatch):
+    """float32 rows past fuser.rows.plan.CPU_MAX_SUMMED elements (the fused row kernel falls back there): Python's
+    backward runs those calls (the column kernels), with eager's gradients; an output gradient of another layout
+    (stride 0) than the one prepared runs the fused group from Python once, then natively, eager's gradients."""
+    from fuser.rows.plan import CPU_MAX_SUMMED
+    ff = fuser.fuse(torch.jit.script(_ln_affine))
+    handed = _python_backwards(monkeypatch)
+    rows = CPU_MAX_SUMMED // 48 + 1
+    for _ in range(3):
+        before = _stats()["fused_backwards"]
+        _check_norm_step(ff, _ln_affine, _norm_args(_ln_affine, (rows, 48), torch.float32))
+    assert handed and _stats()["fused_backwards"] == before
+    for _ in range(3):
+        args = _norm_args(_ln_affine, (9, 48), torch.float32)
+        _check_norm_step(ff, _ln_affine, args, gy=torch.randn(48).expand(9, 48))
+
+
+def test_native_fused_backward_under_create_graph():
+    """A backward that autograd records (create_graph: grad mode on in it) runs the plain backward group and sums
+    after it, as Python's backward does: eager's second derivatives."""
+    ff = fuser.fuse(torch.jit.script(_ln_affine))
+    for _ in range(4):
+        x, w, b = _norm_args(_ln_affine, (7, 48), torch.float64)
+        gy = torch.randn(7, 48, dtype=torch.float64)
+        gx, gw, gb = torch.autograd.grad(ff(x, w, b), (x, w, b), gy, create_graph=True)
+        (ggx,) = torch.autograd.grad((gx * gw).sum() + gb.sum() * 0.5 + (gw * gw).sum(), x)
+        xr, wr, br = _fresh([x, w, b])
+        rx, rw, rb = torch.autograd.grad(_ln_affine(xr, wr, br), (xr, wr, br), gy, create_graph=True)
+        (rgx,) = torch.autograd.grad((rx * rw).sum() + rb.sum() * 0.5 + (rw * rw).sum(), xr)
+        for g, r in [(gx, rx), (gw, rw), (gb, rb), (ggx, rgx)]:
+            torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+
+
+def test_native_fused_backward_from_several_threads():
+    """Threads released together on one prepared function: each its own shapes' calls, eager's gradients."""
+    ff = fuser.fuse(torch.jit.script(_ln_affine))
+    for _ in range(3):
+        _check_norm_step(ff, _ln_affine, _norm_args(_ln_affine, (9, 48), torch.float32))
+    count = iter(range(4))
+
+    def work():
+        k = next(count)
+        for j in range(20):
+            _check_norm_step(ff, _ln_affine, _norm_args(_ln_affine, ((9, 48), (4, 48))[(k + j) % 2], torch.float32))
+
+    run_in_threads(4, work)

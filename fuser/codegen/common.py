@@ -117,10 +117,12 @@ VECTOR_BYTES = int(os.environ.get("FUSER_VECTOR_BYTES", "16"))
 
 
 def vector_width(inputs: Sequence[TensorDesc], out_dtypes: Sequence[torch.dtype]) -> int:
-    """Elements per thread and trip on the CUDA vector path: ``VECTOR_BYTES`` of the narrowest vector-accessed
-    tensor (16: one 16-byte access each), at most 16."""
+    """Elements per thread and trip on the CUDA vector path: ``VECTOR_BYTES`` (16) of the widest vector-accessed
+    tensor, so that each access of a warp is one contiguous run of its lanes' vectors: the widest tensor moves 16
+    bytes a lane, narrower ones fewer. (Vectors of 16 bytes of the narrowest made a float32 tensor beside a float16
+    one two 16-byte accesses a lane, each touching every other 16 bytes of its sectors: on an H100 a float16
+    tensor plus a float32 bias giving float32, 16384 x 4096, took 175 us that way, 145 us this way, torch.compile 141.)"""
     sizes = [torch.empty((), dtype=d.dtype).element_size() for d in inputs if d.layout in (DENSE, ROWS)]
     sizes += [torch.empty((), dtype=d).element_size() for d in out_dtypes]
-    # ... and at most 32 bytes of the widest, so a float tensor beside a bool one keeps to 8 registers
-    return max(1, min(16, VECTOR_BYTES // min(sizes), 32 // max(sizes))) if sizes else 1
+    return max(1, min(16, VECTOR_BYTES // max(sizes))) if sizes else 1
 

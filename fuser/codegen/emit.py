@@ -203,8 +203,15 @@ class CudaGen(_Gen):
         preload = [f"fz_pre{k}[q] = fz_ld({self.scalar_load(k, self.inputs[k])});" for k in held]
         body = self.element_body(lambda k, d: f"fz_tile{k}[al][e]" if d.layout == STRIDED else f"fz_pre{k}[q]",
                                  self.scalar_store)
+        if self.options.index32:  # the tile counts' dividers once per thread, the sizes' from the launcher
+            dividers = ("    unsigned int ma, sha, mb, shb;\n"
+                        "    fz_divider((unsigned int)ta, ma, sha);\n    fz_divider((unsigned int)tb, mb, shb);\n")
+            div = {"div_ta": "fz_div(r, ma, sha)", "div_tb": "fz_div(r, mb, shb)",
+                   "div_d": "fz_div(r, args.magic[d], args.shift[d])"}
+        else:
+            dividers, div = "", {"div_ta": "r / ta", "div_tb": "r / tb", "div_d": "r / args.sizes[d]"}
         return cuda_t.TILED_LOOP.substitute(
-            rows=self.options.block_size // 32, tile_a=cuda_t.TILE_A, tiles=self.block(tiles, "    "),
+            dividers=dividers, **div, rows=self.options.block_size // 32, tile_a=cuda_t.TILE_A, tiles=self.block(tiles, "    "),
             bases=", ".join(f"base{j} = 0" for j in row.values()),
             accumulate="\n".join(f"            base{j} += m * args.strides[{j}][d];" for j in row.values()),
             corner="\n".join(f"        base{j} += b0 * args.strides[{j}][bd] + a0 * args.strides[{j}][ad];"

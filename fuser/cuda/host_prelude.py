@@ -79,6 +79,7 @@ template <class T> inline T __shfl_sync(unsigned, T v, int src, int width = 32) 
 static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
   return (unsigned int)(((unsigned long long)a * b) >> 32);
 }
+static inline int __clz(unsigned int x) { return x ? __builtin_clz(x) : 32; }
 static inline float __int_as_float(int x) { float f; memcpy(&f, &x, 4); return f; }
 static inline float __uint_as_float(unsigned int x) { float f; memcpy(&f, &x, 4); return f; }
 static inline int __float_as_int(float f) { int x; memcpy(&x, &f, 4); return x; }

@@ -6,12 +6,14 @@
 // prepared) goes to the Python operator fuser::fusion_group_py, which runs the group as before and, when asked to,
 // prepares the signature for next time. Nothing here decides anything about a group: it replays what Python
 // prepared (a random CPU kernel's launch state drawn as Python draws it), or hands over.
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty_strided.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/accumulate.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/generated/Functions.h>
@@ -106,6 +108,13 @@ struct Backward {
     std::vector<int64_t> inputs;
   };
   std::vector<Chunks> chunks;
+  // where inputs' gradients are summed over the rows (a norm's weight and bias): the backward group with those sums
+  // inside its row kernel (fuser/grad_sums.py's fused form), run when grad mode is off (as Python's backward does);
+  // it reads the inputs above and gives (forward tensor input, its output) pairs
+  bool has_fused = false;
+  int64_t fused_key = 0, fused_n_out = 0;
+  std::string fused_digest;
+  std::vector<std::pair<int64_t, int64_t>> fused_takes;
 };
 
 constexpr size_t kMaxPerGroup = 64;
@@ -117,7 +126,7 @@ struct Group {
 
 std::shared_mutex table_mutex;
 std::unordered_map<int64_t, Group> table;
-std::atomic<int64_t> n_hits{0}, n_misses{0}, n_handed{0};
+std::atomic<int64_t> n_hits{0}, n_misses{0}, n_handed{0}, n_fused{0};
 
 CuLaunch cu_launch = nullptr;
 CuCtxGetCurrent cu_ctx_get_current = nullptr;
@@ -336,8 +345,12 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
   }
   std::vector<at::Tensor> outs;
   outs.reserve(l.outs.size());
-  const auto options = at::TensorOptions().device(l.device);
-  for (const Out& o : l.outs) outs.push_back(at::empty_strided(o.sizes, o.strides, options.dtype(o.dtype)));
+  if (l.kind == kCpu) {  // (the CPU factory itself: the dispatcher's round trip costs about as much as a small kernel)
+    for (const Out& o : l.outs) outs.emplace_back(at::detail::empty_strided_cpu(o.sizes, o.strides, o.dtype));
+  } else {
+    const auto options = at::TensorOptions().device(l.device);
+    for (const Out& o : l.outs) outs.push_back(at::empty_strided(o.sizes, o.strides, options.dtype(o.dtype)));
+  }
   n_hits.fetch_add(1, std::memory_order_relaxed);
   if (l.numel != 0) {
     if (l.kind == kCuda)
@@ -371,6 +384,17 @@ using PyBackward = c10::List<std::optional<at::Tensor>>(int64_t, c10::string_vie
                                                         const c10::List<std::optional<at::Tensor>>&);
 using GroupOp = std::vector<at::Tensor>(at::TensorList, at::ArrayRef<double>, int64_t, c10::string_view,
                                         c10::string_view);
+
+// Whether a and b are one shape but for dims of size 1.
+bool same_dims(c10::IntArrayRef a, c10::IntArrayRef b) {
+  size_t i = 0, j = 0;
+  while (true) {
+    while (i < a.size() && a[i] == 1) ++i;
+    while (j < b.size() && b[j] == 1) ++j;
+    if (i == a.size() || j == b.size()) return i == a.size() && j == b.size();
+    if (a[i++] != b[j++]) return false;
+  }
+}
 
 struct FusedGroupBackward : public torch::autograd::Node {
   std::shared_ptr<const Backward> bw;
@@ -443,16 +467,28 @@ struct FusedGroupBackward : public torch::autograd::Node {
         tensors.push_back(outputs[index]);
     }
     static auto group = c10::Dispatcher::singleton().findSchemaOrThrow("fuser::fusion_group", "").typed<GroupOp>();
-    std::vector<at::Tensor> outs = group.call(tensors, floats, bw->bw_key, bw->bw_digest, "");
-    TORCH_CHECK(outs.size() == bw->grad_inputs.size(), "fuser: the backward group returned ", outs.size(),
-                " gradients, expected ", bw->grad_inputs.size());
     auto shaped = [&](int64_t k, at::Tensor g) {
       bool whole = false;  // a chunked tensor's gradient (a cat output)
       for (const auto& c : bw->chunks) whole = whole || k == c.inputs[0];
-      if (!whole && g.sizes() != c10::IntArrayRef(sizes[k])) g = g.sum_to_size(sizes[k]);
+      const c10::IntArrayRef want(sizes[k]);
+      // a sum kept as [1, cols] is a view of the shape (as autodiff.input_grads takes it); else eager's sum
+      if (!whole && g.sizes() != want) g = g.numel() == c10::multiply_integers(want) && same_dims(g.sizes(), want)
+                                               ? g.reshape(want) : g.sum_to_size(want);
       if (g.scalar_type() != options[k].dtype().toScalarType()) g = g.to(options[k].dtype().toScalarType());
       result[k] = std::move(g);
     };
+    if (bw->has_fused && !c10::GradMode::is_enabled()) {
+      std::vector<at::Tensor> outs = group.call(tensors, floats, bw->fused_key, bw->fused_digest, "");
+      TORCH_CHECK(static_cast<int64_t>(outs.size()) == bw->fused_n_out, "fuser: the fused backward group returned ",
+                  outs.size(), " outputs, expected ", bw->fused_n_out);
+      n_fused.fetch_add(1, std::memory_order_relaxed);
+      for (const auto& [k, r] : bw->fused_takes) shaped(k, outs[r]);
+      for (int64_t k : bw->zero_inputs) result[k] = at::zeros(sizes[k], options[k]);
+      return result;
+    }
+    std::vector<at::Tensor> outs = group.call(tensors, floats, bw->bw_key, bw->bw_digest, "");
+    TORCH_CHECK(outs.size() == bw->grad_inputs.size(), "fuser: the backward group returned ", outs.size(),
+                " gradients, expected ", bw->grad_inputs.size());
     for (const auto& [k, r] : bw->aliases) shaped(k, outs[r]);
     for (size_t r = 0; r < outs.size(); ++r) shaped(bw->grad_inputs[r], std::move(outs[r]));
     for (int64_t k : bw->zero_inputs) result[k] = at::zeros(sizes[k], options[k]);
@@ -707,7 +743,7 @@ void put(int64_t key, c10::string_view digest, std::vector<int64_t> sig, std::ve
 // differentiable outputs, saved outputs, then whether a backward group is prepared, its inputs and outputs; see record.py).
 void put_train(int64_t key, c10::string_view digest, std::vector<int64_t> sig, std::vector<int64_t> rec,
                std::vector<double> floats, std::vector<int64_t> grads, std::vector<int64_t> bw_rec,
-               c10::string_view bw_digest, std::vector<int64_t> py_meta) {
+               c10::string_view bw_digest, c10::string_view fused_digest, std::vector<int64_t> py_meta) {
   auto l = parse(sig, rec, floats);
   TORCH_CHECK(static_cast<int64_t>(grads.size()) == l->n_tensors, "fuser native record: requires_grad");
   l->requires_grad.assign(grads.begin(), grads.end());
@@ -762,6 +798,19 @@ void put_train(int64_t key, c10::string_view digest, std::vector<int64_t> sig, s
                   "fuser native record: gradient alias");
       bw->aliases.emplace_back(k, out);
     }
+    bw->has_fused = r.next() != 0;
+    if (bw->has_fused) {
+      bw->fused_key = r.next();
+      bw->fused_digest = std::string(fused_digest);
+      bw->fused_n_out = r.next();
+      const int64_t n_takes = r.next();
+      for (int64_t j = 0; j < n_takes; ++j) {
+        const int64_t k = r.next(), out = r.next();
+        TORCH_CHECK(0 <= k && k < l->n_tensors && 0 <= out && out < bw->fused_n_out,
+                    "fuser native record: fused gradient");
+        bw->fused_takes.emplace_back(k, out);
+      }
+    }
   }
   TORCH_CHECK(r.i == bw_rec.size(), "fuser native record: trailing backward values");
   l->backward = std::move(bw);
@@ -777,7 +826,7 @@ std::vector<int64_t> stats() {
   std::shared_lock<std::shared_mutex> lock(table_mutex);
   int64_t launches = 0;
   for (const auto& kv : table) launches += static_cast<int64_t>(kv.second.launches.size());
-  return {n_hits.load(), n_misses.load(), n_handed.load(), launches};
+  return {n_hits.load(), n_misses.load(), n_handed.load(), launches, n_fused.load()};
 }
 
 }  // namespace
@@ -785,7 +834,7 @@ std::vector<int64_t> stats() {
 TORCH_LIBRARY_FRAGMENT(fuser, m) {
   m.def("_native_put(int key, str digest, int[] sig, int[] rec, float[] floats) -> ()", &put);
   m.def("_native_put_train(int key, str digest, int[] sig, int[] rec, float[] floats, int[] grads, int[] bw, "
-        "str bw_digest, int[] py_meta) -> ()", &put_train);
+        "str bw_digest, str fused_digest, int[] py_meta) -> ()", &put_train);
   m.def("_native_clear() -> ()", &clear);
   m.def("_native_stats() -> int[]", &stats);
   m.def("_native_scalar_type(ScalarType dtype) -> int",

@@ -108,12 +108,14 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     return rec, floats, backend
 
 
-def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Tensor], n_tensors: int,
-                 shapes: Sequence[torch.Size] = ()) -> tuple:
-    """For a call autograd records (``autodiff.prepare_call``'s ``call``): (backward record, backward group's
-    digest, what ``fusion_group_backward_py`` needs) for ``hotpath.cpp``'s ``put_train``; the backward group is
-    the one of the pattern where every differentiable output gets a gradient. ``shapes``: the tensor inputs'; where
-    an input's gradient is summed by a column group (``fuser/grad_sums.py``), Python's backward runs it."""
+def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Tensor],
+                 tensors: Sequence[torch.Tensor]) -> tuple[list[int], str, str]:
+    """For a call autograd records (``autodiff.prepare_call``'s ``call``) on ``tensors``: (backward record, backward
+    group's digest, fused group's digest) for ``hotpath.cpp``'s ``put_train``; the backward group is the one of the
+    pattern where every differentiable output gets a gradient. Where an input's gradient is summed over the rows
+    (``fuser/grad_sums.py``), a CPU row backward's fused form (the sums inside its row kernel) is recorded beside
+    it when its kernel serves these shapes, for backwards that run without grad mode; else Python's backward runs
+    such calls."""
     from .. import autodiff, grad_sums
     diff = autodiff.differentiable_outputs(call, outputs)
     saved = call.saved
@@ -145,18 +147,50 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
               and all(piece is None for _, piece in bw.grad_outputs)
               and len(bw.cat_of) == len(chunks)  # (else Python's backward joins the chunks' gradients)
               and all(saved[i] for kind, i in inputs if kind == 0) and all(diff[i] for kind, i in inputs if kind == 2)
-              and all(i in call.saved_outputs for kind, i in inputs if kind == 3)
-              and not (shapes and grad_sums.summed(spec, bw, shapes, autodiff._full_shape(spec, tuple(shapes)))))
+              and all(i in call.saved_outputs for kind, i in inputs if kind == 3))
+    fused = None
+    if usable:
+        shapes = [t.shape for t in tensors]
+        full = autodiff._full_shape(spec, tuple(shapes))
+        if grad_sums.summed(spec, bw, shapes, full):
+            fused = None if call.columns or bw.cat_of else grad_sums.fused_plan(
+                spec, bw, _backward_like(inputs, tensors, call.scalars, outputs), shapes, full, call.sig)
+            usable = fused is not None
     if not usable:
         rec.append(0)
-        digest = ""
-    else:
-        rec += [1, bw.spec.key, len(inputs), *[x for pair in inputs for x in pair],
-                len(bw.grad_inputs), *[t_index[j] for j in bw.grad_inputs],
-                len(bw.zero_inputs), *[t_index[j] for j in bw.zero_inputs],
-                len(bw.aliases), *[x for j, k in bw.aliases for x in (t_index[j], k)]]
-        digest = bw.spec.digest
-    return rec, digest
+        return rec, "", ""
+    rec += [1, bw.spec.key, len(inputs), *[x for pair in inputs for x in pair],
+            len(bw.grad_inputs), *[t_index[j] for j in bw.grad_inputs],
+            len(bw.zero_inputs), *[t_index[j] for j in bw.zero_inputs],
+            len(bw.aliases), *[x for j, k in bw.aliases for x in (t_index[j], k)]]
+    if fused is None:
+        rec.append(0)
+        return rec, bw.spec.digest, ""
+    fused_spec, takes = fused
+    rec += [1, fused_spec.key, len(fused_spec.group.outputs), len(takes),
+            *[x for j, position in takes for x in (t_index[j], position)]]
+    return rec, bw.spec.digest, fused_spec.digest
+
+
+def _backward_like(inputs: Sequence[tuple[int, int]], tensors: Sequence[torch.Tensor], scalars: Sequence[float],
+                   outputs: Sequence[torch.Tensor]) -> list:
+    """Arguments like the recorded backward's (``inputs``: its (kind, index) pairs), the output gradients as fresh
+    tensors like the outputs (autograd's usual ones): what planning its kernels needs."""
+    like = {}
+    args = []
+    for kind, i in inputs:
+        if kind == 0:
+            args.append(tensors[i])
+        elif kind == 1:
+            args.append(float(scalars[i]))
+        elif kind == 3:
+            args.append(outputs[i])
+        else:
+            if i not in like:
+                o = outputs[i]
+                like[i] = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
+            args.append(like[i])
+    return args
 
 
 def backward_meta(call, tensors: Sequence[torch.Tensor]) -> list[int]:
