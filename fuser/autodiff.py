@@ -132,13 +132,15 @@ def _reduction_dtypes(spec: KernelSpec, sig: tuple) -> list:
 
 
 def backward_for(spec: KernelSpec, needs: tuple, defined: tuple, sig: tuple,
-                 columns: bool = False) -> Optional[Backward]:
-    """``columns``: the forward ran as a column kernel (``fuser/rows/outer.py``), whose backward differs."""
-    key = (spec.key, needs, defined, sig, columns)
+                 columns: bool = False, chunks: tuple = ()) -> Optional[Backward]:
+    """``columns``: the forward ran as a column kernel (``fuser/rows/outer.py``), whose backward differs.
+    ``chunks``: per tensor, (dim, group inputs) that are its chunks (``_chunked_inputs``)."""
+    key = (spec.key, needs, defined, sig, columns, chunks)
     if key in _backwards:
         return _backwards[key]
     try:
-        bw = build_backward(spec, needs, defined, _floating_values(spec, sig), columns, _value_dtypes(spec, sig))
+        bw = build_backward(spec, needs, defined, _floating_values(spec, sig), columns, _value_dtypes(spec, sig),
+                            chunks)
     except _Unsupported:
         bw = None
     except RuntimeError:  # eager rejects these dtypes (the type probe raised): the interpreter will say so
@@ -163,16 +165,19 @@ class _Call:
     """What the autograd Function needs besides the tensors: the group and where its arguments go."""
 
     __slots__ = ("spec", "scalars", "needs", "sig", "saved", "carried", "rng_state", "outputs", "columns",
-                 "saved_outputs")
+                 "saved_outputs", "chunks", "sources")
 
     def __init__(self, spec, scalars, needs, sig, saved, carried, rng_state=None, outputs=None, columns=False,
-                 saved_outputs=()):
+                 saved_outputs=(), chunks=()):
         self.spec, self.scalars, self.needs, self.sig, self.saved = spec, scalars, needs, sig, saved
         self.carried = carried  # per output: whether a wanted gradient reaches it
         self.rng_state = rng_state  # a random group's launch state: the backward redraws the same numbers
         self.outputs = outputs  # a random group's forward outputs, computed before (its kernel had to run)
         self.columns = columns  # the forward ran as a column kernel (its backward is formed for that)
         self.saved_outputs = saved_outputs  # forward outputs the backward reads (Backward.saved_outputs)
+        # per tensor whose gradient the backward writes whole: (dim, group inputs that are its chunks); _chunked_inputs
+        self.chunks = chunks
+        self.sources = None  # those tensors, until the Function is applied; then their chunks, until its forward runs
 
     def args(self, tensors: Sequence) -> list:
         if self.spec.all_tensors:
@@ -184,7 +189,15 @@ class _Call:
 class _FusedGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, *tensors):
-        args = call.args(tensors)
+        if call.chunks:  # the kernel reads the chunks as they came (the executor's signature counts requires_grad)
+            ins = list(tensors[:-len(call.chunks)])
+            for c, pieces in zip(call.chunks, call.sources):
+                for k, t in zip(chunk_positions(call.spec, c), pieces):
+                    ins[k] = t
+            call.sources = None
+            args = call.args(ins)
+        else:
+            args = call.args(tensors)
         out = call.outputs
         if out is None:
             out = executor.run(call.spec, args)  # grad mode is off in here: the forward kernel
@@ -206,7 +219,17 @@ class _FusedGroup(torch.autograd.Function):
         saved = ctx.saved_tensors
         n, call = ctx.n_tensors, ctx.call
         outputs = dict(zip(call.saved_outputs, saved[n:]))
-        return (None, *input_grads(call, saved[:n], ctx.meta, grads, outputs))
+        if not call.chunks:
+            return (None, *input_grads(call, saved[:n], ctx.meta, grads, outputs))
+        # the chunks went in detached: read again from the saved tensors they are chunks of (double backward
+        # then differentiates through them to those); their gradients go to those whole, the last inputs
+        m = len(call.chunks)
+        ins = list(saved[:n - m])
+        for c, source in zip(call.chunks, saved[n - m:n]):
+            if source is not None:
+                for k, t in zip(chunk_positions(call.spec, c), source.chunk(len(c[1]), c[0])):
+                    ins[k] = t
+        return (None, *input_grads(call, ins, ctx.meta[:n - m], grads, outputs))
 
 
 def tensor_index(spec: KernelSpec) -> dict:
@@ -228,21 +251,26 @@ def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence, o
     defined = tuple(gr is not None for gr in grads)
     result: list = [None] * len(saved)
     if not any(defined):
-        return result
-    bw = backward_for(spec, call.needs, defined, call.sig, call.columns)
+        return result + [None] * len(call.chunks)
+    bw = backward_for(spec, call.needs, defined, call.sig, call.columns, call.chunks)
     t_index = tensor_index(spec)
     fwd_args = call.args(saved)
+    wholes: dict = {}  # first chunk's input -> its tensor's gradient, whole
+    firsts = {pieces[0] for pieces in bw.cat_of}
     if bw.spec is not None:
         shapes = [m[0] for m in meta]
         args = backward_args(spec, bw, fwd_args, grads, shapes, outputs or {})
         got = None
-        if not torch.is_grad_enabled():  # inputs broadcast over leading dims: summed by column groups (grad_sums)
-            got = grad_sums.run(spec, bw, args, shapes, _full_shape(spec, tuple(shapes)), call.sig)
+        if not torch.is_grad_enabled() and not bw.cat_of:  # inputs broadcast over leading dims: summed by column
+            got = grad_sums.run(spec, bw, args, shapes, _full_shape(spec, tuple(shapes)), call.sig)  # groups
         if got is None:
             outs = run(bw.spec, args, call.rng_state)
             got = [*zip(bw.grad_inputs, outs), *((j, outs[k]) for j, k in bw.aliases)]
         for j, r in got:
             shape, dtype, _ = meta[t_index[j]]
+            if j in firsts:  # a chunked tensor's gradient, whole
+                wholes[j] = r if r.dtype == dtype else r.to(dtype)
+                continue
             if r.shape != shape:  # a column group's sum (keepdim) is a view of the shape; the old path sums here
                 r = r.reshape(shape) if r.numel() == math.prod(shape) and _same_dims(r.shape, shape) else \
                     r.sum_to_size(shape)
@@ -250,7 +278,70 @@ def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence, o
     for j in bw.zero_inputs:
         shape, dtype, device = meta[t_index[j]]
         result[t_index[j]] = torch.zeros(shape, dtype=dtype, device=device)
-    return result
+    if not call.chunks:
+        return result
+    # the chunks' gradients apart (a pattern without the cat): joined as eager's chunk backward joins them
+    whole = [wholes[c[1][0]] if c[1][0] in wholes else _joined(spec, c, result, meta) for c in call.chunks]
+    for c in call.chunks:
+        for k in chunk_positions(spec, c):
+            result[k] = None
+    return result + whole
+
+
+def _joined(spec: KernelSpec, chunk: tuple, result: list, meta: Sequence) -> Optional[torch.Tensor]:
+    """A chunked tensor's gradient from its chunks' (zeros for a chunk without one; None where none has one), as
+    eager's backward of split forms it."""
+    pos = chunk_positions(spec, chunk)
+    if all(result[k] is None for k in pos):
+        return None
+    parts = [result[k] if result[k] is not None else torch.zeros(meta[k][0], dtype=meta[k][1], device=meta[k][2])
+             for k in pos]
+    return torch.cat(parts, chunk[0])
+
+
+def chunk_positions(spec: KernelSpec, chunk: tuple) -> tuple[int, ...]:
+    """The tensor-input indices of ``chunk``'s group inputs (one entry of ``_Call.chunks``), in chunk order."""
+    t_index = tensor_index(spec)
+    return tuple(t_index[j] for j in chunk[1])
+
+
+_SPLITS = ("SplitBackward0", "SplitWithSizesBackward0")
+
+
+def _chunked_inputs(spec: KernelSpec, args: Sequence, full: torch.Size) -> list:
+    """Per tensor whose every chunk, of equal size and the group's full shape, is a tensor input of the group (an
+    LSTM's ``gates.chunk(4, 1)``): (dim, group input indices in chunk order, the tensor). Eager's ``chunk``
+    (or ``fuser::broadcasting_chunk``) made them views whose backward concatenates their gradients, which the
+    group's backward can instead write as one tensor. The chunked tensor is the views' base and autograd's edge
+    of their split is that tensor's own (so a view of a view, whose gradient eager forms through more nodes, does
+    not match). Only pointwise groups (a reduction's or random group's backward keeps its pieces apart)."""
+    found: list = []
+    if spec.has_reduction or spec.random:
+        return found
+    by_node: dict = {}
+    for j, a in enumerate(args):
+        fn = a.grad_fn if isinstance(a, torch.Tensor) else None
+        if fn is not None and type(fn).__name__ in _SPLITS:
+            by_node.setdefault(fn, []).append(j)
+    for fn, js in by_node.items():
+        if len(js) < 2:
+            continue
+        src = args[js[0]]._base
+        if src is None or not all(args[j]._base is src for j in js):
+            continue
+        edge = fn.next_functions[0]
+        if src.grad_fn is not None:
+            if edge[0] is not src.grad_fn or edge[1] != src.output_nr:
+                continue
+        elif not (src.requires_grad and getattr(edge[0], "variable", None) is src):
+            continue
+        dim = fn._saved_dim % max(src.dim(), 1)
+        order = sorted(js, key=lambda j: args[j].output_nr)
+        if [args[j].output_nr for j in order] != list(range(len(js))) or tuple(fn._saved_self_sym_sizes) != \
+                tuple(src.shape) or any(args[j].shape != full for j in js) or full[dim] * len(js) != src.shape[dim]:
+            continue
+        found.append((dim, tuple(order), src))
+    return found
 
 
 def backward_args(spec: KernelSpec, bw: Backward, fwd_args: Sequence, grads: Sequence,
@@ -323,7 +414,16 @@ def differentiable(spec: KernelSpec, args: list, rng_state: Optional[list] = Non
     (eager's autograd then records eager's own draw). A group with reductions runs its forward kernel first too:
     its backward is formed for the shapes the row kernel takes (see ``fuser/backward.py``)."""
     call = prepare_call(spec, args, rng_state)
-    return None if call is None else list(_FusedGroup.apply(call, *[a for a in args if isinstance(a, torch.Tensor)]))
+    if call is None:
+        return None
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if call.chunks:  # the chunks go in detached (no edge to their split), their tensors last (gradients, whole)
+        tensors += call.sources
+        call.sources = [[tensors[k] for k in chunk_positions(spec, c)] for c in call.chunks]  # the forward reads
+        for c in call.chunks:
+            for k in chunk_positions(spec, c):
+                tensors[k] = tensors[k].detach()
+    return list(_FusedGroup.apply(call, *tensors))
 
 
 def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None) -> Optional[_Call]:
@@ -366,6 +466,20 @@ def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None)
             saved.append(j in used)
     call = _Call(spec, tuple(float(s) for s in scalars), needs, sig, tuple(saved), _carried_outputs(spec, needs, sig),
                  saved_outputs=bw.saved_outputs)
+    chunked = _chunked_inputs(spec, args, full)
+    if chunked:
+        chunks = tuple(c[:2] for c in chunked)
+        whole = backward_for(spec, needs, spec.all_outputs_defined, sig, False, chunks)
+        if whole is not None and len(whole.cat_of) < len(chunks):  # those it writes whole
+            chunked = [c for c in chunked if c[1] in whole.cat_of]
+            chunks = tuple(c[:2] for c in chunked)
+            whole = backward_for(spec, needs, spec.all_outputs_defined, sig, False, chunks) if chunks else None
+        if whole is not None and len(whole.cat_of) == len(chunks):
+            pos = [set(chunk_positions(spec, c)) for c in chunks]
+            # the chunks are not saved: their tensors are, where the backward reads one (the Function's last inputs)
+            call.saved = (*(False if any(k in p for p in pos) else keep for k, keep in enumerate(saved)),
+                          *(any(saved[k] for k in p) for p in pos))
+            call.chunks, call.sources = chunks, [c[2] for c in chunked]
     if spec.random or spec.has_reduction:  # (a row kernel's backward is planned for the shapes its forward takes)
         if spec.random:
             call.rng_state = rng.launch_state(device) if rng_state is None else rng_state

@@ -62,6 +62,9 @@ class Backward:
     # operands of an add): written once, as eager's backward passes one tensor to both
     aliases: tuple[tuple[int, int], ...] = ()
     saved_outputs: tuple[int, ...] = ()
+    # per tensor whose gradient is written whole (``chunks`` of build_backward): the forward inputs that are its
+    # chunks, in chunk order; under the first, grad_inputs (or aliases) list that gradient, their cat
+    cat_of: tuple[tuple[int, ...], ...] = ()
 
 
 MEAN = "aten::mean.dim"
@@ -72,14 +75,20 @@ class _Unsupported(Exception):
 
 
 def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bool],
-                   floating: frozenset, columns: bool = False, dtypes: Optional[dict] = None) -> Backward:
+                   floating: frozenset, columns: bool = False, dtypes: Optional[dict] = None,
+                   chunks: tuple = ()) -> Backward:
     """The backward group of ``spec.group``; raises :class:`_Unsupported` when the table cannot form it.
 
     needs: per group input, whether its gradient is wanted. defined: per group output, whether a gradient
     arrives for it. floating: ids of the group's values whose dtype is floating for these inputs (gradients
     flow through those only, as in eager, where integer and bool results never require grad). columns: the
     forward ran as a column kernel (its reductions over leading dims, ``fuser/rows/outer.py``; see ``_Rows``).
-    dtypes: the forward values' dtypes (id -> dtype; see ``_cast_target``), where known.
+    dtypes: the forward values' dtypes (id -> dtype; see ``_cast_target``), where known. chunks: per tensor,
+    (dim, group input indices) where those inputs are, in order, the equal chunks along dim of that tensor (an LSTM's
+    gates): their gradients become one ``cat`` output, that tensor's gradient, which the caller passes on whole
+    (eager's chunk backward would cat them in a kernel of its own); two tensors whose chunks share their gradients
+    (chunk motion's x @ W and h @ U) share it whole. Where a chunk has no gradient of its own (zero, or shared with
+    an input that is no such chunk), that tensor's chunks keep their outputs (it is not in ``Backward.cat_of``).
     """
     if spec.concat_consumed:
         raise _Unsupported("a cat's result used inside the group")
@@ -193,6 +202,7 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
         grad_inputs.append(i)
     if not grad_inputs:
         return Backward(None, (), (), (), tuple(zero_inputs))
+    cat_of = _cat_chunks(chunks, grad_inputs, outputs, aliases, b)
     g = b.build(outputs).pruned()
     if _n_random(g) not in (0, _n_random(fwd)):
         # the backward redraws the forward's numbers with its state: op r's numbers depend on its ordinal r,
@@ -215,7 +225,43 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
                                               if n_out <= j < n_grad)
     return Backward(bspec, fwd_inputs, grad_outputs, tuple(grad_inputs), tuple(zero_inputs),
                     unsqueeze if any(unsqueeze) else (), any(j >= n_grad for j in keep), tuple(aliases),
-                    saved_outputs)
+                    saved_outputs, cat_of)
+
+
+def _cat_chunks(chunks: tuple, grad_inputs: list, outputs: list, aliases: list, b: ir.Builder) -> tuple:
+    """For ``chunks`` (per tensor: dim, its chunks' inputs): where a tensor's chunks each have an output of their
+    own, those outputs replaced (in place, in ``grad_inputs`` and ``outputs``) by one, their cat along dim, under the
+    first chunk; where a tensor's chunks are each an alias of those of such a tensor, in order, one alias of that
+    cat instead. Returns the chunks' inputs of the tensors so written whole."""
+    at = {j: k for k, j in enumerate(grad_inputs)}
+    alias_of = dict(aliases)
+    own = {}  # chunks' inputs -> their outputs
+    for _, pieces in chunks:
+        if all(j in at for j in pieces):
+            own[pieces] = tuple(at[j] for j in pieces)
+    shared = {}  # chunks' inputs -> the chunks' inputs whose outputs they alias
+    for _, pieces in chunks:
+        if pieces not in own and all(j in alias_of for j in pieces):
+            target = tuple(alias_of[j] for j in pieces)
+            shared.update({pieces: p for p, outs in own.items() if outs == target})
+    covered = {j for pieces in shared for j in pieces}
+    for i, k in aliases:  # an output some other input shares: its chunk's output stays
+        if i not in covered:
+            own = {p: outs for p, outs in own.items() if k not in outs}
+    shared = {p: q for p, q in shared.items() if q in own}
+    covered = {j for pieces in shared for j in pieces}  # (an alias of a chunk no longer shared points at none kept)
+    gone = []
+    for dim, pieces in chunks:
+        if pieces in own:
+            outs = own[pieces]
+            outputs[outs[0]] = b.add(ir.CAT, tuple(outputs[k] for k in outs), dim)
+            gone += outs[1:]
+    for k in sorted(gone, reverse=True):
+        del outputs[k], grad_inputs[k]
+    kept = [(i, k) for i, k in aliases if i not in covered]
+    kept += [(p[0], own[q][0]) for p, q in shared.items()]
+    aliases[:] = [(i, k - sum(1 for g in gone if g < k)) for i, k in kept]
+    return tuple(pieces for _, pieces in chunks if pieces in own or pieces in shared)
 
 
 def _reused_outputs(spec: KernelSpec) -> dict[int, int]:

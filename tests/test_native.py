@@ -92,6 +92,40 @@ def test_layouts_scalars_mixed_dtypes_and_empty(device):
         assert_same(o, r)
 
 
+def _cat0(x, y):
+    return torch.cat([torch.sigmoid(x), x * y, x + y], 0), x - y
+
+
+def _cat1(x, y):
+    return x - y, torch.cat([torch.sigmoid(x), x * y], 1)
+
+
+def _cat_last(x, y):
+    return torch.cat([torch.tanh(x), x * y, x + y, x / (1 + y * y)], -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", [_cat0, _cat1, _cat_last], ids=lambda f: f.__name__)
+def test_cat_outputs_are_served_natively(device, fn):
+    """A group with a cat output: allocated whole here and written through one pointer per piece (its slices)."""
+    ff = fuser.fuse(torch.jit.script(fn))
+    for shape in [(6, 5, 3), (33, 17), (1, 1, 1), (0, 4)]:
+        x = torch.randn(shape, device=device)
+        y = torch.randn(shape, device=device)
+        hits, out = _served(ff, x, y)
+        assert hits >= 2
+        ref = fn(x, y)
+        for o, r in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
+            assert o.shape == r.shape and o.dtype == r.dtype and o.stride() == r.stride()
+            assert_same(o, r)
+        x2, y2 = torch.randn_like(x), torch.randn_like(y)  # fresh values through the prepared signature
+        with torch.no_grad():
+            out = ff(x2, y2)
+        for o, r in zip(out if isinstance(out, tuple) else (out,), [fn(x2, y2)] if not isinstance(ref, tuple)
+                        else fn(x2, y2)):
+            assert_same(o, r)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_inference_mode_is_served(device):
     ff = fuser.fuse(torch.jit.script(_two))

@@ -113,12 +113,13 @@ def offer(key: int, digest: str, spec, args: Sequence, tensors: Sequence[torch.T
 def python_backward(spec, saved: Sequence, scalars: Sequence[float], meta: Sequence[int], grads: Sequence) -> list:
     """The gradients of a call the hot path recorded, computed as the autograd Function's backward computes them
     (for an output-gradient pattern the prepared backward group does not cover). ``saved``: per tensor input, then
-    per output, the saved tensor or None."""
+    per output, the saved tensor or None. Per chunked tensor (``autodiff._chunked_inputs``), one more gradient,
+    that tensor's, at the end."""
     from .. import autodiff
-    needs, tensors = record.parse_backward_meta(meta)
+    needs, tensors, chunks = record.parse_backward_meta(meta)
     device = next(g.device for g in grads if g is not None)
     sig = tuple((dt, len(shape) == 0) for dt, shape in tensors)
-    call = autodiff._Call(spec, tuple(scalars), needs, sig, (), ())
+    call = autodiff._Call(spec, tuple(scalars), needs, sig, (), (), chunks=chunks)
     n = len(tensors)
     outputs = {k: t for k, t in enumerate(saved[n:]) if t is not None}
     return autodiff.input_grads(call, list(saved[:n]), [(shape, dt, device) for dt, shape in tensors], list(grads),

@@ -15,6 +15,8 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/accumulate.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/generated/Functions.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
@@ -43,6 +45,7 @@ enum Kind : int64_t { kCpu = 0, kCuda = 1, kPython = 2 };
 struct Out {
   c10::ScalarType dtype;
   std::vector<int64_t> sizes, strides;
+  int64_t pieces = 1, step = 0;  // a cat's result: the kernel writes it through one pointer per piece, step bytes apart
 };
 
 struct Limit {
@@ -61,6 +64,7 @@ struct Launch {
   int64_t numel = 0;
   c10::Device device{c10::kCPU};
   std::vector<Out> outs;
+  int64_t n_kernel_outs = 0;  // the pointers the kernel writes through (a cat's result: one per piece)
   std::vector<Limit> limits;
   void* fn = nullptr;
   // CPU
@@ -96,6 +100,14 @@ struct Backward {
   std::vector<int64_t> grad_inputs;  // per backward output: the forward tensor input it is the gradient of
   std::vector<int64_t> zero_inputs;  // forward tensor inputs whose gradient is zero
   std::vector<std::pair<int64_t, int64_t>> aliases;  // (forward tensor input, backward output) sharing a gradient
+  // per tensor whose every chunk along dim is a tensor input (autodiff._chunked_inputs): those inputs, in chunk
+  // order. The node's edge for the first is that tensor's, the others have none, and the first's gradient is the
+  // whole tensor's (the backward group's cat output, or Python's)
+  struct Chunks {
+    int64_t dim = 0;
+    std::vector<int64_t> inputs;
+  };
+  std::vector<Chunks> chunks;
   // where inputs' gradients are summed over the rows (a norm's weight and bias): the backward group with those sums
   // inside its row kernel (fuser/grad_sums.py's fused form), run when grad mode is off (as Python's backward does);
   // it reads the inputs above and gives (forward tensor input, its output) pairs
@@ -199,7 +211,8 @@ void launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sc
     ++k;
   };
   for (const at::Tensor& t : inputs) put(t.data_ptr());
-  for (const at::Tensor& o : outs) put(o.data_ptr());
+  for (size_t j = 0; j < outs.size(); ++j)
+    for (int64_t p = 0; p < l.outs[j].pieces; ++p) put(static_cast<char*>(outs[j].data_ptr()) + p * l.outs[j].step);
   const int32_t v = vec ? 1 : 0;
   if (l.vec_off >= 0) std::memcpy(base + l.vec_off, &v, 4);
   if (!scalars.empty()) std::memcpy(base + l.scalars_off, scalars.data(), scalars.size() * sizeof(double));
@@ -215,14 +228,15 @@ void launch_cpu(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sca
   void* ptrs[64];
   std::vector<void*> many;
   void** p = ptrs;
-  const size_t n = inputs.size() + outs.size();
+  const size_t n = inputs.size() + static_cast<size_t>(l.n_kernel_outs);
   if (n > 64) {
     many.resize(n);
     p = many.data();
   }
   size_t k = 0;
   for (const at::Tensor& t : inputs) p[k++] = t.data_ptr();
-  for (const at::Tensor& o : outs) p[k++] = o.data_ptr();
+  for (size_t j = 0; j < outs.size(); ++j)
+    for (int64_t q = 0; q < l.outs[j].pieces; ++q) p[k++] = static_cast<char*>(outs[j].data_ptr()) + q * l.outs[j].step;
   const double none = 0.0;
   reinterpret_cast<CpuKernel>(l.fn)(l.numel, l.rank, l.sizes.data(), l.strides.data(), p,
                                     scalars.empty() ? &none : scalars.data());
@@ -251,7 +265,40 @@ bool grads_match(const Launch& l, at::TensorList inputs) {
 }
 
 std::vector<at::Tensor> record_call(std::shared_ptr<const Launch> found, at::TensorList inputs,
-                                    at::ArrayRef<double> scalars, std::vector<at::Tensor> outs);
+                                    at::ArrayRef<double> scalars, std::vector<at::Tensor> outs,
+                                    const std::vector<torch::autograd::Edge>& sources);
+
+// The edge of the tensor that c's inputs are every chunk of: their autograd edges are outputs 0..n-1, in order, of
+// one split node (eager's chunk or split_with_sizes) with n outputs along c.dim; nullopt where they are not. Its
+// backward would cat their gradients into that tensor's: the edge takes the whole one instead.
+std::optional<torch::autograd::Edge> chunk_source(const Backward::Chunks& c, at::TensorList inputs) {
+  const size_t n = c.inputs.size();
+  const auto first = torch::autograd::impl::gradient_edge(inputs[c.inputs[0]]);
+  auto* node = first.function.get();
+  if (node == nullptr || node->num_inputs() != n) return std::nullopt;
+  int64_t dim = -1;
+  c10::SymInt whole;
+  auto read = [&](const auto* split) {  // the split's dim and the size of the tensor it splits along it
+    const auto nd = static_cast<int64_t>(split->self_sym_sizes.size());
+    const int64_t d = split->dim < 0 ? split->dim + nd : split->dim;
+    if (0 <= d && d < nd) {
+      dim = d;
+      whole = split->self_sym_sizes[d];
+    }
+  };
+  if (auto* s = dynamic_cast<torch::autograd::generated::SplitBackward0*>(node))
+    read(s);
+  else if (auto* s = dynamic_cast<torch::autograd::generated::SplitWithSizesBackward0*>(node))
+    read(s);
+  const at::Tensor& t0 = inputs[c.inputs[0]];
+  if (dim < 0 || dim != c.dim || dim >= t0.dim() || whole != t0.size(dim) * static_cast<int64_t>(n))
+    return std::nullopt;
+  for (size_t k = 0; k < n; ++k) {
+    const auto e = torch::autograd::impl::gradient_edge(inputs[c.inputs[k]]);
+    if (e.function.get() != node || e.input_nr != k || inputs[c.inputs[k]].sizes() != t0.sizes()) return std::nullopt;
+  }
+  return node->next_edge(0);
+}
 
 std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double> scalars, int64_t key,
                                      c10::string_view digest, c10::string_view ir) {
@@ -276,6 +323,14 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
   if (!found) return hand_over(inputs, scalars, key, digest, ir, true);
   const Launch& l = *found;
   if (l.kind == kPython) return hand_over(inputs, scalars, key, digest, ir, false);
+  std::vector<torch::autograd::Edge> sources;  // per chunked tensor, its edge
+  if (grad) {
+    for (const auto& c : l.backward->chunks) {
+      auto e = chunk_source(c, inputs);
+      if (!e) return hand_over(inputs, scalars, key, digest, ir, false);  // chunks of no one tensor: Python's
+      sources.push_back(std::move(*e));
+    }
+  }
   for (const Limit& lim : l.limits) {
     const double x = scalars[lim.index];
     if (!(lim.lo <= x && x <= lim.hi) && !(lim.nonfinite && !std::isfinite(x)))
@@ -305,7 +360,7 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
     else
       launch_cpu(l, inputs, scalars, outs);
   }
-  if (grad) return record_call(std::move(found), inputs, scalars, std::move(outs));
+  if (grad) return record_call(std::move(found), inputs, scalars, std::move(outs), sources);
   return outs;
 }
 
@@ -389,6 +444,12 @@ struct FusedGroupBackward : public torch::autograd::Node {
         std::optional<at::Tensor> r = out.get(k);
         if (r.has_value()) result[k] = *r;
       }
+      for (size_t c = 0; c < bw->chunks.size(); ++c) {  // the chunked tensors' gradients, last: on their first
+        const auto& ks = bw->chunks[c].inputs;           // chunk's edge (the tensor's)
+        for (int64_t k : ks) result[k] = at::Tensor();
+        std::optional<at::Tensor> r = out.size() > n_t + c ? out.get(n_t + c) : std::nullopt;
+        if (r.has_value()) result[ks[0]] = *r;
+      }
       return result;
     }
     std::vector<at::Tensor> output_grads(n_outputs);
@@ -407,10 +468,12 @@ struct FusedGroupBackward : public torch::autograd::Node {
     }
     static auto group = c10::Dispatcher::singleton().findSchemaOrThrow("fuser::fusion_group", "").typed<GroupOp>();
     auto shaped = [&](int64_t k, at::Tensor g) {
+      bool whole = false;  // a chunked tensor's gradient (a cat output)
+      for (const auto& c : bw->chunks) whole = whole || k == c.inputs[0];
       const c10::IntArrayRef want(sizes[k]);
       // a sum kept as [1, cols] is a view of the shape (as autodiff.input_grads takes it); else eager's sum
-      if (g.sizes() != want) g = g.numel() == c10::multiply_integers(want) && same_dims(g.sizes(), want)
-                                     ? g.reshape(want) : g.sum_to_size(want);
+      if (!whole && g.sizes() != want) g = g.numel() == c10::multiply_integers(want) && same_dims(g.sizes(), want)
+                                               ? g.reshape(want) : g.sum_to_size(want);
       if (g.scalar_type() != options[k].dtype().toScalarType()) g = g.to(options[k].dtype().toScalarType());
       result[k] = std::move(g);
     };
@@ -433,13 +496,21 @@ struct FusedGroupBackward : public torch::autograd::Node {
   }
 };
 
+// sources: per entry of bw.chunks, the edge of the tensor those inputs are the chunks of (chunk_source)
 std::vector<at::Tensor> record_call(std::shared_ptr<const Launch> found, at::TensorList inputs,
-                                    at::ArrayRef<double> scalars, std::vector<at::Tensor> outs) {
+                                    at::ArrayRef<double> scalars, std::vector<at::Tensor> outs,
+                                    const std::vector<torch::autograd::Edge>& sources) {
   const Backward& bw = *found->backward;
   NodePtr node_ptr = make_node<NodePtr, FusedGroupBackward>();
   auto* node = static_cast<FusedGroupBackward*>(node_ptr.get());
   node->bw = found->backward;
-  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  auto edges = torch::autograd::collect_next_edges(inputs);
+  for (size_t c = 0; c < bw.chunks.size(); ++c) {  // fusion_group found the tensors they are chunks of
+    const auto& ks = bw.chunks[c].inputs;
+    edges[ks[0]] = sources[c];
+    for (size_t k = 1; k < ks.size(); ++k) edges[ks[k]] = torch::autograd::Edge();
+  }
+  node->set_next_edges(std::move(edges));
   node->saved.resize(inputs.size());
   node->sizes.reserve(inputs.size());
   node->options.reserve(inputs.size());
@@ -600,6 +671,10 @@ std::shared_ptr<Launch> parse(const std::vector<int64_t>& sig, const std::vector
       const int64_t dim = r.next();
       o.sizes = r.take(dim);
       o.strides = r.take(dim);
+      o.pieces = r.next();
+      o.step = r.next();
+      TORCH_CHECK(o.pieces >= 1 && o.step >= 0, "fuser native record: output pieces");
+      l->n_kernel_outs += o.pieces;
       l->outs.push_back(std::move(o));
     }
     const int64_t n_limits = r.next();
@@ -633,7 +708,7 @@ std::shared_ptr<Launch> parse(const std::vector<int64_t>& sig, const std::vector
       l->vec_off = r.next();
       l->scalars_off = r.next();
       l->align = r.take(r.next());
-      TORCH_CHECK(static_cast<int64_t>(l->align.size()) == l->n_tensors + static_cast<int64_t>(l->outs.size()),
+      TORCH_CHECK(static_cast<int64_t>(l->align.size()) == l->n_tensors + l->n_kernel_outs,
                   "fuser native record: pointers");
       const std::vector<int64_t> bytes = r.take(r.next());
       l->args.assign(bytes.begin(), bytes.end());
@@ -685,6 +760,15 @@ void put_train(int64_t key, c10::string_view digest, std::vector<int64_t> sig, s
   const int64_t n_out = static_cast<int64_t>(l->outs.size());
   for (int64_t k = 0; k < n_out; ++k) bw->differentiable.push_back(static_cast<uint8_t>(r.next() != 0));
   for (int64_t k = 0; k < n_out; ++k) bw->saved_out.push_back(static_cast<uint8_t>(r.next() != 0));
+  const int64_t n_chunked = r.next();
+  for (int64_t c = 0; c < n_chunked; ++c) {
+    Backward::Chunks chunks;
+    chunks.dim = r.next();
+    chunks.inputs = r.take(r.next());
+    TORCH_CHECK(chunks.inputs.size() >= 2, "fuser native record: chunks");
+    for (int64_t k : chunks.inputs) TORCH_CHECK(0 <= k && k < l->n_tensors, "fuser native record: chunk input");
+    bw->chunks.push_back(std::move(chunks));
+  }
   bw->has_group = r.next() != 0;
   if (bw->has_group) {
     bw->bw_key = r.next();

@@ -4,8 +4,9 @@ From what a Python call just did (the executor's geometry for the inputs' signat
 returned), the record holds: the signature to match (per tensor: dtype, device, sizes, strides), the outputs to
 allocate (dtype, sizes, strides: the Python path's own), the float arguments' limits, and the launch: the CPU
 kernel's function, its sizes/strides arrays and whether it draws random numbers, or the CUDA function, grids,
-context and the by-value argument struct's bytes with the offsets of what changes per call. A signature this path
-must not take (a CUDA random kernel, a cat, a group that falls back) gets a record of kind "python", so the hot
+context and the by-value argument struct's bytes with the offsets of what changes per call. A cat's result is
+allocated whole and written through one pointer per piece (its slices, a fixed number of bytes apart). A signature
+this path must not take (a CUDA random kernel, a group that falls back) gets a record of kind "python", so the hot
 path hands it over without asking again.
 """
 from __future__ import annotations
@@ -50,7 +51,7 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     rows = hasattr(geo, "rows")  # a row kernel's geometry (fuser.rows.RowGeometry)
     cols = hasattr(geo, "red")  # a column kernel's (fuser.rows.OuterGeometry): the CPU ones, as a row kernel's
     if kernel is None or not getattr(geo, "hot_path", True) or (  # hot_path False: e.g. a CUDA column kernel's
-            not rows and not cols and (geo.concat is not None or (kernel.random and geo.device.type != "cpu"))) or \
+            not rows and not cols and kernel.random and geo.device.type != "cpu") or \
             len(outputs) != len(kernel.out_dtypes):
         return None
     device = geo.device
@@ -60,8 +61,12 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
         return None
     rec = [KIND_CPU if device.type == "cpu" else KIND_CUDA, geo.red if cols else geo.rows if rows else geo.numel,
            len(outputs)]
-    for o in outputs:
-        rec += [scalar_type(o.dtype), o.dim(), *o.shape, *o.stride()]
+    concat = None if rows or cols else geo.concat
+    kernel_outputs = []  # a cat's result is written as one slice per piece: m pointers, step bytes apart
+    for o, info in zip(outputs, concat or [None] * len(outputs)):
+        m, step = (1, 0) if info is None else (info[2], info[3] * o.stride(info[1]) * o.element_size())
+        rec += [scalar_type(o.dtype), o.dim(), *o.shape, *o.stride(), m, step]
+        kernel_outputs += [o] if info is None else [o.narrow(info[1], j * info[3], info[3]) for j in range(m)]
     limits = kernel.scalar_limits or ()
     rec.append(len(limits))
     floats: list[float] = []
@@ -93,7 +98,7 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
                 struct.vec.offset, struct.scalars.offset, len(geo.vec_align), *geo.vec_align, len(raw), *raw]
         return rec, floats, backend
     loc = cuda_launch.LaunchArgs(backend._struct, backend.vec_align)
-    loc.fill(geo, tensors, scalars, outputs)
+    loc.fill(geo, tensors, scalars, kernel_outputs)
     struct = type(loc.args)
     raw = ctypes.string_at(ctypes.addressof(loc.args), ctypes.sizeof(loc.args))
     ctx = cuda_launch.primary_context_handle(backend.device_index)
@@ -113,9 +118,20 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
     such calls."""
     from .. import autodiff, grad_sums
     diff = autodiff.differentiable_outputs(call, outputs)
-    rec = [int(s) for s in call.saved] + [int(d) for d in diff] + [int(k in call.saved_outputs)
-                                                                    for k in range(len(outputs))]
-    bw = autodiff.backward_for(spec, call.needs, diff, call.sig) if launch is not None else None
+    saved = call.saved
+    chunks = [autodiff.chunk_positions(spec, c) for c in call.chunks]
+    if chunks:  # the Function saves the chunked tensors (last) for their chunks; here the chunks themselves are saved
+        m = len(chunks)
+        saved = list(saved[:-m])
+        for pos, keep in zip(chunks, call.saved[-m:]):
+            for k in pos:
+                saved[k] = keep
+    rec = [int(s) for s in saved] + [int(d) for d in diff] + [int(k in call.saved_outputs)
+                                                               for k in range(len(outputs))]
+    rec.append(len(chunks))
+    for c, pos in zip(call.chunks, chunks):
+        rec += [c[0], len(pos), *pos]
+    bw = autodiff.backward_for(spec, call.needs, diff, call.sig, False, call.chunks) if launch is not None else None
     t_index = autodiff.tensor_index(spec)
     s_index = {j: k for k, j in enumerate(j for j, is_t in enumerate(spec.input_is_tensor) if not is_t)}
     inputs = []
@@ -129,14 +145,15 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
     usable = (bw is not None and bw.spec is not None and not spec.random and not any(bw.grad_unsqueeze or ())
               and not bw.row_length
               and all(piece is None for _, piece in bw.grad_outputs)
-              and all(call.saved[i] for kind, i in inputs if kind == 0) and all(diff[i] for kind, i in inputs if kind == 2)
+              and len(bw.cat_of) == len(chunks)  # (else Python's backward joins the chunks' gradients)
+              and all(saved[i] for kind, i in inputs if kind == 0) and all(diff[i] for kind, i in inputs if kind == 2)
               and all(i in call.saved_outputs for kind, i in inputs if kind == 3))
     fused = None
     if usable:
         shapes = [t.shape for t in tensors]
         full = autodiff._full_shape(spec, tuple(shapes))
         if grad_sums.summed(spec, bw, shapes, full):
-            fused = None if call.columns else grad_sums.fused_plan(
+            fused = None if call.columns or bw.cat_of else grad_sums.fused_plan(
                 spec, bw, _backward_like(inputs, tensors, call.scalars, outputs), shapes, full, call.sig)
             usable = fused is not None
     if not usable:
@@ -178,15 +195,18 @@ def _backward_like(inputs: Sequence[tuple[int, int]], tensors: Sequence[torch.Te
 
 def backward_meta(call, tensors: Sequence[torch.Tensor]) -> list[int]:
     """What ``fusion_group_backward_py`` rebuilds a call from: per group input whether it needs a gradient, then
-    per tensor input its dtype, dim and sizes."""
+    per tensor input its dtype, dim and sizes, then ``call.chunks`` (each: its dim and group inputs)."""
     meta = [len(call.needs), *[int(n) for n in call.needs], len(tensors)]
     for t in tensors:
         meta += [scalar_type(t.dtype), t.dim(), *t.shape]
+    meta.append(len(call.chunks))
+    for dim, pieces in call.chunks:
+        meta += [dim, len(pieces), *pieces]
     return meta
 
 
-def parse_backward_meta(meta: Sequence[int]) -> tuple[tuple, list]:
-    """(needs, per tensor input (dtype, shape)) from :func:`backward_meta`'s list."""
+def parse_backward_meta(meta: Sequence[int]) -> tuple[tuple, list, tuple]:
+    """(needs, per tensor input (dtype, shape), chunks) from :func:`backward_meta`'s list."""
     dtypes = {code: dt for dt, code in _codes.items()}
     n = meta[0]
     needs = tuple(bool(x) for x in meta[1:1 + n])
@@ -198,4 +218,8 @@ def parse_backward_meta(meta: Sequence[int]) -> tuple[tuple, list]:
         code, dim = meta[i], meta[i + 1]
         tensors.append((dtypes[code], torch.Size(meta[i + 2:i + 2 + dim])))
         i += 2 + dim
-    return needs, tensors
+    chunks = []
+    for _ in range(meta[i]):
+        chunks.append((meta[i + 1], tuple(meta[i + 3:i + 3 + meta[i + 2]])))
+        i += 2 + meta[i + 2]
+    return needs, tensors, tuple(chunks)
