@@ -454,8 +454,8 @@ def _norm_args(fn, shape, dtype, wants=(True, True, True)):
     return [a.requires_grad_(want) for a, want in zip(args, wants)]
 
 
-def _check_norm_step(ff, fn, args, gy=None):
-    """One training step of ``ff`` on ``args``; its output and gradients against eager's float64 ones."""
+def _check_step(ff, fn, args, gy=None, tol=None):
+    """One training step of ``ff`` on ``args``: its output and gradients against eager's float64 ones."""
     y = ff(*args)
     gy = torch.randn_like(y) if gy is None else gy
     wanted = [a for a in args if a.requires_grad]
@@ -463,10 +463,10 @@ def _check_norm_step(ff, fn, args, gy=None):
     args64 = [a.detach().double().requires_grad_(a.requires_grad) for a in args]
     y64 = fn(*args64)
     want = torch.autograd.grad(y64, [a for a in args64 if a.requires_grad], gy.double())
-    tol = dict(rtol=1e-10, atol=1e-10) if args[0].dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    tol = tol or (dict(rtol=1e-10, atol=1e-10) if args[0].dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5))
     torch.testing.assert_close(y.double(), y64.detach(), **tol)
     for g, w, a in zip(got, want, wanted):
-        assert g.dtype == a.dtype and g.shape == a.shape
+        assert g.dtype == a.dtype and g.shape == a.shape and g.device == a.device
         torch.testing.assert_close(g.double(), w, rtol=tol["rtol"], atol=tol["atol"] * max(1.0, w.abs().max().item()))
     return y
 
@@ -481,7 +481,7 @@ def test_norm_weight_gradients_are_summed_by_the_native_backward(fn, dtype, monk
     handed = _python_backwards(monkeypatch)
     for step in range(5):
         before, handed_before = _stats()["fused_backwards"], len(handed)
-        y = _check_norm_step(ff, fn, _norm_args(fn, (9, 48), dtype))
+        y = _check_step(ff, fn, _norm_args(fn, (9, 48), dtype))
         if step >= 2:  # (the profiling executor's first calls run unfused)
             assert y.grad_fn.name() == "FusedGroupBackward"
             assert _stats()["fused_backwards"] == before + 1 and len(handed) == handed_before
@@ -498,9 +498,9 @@ def test_native_fused_backward_follows_shapes_dtypes_and_requires_grad(monkeypat
                 ((9, 48), torch.float32, (True, True, True))]
     for shape, dtype, wants in variants:
         for _ in range(3):
-            _check_norm_step(ff, _ln_affine, _norm_args(_ln_affine, shape, dtype, wants))
+            _check_step(ff, _ln_affine, _norm_args(_ln_affine, shape, dtype, wants))
     before = _stats()["fused_backwards"]
-    _check_norm_step(ff, _ln_affine, _norm_args(_ln_affine, (9, 48), torch.float32))
+    _check_step(ff, _ln_affine, _norm_args(_ln_affine, (9, 48), torch.float32))
     assert _stats()["fused_backwards"] == before + 1
 
 
@@ -514,11 +514,11 @@ def test_native_fused_backward_where_its_kernel_does_not_serve(monkeypatch):
     rows = CPU_MAX_SUMMED // 48 + 1
     for _ in range(3):
         before = _stats()["fused_backwards"]
-        _check_norm_step(ff, _ln_affine, _norm_args(_ln_affine, (rows, 48), torch.float32))
+        _check_step(ff, _ln_affine, _norm_args(_ln_affine, (rows, 48), torch.float32))
     assert handed and _stats()["fused_backwards"] == before
     for _ in range(3):
         args = _norm_args(_ln_affine, (9, 48), torch.float32)
-        _check_norm_step(ff, _ln_affine, args, gy=torch.randn(48).expand(9, 48))
+        _check_step(ff, _ln_affine, args, gy=torch.randn(48).expand(9, 48))
 
 
 def test_native_fused_backward_under_create_graph():
@@ -541,13 +541,13 @@ def test_native_fused_backward_from_several_threads():
     """Threads released together on one prepared function: each its own shapes' calls, eager's gradients."""
     ff = fuser.fuse(torch.jit.script(_ln_affine))
     for _ in range(3):
-        _check_norm_step(ff, _ln_affine, _norm_args(_ln_affine, (9, 48), torch.float32))
+        _check_step(ff, _ln_affine, _norm_args(_ln_affine, (9, 48), torch.float32))
     count = iter(range(4))
 
     def work():
         k = next(count)
         for j in range(20):
-            _check_norm_step(ff, _ln_affine, _norm_args(_ln_affine, ((9, 48), (4, 48))[(k + j) % 2], torch.float32))
+            _check_step(ff, _ln_affine, _norm_args(_ln_affine, ((9, 48), (4, 48))[(k + j) % 2], torch.float32))
 
     run_in_threads(4, work)
 
@@ -556,23 +556,6 @@ def test_native_fused_backward_from_several_threads():
 
 def _gelu_two(x, b, c):
     return _gelu_bias(x, b) * c
-
-
-def _check_step(ff, fn, args, gy=None, tol=None):
-    """One training step of ``ff`` on ``args``: its output and gradients against eager's float64 ones."""
-    y = ff(*args)
-    gy = torch.randn_like(y) if gy is None else gy
-    wanted = [a for a in args if a.requires_grad]
-    got = torch.autograd.grad(y, wanted, gy)
-    args64 = [a.detach().double().requires_grad_(a.requires_grad) for a in args]
-    y64 = fn(*args64)
-    want = torch.autograd.grad(y64, [a for a in args64 if a.requires_grad], gy.double())
-    tol = tol or (dict(rtol=1e-10, atol=1e-10) if args[0].dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5))
-    torch.testing.assert_close(y.double(), y64.detach(), **tol)
-    for g, w, a in zip(got, want, wanted):
-        assert g.dtype == a.dtype and g.shape == a.shape and g.device == a.device
-        torch.testing.assert_close(g.double(), w, rtol=tol["rtol"], atol=tol["atol"] * max(1.0, w.abs().max().item()))
-    return y
 
 
 def _args(shapes, dtype, device="cpu", wants=None):
