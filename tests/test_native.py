@@ -625,8 +625,8 @@ def test_native_summed_backward_with_an_output_gradient_of_another_layout():
 
 
 def test_native_summed_backward_under_create_graph(monkeypatch):
-    """A backward autograd records (create_graph) goes to Python's backward, as before: eager's second
-    derivatives."""
+    """A backward autograd records (create_graph: grad mode on in it) runs the plain backward group and sums after
+    it, as Python's backward does, not the column groups: eager's second derivatives."""
     ff = fuser.fuse(torch.jit.script(_gelu_bias))
     for _ in range(4):
         x, b = _args([(7, 48), (48,)], torch.float64)
