@@ -386,16 +386,7 @@ def run(spec: KernelSpec, args: Sequence, rng_state: Optional[list] = None) -> O
         return None
     if spec.has_reduction:
         return geo.run(tensors, scalars)
-    if geo.out_like is not None:
-        empty_like = torch.empty_like
-        outputs = kernel_outputs = [empty_like(tensors[k]) if dt is None else empty_like(tensors[k], dtype=dt)
-                                    for k, dt in geo.out_like]
-    elif geo.concat is None:
-        empty_strided = torch.empty_strided
-        outputs = kernel_outputs = [empty_strided(sz, st, dtype=dt, device=device)
-                                    for sz, st, dt in zip(geo.out_sizes, geo.out_strides, geo.out_dtypes)]
-    else:
-        outputs, kernel_outputs = concat_outputs(geo, device)
+    outputs, kernel_outputs = _allocated(geo, tensors, device)
     if geo.numel == 0:
         return outputs
     if geo.kernel.random:
@@ -432,14 +423,40 @@ def has_kernel(spec: KernelSpec, tensors: Sequence[torch.Tensor], args: Sequence
     """Whether a kernel (not the fallback) serves the group for arguments like ``args`` (tensors ``tensors``):
     their geometry planned and cached now, the kernel compiled, nothing launched. The native hot path asks this
     when it prepares a backward before any backward ran."""
+    return kernel_geometry(spec, tensors, args) is not None
+
+
+def kernel_geometry(spec: KernelSpec, tensors: Sequence[torch.Tensor], args: Sequence):
+    """:func:`has_kernel`'s geometry (planned and cached now), or None where the fallback serves such arguments."""
     try:
         sig = signature(tensors)
     except (AttributeError, RuntimeError, TypeError):
-        return False
+        return None
     geo = spec.geometries.get(sig)
     if geo is None:
         geo = _planned(spec, args, sig)
-    return geo is not None and geo is not _NOT_FUSABLE
+    return None if geo is None or geo is _NOT_FUSABLE else geo
+
+
+def _allocated(geo: Geometry, tensors: Sequence[torch.Tensor], device) -> tuple[list, list]:
+    """A pointwise kernel's outputs for ``tensors``, and the tensors it writes (a cat's pieces)."""
+    if geo.out_like is not None:
+        empty_like = torch.empty_like
+        outputs = [empty_like(tensors[k]) if dt is None else empty_like(tensors[k], dtype=dt)
+                   for k, dt in geo.out_like]
+        return outputs, outputs
+    if geo.concat is None:
+        empty_strided = torch.empty_strided
+        outputs = [empty_strided(sz, st, dtype=dt, device=device)
+                   for sz, st, dt in zip(geo.out_sizes, geo.out_strides, geo.out_dtypes)]
+        return outputs, outputs
+    return concat_outputs(geo, device)
+
+
+def outputs_like(geo: Geometry, tensors: Sequence[torch.Tensor]) -> list:
+    """Outputs like the ones :func:`run` returns for a pointwise kernel's geometry (allocated, not written): the
+    native hot path prepares a backward of several groups with them."""
+    return _allocated(geo, tensors, geo.device)[0]
 
 
 def concat_outputs(geo: Geometry, device) -> tuple[list, list]:

@@ -392,5 +392,56 @@ def fused_plan(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], f
     return fused.spec, takes
 
 
+def split_plan(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: torch.Size,
+               sig: tuple) -> Optional[tuple[list, list]]:
+    """For the native hot path, which prepares a backward before it runs: where :func:`run` would take the split of a
+    pointwise backward (its main group, a group apart, the column groups) for arguments like ``args`` and a kernel
+    serves every part (planned and compiled now; no float argument limits, which would send a call to the old path),
+    (steps, takes); else None (Python's backward decides per call, as before). Steps, in :func:`run`'s order:
+    (group, 0 or 2 for a column group, its inputs as (-1, the backward's argument) or (an earlier step, its output));
+    takes: per forward input with a gradient, (its index, the step, the step's output)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if bw.spec.has_reduction or not tensors:
+        return None
+    dims = plan(spec, bw, shapes, full, sig, args)
+    if dims is None or (bw.spec.key, tuple(shapes), sig, tensors[0].device) in _no_kernel \
+            or _rounded_statistics(spec, bw, dims, sig):
+        return None
+    split = split_for(bw, dims)
+    if split is None:
+        return None
+    steps, made, where = [], {}, {}  # made: step -> its outputs like the real ones; where: ("whole"/"summed", out)
+
+    def add(part: KernelSpec, kind: int, inputs: list) -> bool:
+        part_args = [args[i] if src < 0 else made[src][i] for src, i in inputs]
+        part_tensors = [a for a in part_args if isinstance(a, torch.Tensor)]
+        geo = executor.kernel_geometry(part, part_tensors, part_args)
+        if geo is None or geo.kernel.scalar_limits:
+            return False
+        made[len(steps)] = None if kind else executor.outputs_like(geo, part_tensors)
+        steps.append((part, kind, inputs))
+        return True
+
+    if split.main is not None:
+        if not add(split.main, 0, [(-1, p) for p in split.main_inputs]):
+            return None
+        where.update({("whole", k): (0, r) for r, k in enumerate(split.kept)})
+    if split.apart is not None:
+        if not add(split.apart, 0, [(-1, p) for p in split.apart_inputs]):
+            return None
+        where.update({("whole", k): (len(steps) - 1, r) for r, k in enumerate(split.apart_outputs)})
+    for col in split.columns:
+        if not add(col.spec, 2, [(-1, i) if kind == 0 else (0, i) for kind, i in col.inputs]):
+            return None
+        where.update({("summed", k): (len(steps) - 1, r) for r, k in enumerate(col.sums)})
+    takes = []
+    for j, out, take in _takes(spec, bw, dims, shapes, full):
+        got = where.get(("summed" if take else "whole", out))
+        if got is None:
+            return None
+        takes.append((j, *got))
+    return steps, takes
+
+
 __all__ = ["Column", "Fused", "Split", "column_keys", "fused_for", "fused_keys", "fused_plan", "plan", "run",
-           "split_for", "summed", "summed_dims"]
+           "split_for", "split_plan", "summed", "summed_dims"]

@@ -203,7 +203,7 @@ def test_other_broadcasts_keep_sum_to_size(watch):
         got, want = _fused_and_eager64(case, spec, args, watch)
         _assert_grads(got, want, torch.float64)
         # one column group per summed dims: w's, and c's where it is summed over dim 0
-        assert len(watch.columns) == (1 if want_dims[1] is None else 2)
+        assert watch.took()[1] == (1 if want_dims[1] is None else 2)
         assert watch.sum_to_size == (1 if want_dims[1] is None else 0)
 
 
@@ -286,13 +286,14 @@ def _bias_gelu_mlp(x, w, c):
 
 
 def test_the_pass_and_the_native_hot_path_sum_with_the_column_kernel(watch):
-    """gelu(x @ w + c) * 2 through the TorchScript pass: the repeated calls the native hot path serves hand the
-    backward to Python, which sums c's gradient with the column kernel; eager's gradients every call."""
+    """gelu(x @ w + c) * 2 through the TorchScript pass: the repeated calls the native hot path serves run the
+    backward's main group and the column kernel that sums c's gradient in its own backward; eager's gradients every
+    call."""
     for step, y, args, gy, got in scripted_training_steps(
             _bias_gelu_mlp, lambda: _leaves([torch.randn(33, 16), torch.randn(16, 24) / 4, torch.randn(24)]), watch):
         if step >= 2:  # (the profiling executor's first calls run unfused)
             assert y.grad_fn.name() in FUSED_BACKWARD
-            assert len(watch.columns) == 1 and watch.sum_to_size == 0, step
+            assert watch.took()[1] == 1 and watch.sum_to_size == 0, step
         want = torch.autograd.grad(_bias_gelu_mlp(*args), args, gy)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

@@ -488,8 +488,8 @@ def _norm_args(fn, shape, dtype, wants=(True, True, True)):
     return [a.requires_grad_(want) for a, want in zip(args, wants)]
 
 
-def _check_norm_step(ff, fn, args, gy=None):
-    """One training step of ``ff`` on ``args``; its output and gradients against eager's float64 ones."""
+def _check_step(ff, fn, args, gy=None, tol=None):
+    """One training step of ``ff`` on ``args``: its output and gradients against eager's float64 ones."""
     y = ff(*args)
     gy = torch.randn_like(y) if gy is None else gy
     wanted = [a for a in args if a.requires_grad]
@@ -497,10 +497,10 @@ def _check_norm_step(ff, fn, args, gy=None):
     args64 = [a.detach().double().requires_grad_(a.requires_grad) for a in args]
     y64 = fn(*args64)
     want = torch.autograd.grad(y64, [a for a in args64 if a.requires_grad], gy.double())
-    tol = dict(rtol=1e-10, atol=1e-10) if args[0].dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    tol = tol or (dict(rtol=1e-10, atol=1e-10) if args[0].dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5))
     torch.testing.assert_close(y.double(), y64.detach(), **tol)
     for g, w, a in zip(got, want, wanted):
-        assert g.dtype == a.dtype and g.shape == a.shape
+        assert g.dtype == a.dtype and g.shape == a.shape and g.device == a.device
         torch.testing.assert_close(g.double(), w, rtol=tol["rtol"], atol=tol["atol"] * max(1.0, w.abs().max().item()))
     return y
 
@@ -515,7 +515,7 @@ def test_norm_weight_gradients_are_summed_by_the_native_backward(fn, dtype, monk
     handed = _python_backwards(monkeypatch)
     for step in range(5):
         before, handed_before = _stats()["fused_backwards"], len(handed)
-        y = _check_norm_step(ff, fn, _norm_args(fn, (9, 48), dtype))
+        y = _check_step(ff, fn, _norm_args(fn, (9, 48), dtype))
         if step >= 2:  # (the profiling executor's first calls run unfused)
             assert y.grad_fn.name() == "FusedGroupBackward"
             assert _stats()["fused_backwards"] == before + 1 and len(handed) == handed_before
@@ -532,9 +532,9 @@ def test_native_fused_backward_follows_shapes_dtypes_and_requires_grad(monkeypat
                 ((9, 48), torch.float32, (True, True, True))]
     for shape, dtype, wants in variants:
         for _ in range(3):
-            _check_norm_step(ff, _ln_affine, _norm_args(_ln_affine, shape, dtype, wants))
+            _check_step(ff, _ln_affine, _norm_args(_ln_affine, shape, dtype, wants))
     before = _stats()["fused_backwards"]
-    _check_norm_step(ff, _ln_affine, _norm_args(_ln_affine, (9, 48), torch.float32))
+    _check_step(ff, _ln_affine, _norm_args(_ln_affine, (9, 48), torch.float32))
     assert _stats()["fused_backwards"] == before + 1
 
 
@@ -548,11 +548,11 @@ def test_native_fused_backward_where_its_kernel_does_not_serve(monkeypatch):
     rows = CPU_MAX_SUMMED // 48 + 1
     for _ in range(3):
         before = _stats()["fused_backwards"]
-        _check_norm_step(ff, _ln_affine, _norm_args(_ln_affine, (rows, 48), torch.float32))
+        _check_step(ff, _ln_affine, _norm_args(_ln_affine, (rows, 48), torch.float32))
     assert handed and _stats()["fused_backwards"] == before
     for _ in range(3):
         args = _norm_args(_ln_affine, (9, 48), torch.float32)
-        _check_norm_step(ff, _ln_affine, args, gy=torch.randn(48).expand(9, 48))
+        _check_step(ff, _ln_affine, args, gy=torch.randn(48).expand(9, 48))
 
 
 def test_native_fused_backward_under_create_graph():
@@ -575,12 +575,121 @@ def test_native_fused_backward_from_several_threads():
     """Threads released together on one prepared function: each its own shapes' calls, eager's gradients."""
     ff = fuser.fuse(torch.jit.script(_ln_affine))
     for _ in range(3):
-        _check_norm_step(ff, _ln_affine, _norm_args(_ln_affine, (9, 48), torch.float32))
+        _check_step(ff, _ln_affine, _norm_args(_ln_affine, (9, 48), torch.float32))
     count = iter(range(4))
 
     def work():
         k = next(count)
         for j in range(20):
-            _check_norm_step(ff, _ln_affine, _norm_args(_ln_affine, ((9, 48), (4, 48))[(k + j) % 2], torch.float32))
+            _check_step(ff, _ln_affine, _norm_args(_ln_affine, ((9, 48), (4, 48))[(k + j) % 2], torch.float32))
 
     run_in_threads(4, work)
+
+
+# ---- broadcast inputs' gradients summed by column groups: the native backward runs the main and column groups
+
+def _gelu_two(x, b, c):
+    return _gelu_bias(x, b) * c
+
+
+def _args(shapes, dtype, device="cpu", wants=None):
+    wants = wants or (True,) * len(shapes)
+    return [torch.randn(s, dtype=dtype, device=device).requires_grad_(w) for s, w in zip(shapes, wants)]
+
+
+# (function, input shapes, column groups per backward: 0 where nothing is summed by one, sum_to_size as before)
+_BROADCASTS = [(_gelu_bias, [(8, 128), (128,)], 1), (_gelu_bias, [(8, 128), (1, 128)], 1),
+               (_gelu_bias, [(4, 8, 16), (1, 1, 1)], 1), (_gelu_bias, [(4, 8, 16), ()], 1),
+               (_gelu_bias, [(8, 128), (8, 1)], 0),  # a column vector: summed over the last dim, not leading
+               (_gelu_two, [(6, 5, 16), (16,), (5, 16)], 2),  # summed over (0, 1) and over (0,): two column groups
+               (_gelu_two, [(6, 5, 16), (16,), (1, 16)], 1)]  # both over (0, 1): one column group, two sums
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", range(len(_BROADCASTS)))
+def test_broadcast_gradients_are_summed_by_the_native_backward(case, dtype, device, monkeypatch):
+    """An input broadcast over leading dims (a bias, a scalar-shaped one, two of them): after the first calls the
+    native node's backward runs the backward's main group and the column groups itself, not Python's backward;
+    eager's gradients on fresh inputs every call."""
+    fn, shapes, n_columns = _BROADCASTS[case]
+    ff = fuser.fuse(torch.jit.script(fn))
+    handed = _python_backwards(monkeypatch)
+    for step in range(5):
+        before, handed_before = _stats(), len(handed)
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else None  # (rounded once, from float)
+        y = _check_step(ff, fn, _args(shapes, dtype, device), tol=tol)
+        if step >= 2:  # (the profiling executor's first calls run unfused)
+            after = _stats()
+            assert y.grad_fn.name() == "FusedGroupBackward" and len(handed) == handed_before
+            assert after["column_sums"] - before["column_sums"] == n_columns
+            assert after["split_backwards"] - before["split_backwards"] == int(n_columns > 0)
+
+
+def test_native_summed_backward_follows_requires_grad_and_shapes(monkeypatch):
+    """The prepared backward is per signature: the bias alone, x alone (nothing summed), c alone, another shape, then
+    the first again, each with eager's gradients, natively; the first keeps its own. The bias alone with c of
+    [5, 16] reads c in its column group, which no column kernel serves (c does not walk the summed dims with one
+    stride): Python's backward runs those, as before."""
+    ff = fuser.fuse(torch.jit.script(_gelu_two))
+    handed = _python_backwards(monkeypatch)
+    shapes = [(6, 5, 16), (16,), (5, 16)]
+    variants = [(shapes, (True, True, True), True), (shapes, (False, True, False), False),
+                ([(6, 5, 16), (16,), (1, 16)], (False, True, False), True), (shapes, (True, False, False), True),
+                (shapes, (False, False, True), True), ([(3, 16), (16,), (16,)], (True, True, True), True),
+                (shapes, (True,) * 3, True)]
+    for s, wants, natively in variants:
+        for step in range(3):
+            handed_before = len(handed)
+            _check_step(ff, _gelu_two, _args(s, torch.float64, wants=wants))
+            if step:
+                assert (len(handed) == handed_before) == natively, (s, wants)
+    before = _stats()
+    _check_step(ff, _gelu_two, _args(shapes, torch.float64))
+    after = _stats()
+    assert after["column_sums"] == before["column_sums"] + 2 and after["split_backwards"] == before["split_backwards"] + 1
+
+
+def test_native_summed_backward_with_an_output_gradient_of_another_layout():
+    """An output gradient that is a stride-0 expansion (not the layout prepared): eager's gradients."""
+    ff = fuser.fuse(torch.jit.script(_gelu_bias))
+    for _ in range(4):
+        _check_step(ff, _gelu_bias, _args([(8, 128), (128,)], torch.float64),
+                    gy=torch.randn(128, dtype=torch.float64).expand(8, 128))
+
+
+def test_native_summed_backward_under_create_graph(monkeypatch):
+    """A backward autograd records (create_graph: grad mode on in it) runs the plain backward group and sums after
+    it, as Python's backward does, not the column groups: eager's second derivatives."""
+    ff = fuser.fuse(torch.jit.script(_gelu_bias))
+    for _ in range(4):
+        x, b = _args([(7, 48), (48,)], torch.float64)
+        gy = torch.randn(7, 48, dtype=torch.float64)
+        before = _stats()["split_backwards"]
+        gx, gb = torch.autograd.grad(ff(x, b), (x, b), gy, create_graph=True)
+        assert _stats()["split_backwards"] == before
+        (ggx,) = torch.autograd.grad((gx * gx).sum() + (gb * gb).sum(), x)
+        xr, br = _fresh([x, b])
+        rx, rb = torch.autograd.grad(_gelu_bias(xr, br), (xr, br), gy, create_graph=True)
+        (rgx,) = torch.autograd.grad((rx * rx).sum() + (rb * rb).sum(), xr)
+        for g, r in [(gx, rx), (gb, rb), (ggx, rgx)]:
+            torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+
+
+def test_native_summed_backward_from_several_threads():
+    """Threads released together on one prepared function: each its own shapes' calls, eager's gradients."""
+    ff = fuser.fuse(torch.jit.script(_gelu_two))
+    shapes = ([(6, 5, 16), (16,), (5, 16)], [(4, 16), (16,), (1, 16)])
+    for s in shapes:
+        for _ in range(3):
+            _check_step(ff, _gelu_two, _args(s, torch.float32))
+    before = _stats()["split_backwards"]
+    count = iter(range(4))
+
+    def work():
+        k = next(count)
+        for j in range(20):
+            _check_step(ff, _gelu_two, _args(shapes[(k + j) % 2], torch.float32))
+
+    run_in_threads(4, work)
+    assert _stats()["split_backwards"] == before + 80

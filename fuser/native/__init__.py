@@ -103,10 +103,10 @@ def offer(key: int, digest: str, spec, args: Sequence, tensors: Sequence[torch.T
         return
     requires = [int(t.requires_grad) for t in tensors]
     if got is None:
-        torch.ops.fuser._native_put_train(key, digest, signature, rec, floats, requires, [], "", "", [])
+        torch.ops.fuser._native_put_train(key, digest, signature, rec, floats, requires, [], "", [], [])
         return
-    bw_rec, bw_digest, fused_digest = record.train_record(spec, call, got, outputs, tensors)
-    torch.ops.fuser._native_put_train(key, digest, signature, rec, floats, requires, bw_rec, bw_digest, fused_digest,
+    bw_rec, bw_digest, step_digests = record.train_record(spec, call, got, outputs, tensors)
+    torch.ops.fuser._native_put_train(key, digest, signature, rec, floats, requires, bw_rec, bw_digest, step_digests,
                                       record.backward_meta(call, tensors))
 
 
@@ -135,12 +135,14 @@ def clear() -> None:
 
 def stats() -> Optional[dict]:
     """Counters of the loaded library: calls served, calls handed over to prepare, calls handed over for Python,
-    prepared signatures, backwards that ran a fused group (weight/bias gradients summed in the row kernel,
-    ``record.train_record``); None when it is not loaded."""
+    prepared signatures, backwards that ran a fused group (weight/bias gradients summed in the row kernel), column
+    groups backwards launched (broadcast inputs' gradients summed apart), backwards that ran such a split
+    (``record.train_record``); None when it is not loaded."""
     if "built" not in _state:
         return None
-    hits, misses, handed, launches, fused = torch.ops.fuser._native_stats()
-    return {"hits": hits, "misses": misses, "handed": handed, "signatures": launches, "fused_backwards": fused}
+    hits, misses, handed, launches, fused, columns, split = torch.ops.fuser._native_stats()
+    return {"hits": hits, "misses": misses, "handed": handed, "signatures": launches, "fused_backwards": fused,
+            "column_sums": columns, "split_backwards": split}
 
 
 settings.on_change.append(clear)

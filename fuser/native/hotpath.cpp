@@ -22,6 +22,7 @@
 
 #include <dlfcn.h>
 
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -55,6 +56,13 @@ struct Limit {
 };
 
 struct Backward;
+
+// One group a summing backward launches (see Backward::steps).
+struct SumStep {
+  int64_t key = 0, kind = 0, n_out = 0;  // kind: 0 a part, 1 a fused row backward, 2 a column group
+  std::string digest;
+  std::vector<std::pair<int64_t, int64_t>> inputs;  // (-1, the backward's input) or (an earlier step, its output)
+};
 
 // One prepared input signature of one group: what to check, what to allocate, what to launch.
 struct Launch {
@@ -108,13 +116,11 @@ struct Backward {
     std::vector<int64_t> inputs;
   };
   std::vector<Chunks> chunks;
-  // where inputs' gradients are summed over the rows (a norm's weight and bias): the backward group with those sums
-  // inside its row kernel (fuser/grad_sums.py's fused form), run when grad mode is off (as Python's backward does);
-  // it reads the inputs above and gives (forward tensor input, its output) pairs
-  bool has_fused = false;
-  int64_t fused_key = 0, fused_n_out = 0;
-  std::string fused_digest;
-  std::vector<std::pair<int64_t, int64_t>> fused_takes;
+  // where inputs' gradients are summed over the rows (a bias, a norm's weight and bias): the groups
+  // fuser/grad_sums.py's run launches instead, run when grad mode is off (as Python's backward does): a row
+  // backward's fused form (the sums inside its row kernel), or a pointwise backward's main group and column groups
+  std::vector<SumStep> steps;
+  std::vector<std::array<int64_t, 3>> step_takes;  // (forward tensor input, step, its output)
 };
 
 constexpr size_t kMaxPerGroup = 64;
@@ -126,7 +132,7 @@ struct Group {
 
 std::shared_mutex table_mutex;
 std::unordered_map<int64_t, Group> table;
-std::atomic<int64_t> n_hits{0}, n_misses{0}, n_handed{0}, n_fused{0};
+std::atomic<int64_t> n_hits{0}, n_misses{0}, n_handed{0}, n_fused{0}, n_columns{0}, n_split{0};
 
 CuLaunch cu_launch = nullptr;
 CuCtxGetCurrent cu_ctx_get_current = nullptr;
@@ -466,31 +472,67 @@ struct FusedGroupBackward : public torch::autograd::Node {
       else
         tensors.push_back(outputs[index]);
     }
-    static auto group = c10::Dispatcher::singleton().findSchemaOrThrow("fuser::fusion_group", "").typed<GroupOp>();
-    auto shaped = [&](int64_t k, at::Tensor g) {
-      bool whole = false;  // a chunked tensor's gradient (a cat output)
-      for (const auto& c : bw->chunks) whole = whole || k == c.inputs[0];
-      const c10::IntArrayRef want(sizes[k]);
-      // a sum kept as [1, cols] is a view of the shape (as autodiff.input_grads takes it); else eager's sum
-      if (!whole && g.sizes() != want) g = g.numel() == c10::multiply_integers(want) && same_dims(g.sizes(), want)
-                                               ? g.reshape(want) : g.sum_to_size(want);
-      if (g.scalar_type() != options[k].dtype().toScalarType()) g = g.to(options[k].dtype().toScalarType());
-      result[k] = std::move(g);
-    };
-    if (bw->has_fused && !c10::GradMode::is_enabled()) {
-      std::vector<at::Tensor> outs = group.call(tensors, floats, bw->fused_key, bw->fused_digest, "");
-      TORCH_CHECK(static_cast<int64_t>(outs.size()) == bw->fused_n_out, "fuser: the fused backward group returned ",
-                  outs.size(), " outputs, expected ", bw->fused_n_out);
-      n_fused.fetch_add(1, std::memory_order_relaxed);
-      for (const auto& [k, r] : bw->fused_takes) shaped(k, outs[r]);
-      for (int64_t k : bw->zero_inputs) result[k] = at::zeros(sizes[k], options[k]);
-      return result;
-    }
-    std::vector<at::Tensor> outs = group.call(tensors, floats, bw->bw_key, bw->bw_digest, "");
+    if (!bw->steps.empty() && !c10::GradMode::is_enabled()) return summed(tensors, floats, std::move(result));
+    std::vector<at::Tensor> outs = group().call(tensors, floats, bw->bw_key, bw->bw_digest, "");
     TORCH_CHECK(outs.size() == bw->grad_inputs.size(), "fuser: the backward group returned ", outs.size(),
                 " gradients, expected ", bw->grad_inputs.size());
-    for (const auto& [k, r] : bw->aliases) shaped(k, outs[r]);
-    for (size_t r = 0; r < outs.size(); ++r) shaped(bw->grad_inputs[r], std::move(outs[r]));
+    for (const auto& [k, r] : bw->aliases) shaped(result, k, outs[r]);
+    for (size_t r = 0; r < outs.size(); ++r) shaped(result, bw->grad_inputs[r], std::move(outs[r]));
+    for (int64_t k : bw->zero_inputs) result[k] = at::zeros(sizes[k], options[k]);
+    return result;
+  }
+
+  static c10::TypedOperatorHandle<GroupOp>& group() {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fuser::fusion_group", "").typed<GroupOp>();
+    return op;
+  }
+
+  // The gradient of tensor input k from a group's output g: of k's shape and dtype.
+  void shaped(variable_list& result, int64_t k, at::Tensor g) const {
+    bool whole = false;  // a chunked tensor's gradient (a cat output)
+    for (const auto& c : bw->chunks) whole = whole || k == c.inputs[0];
+    const c10::IntArrayRef want(sizes[k]);
+    // a sum kept as [1, cols] is a view of the shape (as autodiff.input_grads takes it); else eager's sum
+    if (!whole && g.sizes() != want) g = g.numel() == c10::multiply_integers(want) && same_dims(g.sizes(), want)
+                                             ? g.reshape(want) : g.sum_to_size(want);
+    if (g.scalar_type() != options[k].dtype().toScalarType()) g = g.to(options[k].dtype().toScalarType());
+    result[k] = std::move(g);
+  }
+
+  // The backward whose summed gradients grad_sums.run computes: its steps (``bw_tensors``, ``bw_floats``: the
+  // backward group's arguments, in bw->inputs' order), each through fuser::fusion_group.
+  variable_list summed(const std::vector<at::Tensor>& bw_tensors, const std::vector<double>& bw_floats,
+                       variable_list result) const {
+    std::vector<int64_t> tensor_at(bw->inputs.size()), float_at(bw->inputs.size());  // per backward argument
+    for (size_t i = 0, t = 0, f = 0; i < bw->inputs.size(); ++i) {
+      if (bw->inputs[i].first == 1) {
+        tensor_at[i] = -1;
+        float_at[i] = static_cast<int64_t>(f++);
+      } else {
+        tensor_at[i] = static_cast<int64_t>(t++);
+      }
+    }
+    std::vector<std::vector<at::Tensor>> outs(bw->steps.size());
+    for (size_t s = 0; s < bw->steps.size(); ++s) {
+      const SumStep& step = bw->steps[s];
+      std::vector<at::Tensor> tensors;
+      std::vector<double> floats;
+      for (const auto& [src, i] : step.inputs) {
+        if (src >= 0)
+          tensors.push_back(outs[src][i]);
+        else if (tensor_at[i] >= 0)
+          tensors.push_back(bw_tensors[tensor_at[i]]);
+        else
+          floats.push_back(bw_floats[float_at[i]]);
+      }
+      outs[s] = group().call(tensors, floats, step.key, step.digest, "");
+      TORCH_CHECK(static_cast<int64_t>(outs[s].size()) == step.n_out, "fuser: a summing backward group returned ",
+                  outs[s].size(), " outputs, expected ", step.n_out);
+      if (step.kind == 1) n_fused.fetch_add(1, std::memory_order_relaxed);
+      if (step.kind == 2) n_columns.fetch_add(1, std::memory_order_relaxed);
+    }
+    if (bw->steps.size() > 1 || bw->steps[0].kind != 1) n_split.fetch_add(1, std::memory_order_relaxed);
+    for (const auto& [k, s, r] : bw->step_takes) shaped(result, k, outs[s][r]);
     for (int64_t k : bw->zero_inputs) result[k] = at::zeros(sizes[k], options[k]);
     return result;
   }
@@ -743,7 +785,7 @@ void put(int64_t key, c10::string_view digest, std::vector<int64_t> sig, std::ve
 // differentiable outputs, saved outputs, then whether a backward group is prepared, its inputs and outputs; see record.py).
 void put_train(int64_t key, c10::string_view digest, std::vector<int64_t> sig, std::vector<int64_t> rec,
                std::vector<double> floats, std::vector<int64_t> grads, std::vector<int64_t> bw_rec,
-               c10::string_view bw_digest, c10::string_view fused_digest, std::vector<int64_t> py_meta) {
+               c10::string_view bw_digest, std::vector<std::string> step_digests, std::vector<int64_t> py_meta) {
   auto l = parse(sig, rec, floats);
   TORCH_CHECK(static_cast<int64_t>(grads.size()) == l->n_tensors, "fuser native record: requires_grad");
   l->requires_grad.assign(grads.begin(), grads.end());
@@ -798,18 +840,31 @@ void put_train(int64_t key, c10::string_view digest, std::vector<int64_t> sig, s
                   "fuser native record: gradient alias");
       bw->aliases.emplace_back(k, out);
     }
-    bw->has_fused = r.next() != 0;
-    if (bw->has_fused) {
-      bw->fused_key = r.next();
-      bw->fused_digest = std::string(fused_digest);
-      bw->fused_n_out = r.next();
-      const int64_t n_takes = r.next();
-      for (int64_t j = 0; j < n_takes; ++j) {
-        const int64_t k = r.next(), out = r.next();
-        TORCH_CHECK(0 <= k && k < l->n_tensors && 0 <= out && out < bw->fused_n_out,
-                    "fuser native record: fused gradient");
-        bw->fused_takes.emplace_back(k, out);
+    const int64_t n_steps = r.next();
+    TORCH_CHECK(n_steps == 0 || static_cast<int64_t>(step_digests.size()) == n_steps,
+                "fuser native record: step digests");
+    for (int64_t s = 0; s < n_steps; ++s) {
+      SumStep step;
+      step.key = r.next();
+      step.kind = r.next();
+      step.digest = step_digests[s];
+      step.n_out = r.next();
+      const int64_t n_in = r.next();
+      for (int64_t j = 0; j < n_in; ++j) {
+        const int64_t src = r.next(), i = r.next();
+        TORCH_CHECK(src < 0 ? 0 <= i && i < static_cast<int64_t>(bw->inputs.size())
+                            : src < s && 0 <= i && i < bw->steps[src].n_out,
+                    "fuser native record: step input");
+        step.inputs.emplace_back(src < 0 ? -1 : src, i);
       }
+      bw->steps.push_back(std::move(step));
+    }
+    const int64_t n_takes = n_steps ? r.next() : 0;
+    for (int64_t j = 0; j < n_takes; ++j) {
+      const int64_t k = r.next(), s = r.next(), out = r.next();
+      TORCH_CHECK(0 <= k && k < l->n_tensors && 0 <= s && s < n_steps && 0 <= out && out < bw->steps[s].n_out,
+                  "fuser native record: summed gradient");
+      bw->step_takes.push_back({k, s, out});
     }
   }
   TORCH_CHECK(r.i == bw_rec.size(), "fuser native record: trailing backward values");
@@ -826,7 +881,7 @@ std::vector<int64_t> stats() {
   std::shared_lock<std::shared_mutex> lock(table_mutex);
   int64_t launches = 0;
   for (const auto& kv : table) launches += static_cast<int64_t>(kv.second.launches.size());
-  return {n_hits.load(), n_misses.load(), n_handed.load(), launches, n_fused.load()};
+  return {n_hits.load(), n_misses.load(), n_handed.load(), launches, n_fused.load(), n_columns.load(), n_split.load()};
 }
 
 }  // namespace
@@ -834,7 +889,7 @@ std::vector<int64_t> stats() {
 TORCH_LIBRARY_FRAGMENT(fuser, m) {
   m.def("_native_put(int key, str digest, int[] sig, int[] rec, float[] floats) -> ()", &put);
   m.def("_native_put_train(int key, str digest, int[] sig, int[] rec, float[] floats, int[] grads, int[] bw, "
-        "str bw_digest, str fused_digest, int[] py_meta) -> ()", &put_train);
+        "str bw_digest, str[] step_digests, int[] py_meta) -> ()", &put_train);
   m.def("_native_clear() -> ()", &clear);
   m.def("_native_stats() -> int[]", &stats);
   m.def("_native_scalar_type(ScalarType dtype) -> int",

@@ -109,13 +109,14 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
 
 
 def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Tensor],
-                 tensors: Sequence[torch.Tensor]) -> tuple[list[int], str, str]:
+                 tensors: Sequence[torch.Tensor]) -> tuple[list[int], str, list[str]]:
     """For a call autograd records (``autodiff.prepare_call``'s ``call``) on ``tensors``: (backward record, backward
-    group's digest, fused group's digest) for ``hotpath.cpp``'s ``put_train``; the backward group is the one of the
-    pattern where every differentiable output gets a gradient. Where an input's gradient is summed over the rows
-    (``fuser/grad_sums.py``), a CPU row backward's fused form (the sums inside its row kernel) is recorded beside
-    it when its kernel serves these shapes, for backwards that run without grad mode; else Python's backward runs
-    such calls."""
+    group's digest, the summing steps' digests) for ``hotpath.cpp``'s ``put_train``; the backward group is the one
+    of the pattern where every differentiable output gets a gradient. Where an input's gradient is summed over the
+    rows (``fuser/grad_sums.py``), the groups ``grad_sums.run`` would launch for these shapes are recorded beside it
+    as steps, when kernels serve them all, for backwards that run without grad mode: a CPU row backward's fused form
+    (the sums inside its row kernel), or a pointwise backward's split (its main group, then the column groups); else
+    Python's backward runs such calls."""
     from .. import autodiff, grad_sums
     diff = autodiff.differentiable_outputs(call, outputs)
     saved = call.saved
@@ -148,28 +149,42 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
               and len(bw.cat_of) == len(chunks)  # (else Python's backward joins the chunks' gradients)
               and all(saved[i] for kind, i in inputs if kind == 0) and all(diff[i] for kind, i in inputs if kind == 2)
               and all(i in call.saved_outputs for kind, i in inputs if kind == 3))
-    fused = None
+    steps = None
     if usable:
         shapes = [t.shape for t in tensors]
         full = autodiff._full_shape(spec, tuple(shapes))
         if grad_sums.summed(spec, bw, shapes, full):
-            fused = None if call.columns or bw.cat_of else grad_sums.fused_plan(
-                spec, bw, _backward_like(inputs, tensors, call.scalars, outputs), shapes, full, call.sig)
-            usable = fused is not None
+            steps = None if call.columns or bw.cat_of else _summing_steps(spec, bw, _backward_like(
+                inputs, tensors, call.scalars, outputs), shapes, full, call.sig)
+            usable = steps is not None
     if not usable:
         rec.append(0)
-        return rec, "", ""
+        return rec, "", []
     rec += [1, bw.spec.key, len(inputs), *[x for pair in inputs for x in pair],
             len(bw.grad_inputs), *[t_index[j] for j in bw.grad_inputs],
             len(bw.zero_inputs), *[t_index[j] for j in bw.zero_inputs],
             len(bw.aliases), *[x for j, k in bw.aliases for x in (t_index[j], k)]]
-    if fused is None:
+    if steps is None:
         rec.append(0)
-        return rec, bw.spec.digest, ""
-    fused_spec, takes = fused
-    rec += [1, fused_spec.key, len(fused_spec.group.outputs), len(takes),
-            *[x for j, position in takes for x in (t_index[j], position)]]
-    return rec, bw.spec.digest, fused_spec.digest
+        return rec, bw.spec.digest, []
+    parts, takes = steps
+    rec.append(len(parts))
+    for part, kind, part_inputs in parts:
+        rec += [part.key, kind, len(part.group.outputs), len(part_inputs), *[x for pair in part_inputs for x in pair]]
+    rec += [len(takes), *[x for j, step, out in takes for x in (t_index[j], step, out)]]
+    return rec, bw.spec.digest, [part.digest for part, _, _ in parts]
+
+
+def _summing_steps(spec, bw, args: list, shapes, full, sig) -> Optional[tuple[list, list]]:
+    """``grad_sums``' launches for a backward that sums inputs' gradients, as steps (group, kind: 0 a part, 1 a fused
+    row backward, 2 a column group; inputs as (-1, backward argument) or (step, output)) and takes (forward input,
+    step, output); None where Python's backward must decide per call."""
+    from .. import grad_sums
+    fused = grad_sums.fused_plan(spec, bw, args, shapes, full, sig)
+    if fused is not None:
+        fused_spec, takes = fused
+        return [(fused_spec, 1, [(-1, p) for p in range(len(args))])], [(j, 0, out) for j, out in takes]
+    return grad_sums.split_plan(spec, bw, args, shapes, full, sig)
 
 
 def _backward_like(inputs: Sequence[tuple[int, int]], tensors: Sequence[torch.Tensor], scalars: Sequence[float],
