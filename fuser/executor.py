@@ -419,15 +419,10 @@ def _planned(spec: KernelSpec, args: Sequence, sig: tuple):
     return geo
 
 
-def has_kernel(spec: KernelSpec, tensors: Sequence[torch.Tensor], args: Sequence) -> bool:
-    """Whether a kernel (not the fallback) serves the group for arguments like ``args`` (tensors ``tensors``):
-    their geometry planned and cached now, the kernel compiled, nothing launched. The native hot path asks this
-    when it prepares a backward before any backward ran."""
-    return kernel_geometry(spec, tensors, args) is not None
-
-
 def kernel_geometry(spec: KernelSpec, tensors: Sequence[torch.Tensor], args: Sequence):
-    """:func:`has_kernel`'s geometry (planned and cached now), or None where the fallback serves such arguments."""
+    """The geometry of arguments like ``args`` (tensors ``tensors``) where a kernel (not the fallback) serves the
+    group, planned and cached now, the kernel compiled, nothing launched; else None. The native hot path asks this
+    when it prepares a backward before any backward ran."""
     try:
         sig = signature(tensors)
     except (AttributeError, RuntimeError, TypeError):

@@ -384,9 +384,11 @@ def fused_plan(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], f
     if dims is None or (bw.spec.key, tuple(shapes), sig, tensors[0].device) in _no_fused:
         return None
     fused = fused_for(bw, dims)
-    if fused is None or len(fused.spec.group.inputs) != len(args) or not executor.has_kernel(fused.spec, tensors, args):
+    if fused is None or len(fused.spec.group.inputs) != len(args) or \
+            executor.kernel_geometry(fused.spec, tensors, args) is None:
         return None
-    takes = [(j, (fused.summed if take else fused.whole)[out]) for j, out, take in _takes(spec, bw, dims, shapes, full)]
+    takes = [(j, (fused.summed if take else fused.whole)[out])
+             for j, out, take in _takes(spec, bw, dims, shapes, full)]
     if any(position is None for _, position in takes):
         return None
     return fused.spec, takes

@@ -70,12 +70,15 @@ class _Gen:
         names = self.offset_names if names is None else names
         if not names:
             return ""
-        divide = ("fz_div(r, args.magic[d], args.shift[d])" if self.options.index32 else "r / args.sizes[d]")
         return template.substitute(
-            index=index, unroll=unroll, divide=divide,
+            index=index, unroll=unroll, divide=self.divide_by_size(),
             decls=", ".join(f"{name} = 0" for name in names),
             accumulate="\n".join(f"          {name} += m * {stride_ref(j, name)};" for j, name in enumerate(names)),
             max_dims=cuda_t.MAX_DIMS)
+
+    def divide_by_size(self) -> str:
+        """``r / args.sizes[d]`` in the kernel: by the launcher's magic numbers where the index is 32 bits."""
+        return "fz_div(r, args.magic[d], args.shift[d])" if self.options.index32 else "r / args.sizes[d]"
 
     @staticmethod
     def block(lines: list[str], indent: str) -> str:
@@ -206,12 +209,12 @@ class CudaGen(_Gen):
         if self.options.index32:  # the tile counts' dividers once per thread, the sizes' from the launcher
             dividers = ("    unsigned int ma, sha, mb, shb;\n"
                         "    fz_divider((unsigned int)ta, ma, sha);\n    fz_divider((unsigned int)tb, mb, shb);\n")
-            div = {"div_ta": "fz_div(r, ma, sha)", "div_tb": "fz_div(r, mb, shb)",
-                   "div_d": "fz_div(r, args.magic[d], args.shift[d])"}
+            div = {"div_ta": "fz_div(r, ma, sha)", "div_tb": "fz_div(r, mb, shb)"}
         else:
-            dividers, div = "", {"div_ta": "r / ta", "div_tb": "r / tb", "div_d": "r / args.sizes[d]"}
+            dividers, div = "", {"div_ta": "r / ta", "div_tb": "r / tb"}
         return cuda_t.TILED_LOOP.substitute(
-            dividers=dividers, **div, rows=self.options.block_size // 32, tile_a=cuda_t.TILE_A, tiles=self.block(tiles, "    "),
+            dividers=dividers, div_d=self.divide_by_size(), **div, rows=self.options.block_size // 32,
+            tile_a=cuda_t.TILE_A, tiles=self.block(tiles, "    "),
             bases=", ".join(f"base{j} = 0" for j in row.values()),
             accumulate="\n".join(f"            base{j} += m * args.strides[{j}][d];" for j in row.values()),
             corner="\n".join(f"        base{j} += b0 * args.strides[{j}][bd] + a0 * args.strides[{j}][ad];"
