@@ -34,6 +34,15 @@ FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 REGISTER_ITEMS = 32  # 32-bit registers a CUDA thread gives to the row elements it holds
 MAX_TPR = 1024  # CUDA threads a row at most (a block's)
 MIN_TPR = 4
+# A CUDA row kernel with column sums (a norm's backward summing its weight's and bias's gradients) runs on one wave
+# of blocks that grid-stride over the rows, so its rows overlap only across the blocks an SM holds: it takes fewer
+# threads a row (at most SUMS_MAX_TPR) and more registers a thread (SUMS_REGISTER_ITEMS row values), so that the row
+# is held (x and dy read once) and several blocks share an SM. H100, 16384 x 4096 float32, layer_norm(x) * w + b
+# backward kernel, 639 us with the defaults (1024 threads a row, the row read again by each pass), 498 us with 64
+# values a thread (512 threads, held), 368 us with these (256 threads, 16 values); bfloat16 315 -> 260 us; rms_norm
+# and rows of 512 the same or faster (torch.profiler kernel times, one process per setting, same run)
+SUMS_REGISTER_ITEMS = 128
+SUMS_MAX_TPR = 256
 # Column sums in a CPU row kernel add each row's values into a partial row in memory, a vector store per vector of
 # each sum on top of the row's own stores, where a column kernel keeps its sums in registers and reads x and dy
 # again from the cache. Measured (2-core EPYC, one thread, layer_norm(x) * w + b backward, medians): [8 x 4096] 36
@@ -68,17 +77,18 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def register_items(block: int, wide: bool) -> int:
+def register_items(block: int, wide: bool, cap: int = REGISTER_ITEMS) -> int:
     """Row elements a CUDA thread may keep in registers at once in a block of ``block`` threads: what the register
     file leaves each thread (64K registers a block's share, 255 at most) less about 40 for the rest of the
     kernel, at most 32; halved for 8-byte values. (H100, one run each: 32 elements a thread in 128-thread blocks
     took 128-168 registers without spilling; launch bounds asking for 768 or 1024 resident threads an SM made
     softmax faster and layer_norm slower, through spills: the kernel leaves the registers to the compiler.)"""
     regs = min(255, 65536 // block) - 40
-    return max(4, min(REGISTER_ITEMS, 1 << (regs.bit_length() - 1))) // (2 if wide else 1)
+    return max(4, min(cap, 1 << (regs.bit_length() - 1))) // (2 if wide else 1)
 
 
-def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0) -> CudaShape:
+def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0, cap: int = REGISTER_ITEMS,
+               max_tpr: int = MAX_TPR) -> CudaShape:
     """The :class:`CudaShape` for rows of ``cols`` elements; ``sizes``: the element sizes of the tensor inputs and
     outputs; ``width``: the most row values a pass holds per element (``pass_width``), ``first_loads``: the inputs
     the first pass loads, all before it computes (counted where a block's registers are few: 512 threads or
@@ -93,12 +103,12 @@ def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0
     wide = widest == 8
     vec16 = max(1, 16 // widest)
     for vec in (vec16, vec16 // 2) if vec16 >= 4 else (vec16,):
-        top = min(MAX_TPR, max(MIN_TPR, _pow2_at_least(-(-cols // vec))))
+        top = min(max_tpr, max(MIN_TPR, _pow2_at_least(-(-cols // vec))))
         tpr = MIN_TPR
         while tpr <= top:
             items = max(vec, _pow2_at_least(-(-cols // tpr)))
             need = items * max(width, first_loads if max(tpr, 128) >= 512 else 0)
-            if tpr * items >= cols and need <= register_items(max(tpr, 128), wide):
+            if tpr * items >= cols and need <= register_items(max(tpr, 128), wide, cap):
                 return CudaShape(tpr, items, vec, True, cols == tpr * items)
             tpr *= 2
     per = register_items(MAX_TPR, wide) // width
@@ -503,7 +513,8 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
         dts = [t.dtype for t in tensors] + out_dtypes
         sizes = [torch.empty((), dtype=dt).element_size() for dt in dts]
         width, first = pass_width(group, True)
-        cuda_sh = cuda_shape(cols, sizes, width + len(sums), first)  # (a column sum's registers: a held value's)
+        cuda_sh = cuda_shape(cols, sizes, width + len(sums), first,  # (a column sum's registers: a held value's)
+                             *((SUMS_REGISTER_ITEMS, SUMS_MAX_TPR) if sums else ()))
         if not cuda_sh.held:  # each pass loads what it reads
             cuda_sh = cuda_shape(cols, sizes, pass_width(group, False)[0] + len(sums))
             if sums and cols > cuda_sh.tpr * cuda_sh.items:
