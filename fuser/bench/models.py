@@ -13,7 +13,9 @@ with its defaults, i.e. NNC on CUDA), ``fuser`` (``torch.jit.trace`` under ``fus
 Method: each system's first call is checked against eager's output (max abs error relative to max |eager|)
 and timed (fuser's includes its kernel builds); then warm-up calls past the profiling executor's profiled
 runs and for ``warmup_s`` more; then ``runs`` single forwards, each timed by CUDA events around it (CPU:
-time.perf_counter), reported as the median in ms per forward. fuser's row also gives its fusion groups. On a
+time.perf_counter), in ``rounds`` rounds that take each system in turn (these forwards are host-bound, and the
+machines' host speed drifts over minutes: timed one system after another, the same code moved 30-60% between
+runs), reported as the median in ms per forward. fuser's row also gives its fusion groups. On a
 shared CPU, run with ``OMP_NUM_THREADS=1``: intra-op threads beyond the CPU quota stall for whole scheduler
 periods (about 100 ms), which swamps millisecond forwards.
 """
@@ -43,10 +45,11 @@ class Timing:
     warmup: int
     warmup_s: float
     runs: int
+    rounds: int
 
 
-FULL = Timing(warmup=max(5, _PROFILED_RUNS + 3), warmup_s=1.0, runs=30)
-QUICK = Timing(warmup=max(3, _PROFILED_RUNS + 2), warmup_s=0.05, runs=5)
+FULL = Timing(warmup=max(5, _PROFILED_RUNS + 3), warmup_s=1.0, runs=60, rounds=6)
+QUICK = Timing(warmup=max(3, _PROFILED_RUNS + 2), warmup_s=0.05, runs=6, rounds=2)
 
 
 class _ReturnTuple(torch.nn.Module):
@@ -101,28 +104,28 @@ def build(name: str, small: bool, device: torch.device, dtype: torch.dtype) -> t
 
 
 @contextlib.contextmanager
-def system(name: str, model: torch.nn.Module, inputs: tuple) -> Iterator[Callable]:
-    """The callable ``name`` makes of ``model`` (traced on ``inputs`` where it traces), with that system's
-    settings in effect while the caller times it."""
+def _installed() -> Iterator[None]:
+    fuser.install()
+    try:
+        yield
+    finally:
+        fuser.uninstall()
+
+
+def make(name: str, model: torch.nn.Module, inputs: tuple) -> tuple[Callable, Callable]:
+    """(the callable ``name`` makes of ``model``, traced on ``inputs`` where it traces; a factory of the context
+    that system's calls run in: fuser's calls run installed, the others' not, so that NNC takes only ts_nnc's)."""
     if name == "eager":
-        yield model
-    elif name == "ts_nnc":
-        yield torch.jit.trace(model, inputs, check_trace=False)
-    elif name == "fuser":
-        fuser.install()
+        return model, contextlib.nullcontext
+    if name == "ts_nnc":
+        return torch.jit.trace(model, inputs, check_trace=False), contextlib.nullcontext
+    if name == "fuser":
         fuser.native.ensure(block=True)  # steady state: the hot path loaded (a first build runs in a thread)
-        try:
-            yield torch.jit.trace(model, inputs, check_trace=False)
-        finally:
-            fuser.uninstall()
-    elif name == "compile":
-        torch._dynamo.reset()
-        try:
-            yield torch.compile(model)
-        finally:
-            torch._dynamo.reset()
-    else:
-        raise ValueError(f"unknown system {name!r} (choose from {', '.join(SYSTEMS)})")
+        with _installed():
+            return torch.jit.trace(model, inputs, check_trace=False), _installed
+    if name == "compile":
+        return torch.compile(model), contextlib.nullcontext
+    raise ValueError(f"unknown system {name!r} (choose from {', '.join(SYSTEMS)})")
 
 
 def _tensors(out) -> list[torch.Tensor]:
@@ -143,8 +146,8 @@ def rel_error(out, ref) -> float:
     return worst
 
 
-def time_forward_ms(fn: Callable, inputs: tuple, device: torch.device, timing: Timing) -> list[float]:
-    """Per run: one forward, timed by CUDA events around it (CPU: perf_counter), in ms."""
+def warm_up(fn: Callable, inputs: tuple, device: torch.device, timing: Timing) -> None:
+    """Calls past the profiling executor's profiled runs, then for ``timing.warmup_s`` more."""
     for _ in range(timing.warmup):
         fn(*inputs)
     _sync(device)
@@ -152,7 +155,6 @@ def time_forward_ms(fn: Callable, inputs: tuple, device: torch.device, timing: T
     while time.perf_counter() - t0 < timing.warmup_s:
         fn(*inputs)
         _sync(device)
-    return [elapsed_ms(lambda: fn(*inputs), device) for _ in range(timing.runs)]
 
 
 def _n_groups(fn) -> Optional[int]:
@@ -163,28 +165,57 @@ def _n_groups(fn) -> Optional[int]:
     return sum(1 for n in graph_fuser._all_nodes(graph.block()) if n.kind() == "fuser::fusion_group")
 
 
-def run_cell(name: str, system_name: str, small: bool, device: torch.device, dtype: torch.dtype,
-             timing: Timing, ref) -> dict:
-    """One (model, system): first call (checked against ``ref``), median ms per forward, fuser's groups; or the
-    error it raised."""
-    cell = {"model": name, "system": system_name}
-    try:
-        model, inputs = build(name, small, device, dtype)
-        with torch.no_grad(), system(system_name, model, inputs) as fn:
-            _sync(device)
-            t = time.perf_counter()
-            out = fn(*inputs)
-            _sync(device)
-            cell["first_call_ms"] = (time.perf_counter() - t) * 1e3
-            cell["rel_error"] = rel_error(out, ref) if ref is not None else 0.0
-            samples = time_forward_ms(fn, inputs, device, timing)
-            cell["ms"] = statistics.median(samples)
-            cell["samples_ms"] = samples
-            if system_name == "fuser":
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+
+
+def run_model(name: str, systems: list[str], small: bool, device: torch.device, dtype: torch.dtype,
+              timing: Timing) -> list[dict]:
+    """One model under every system: each its own copy of the model, its first call (checked against eager's
+    output) and warm-up; then ``timing.rounds`` rounds that time ``timing.runs // timing.rounds`` single forwards
+    of each system in turn (so that a slow spell of the machine falls on every system alike); per system the
+    median ms per forward, fuser's groups; or the error a system raised."""
+    torch._dynamo.reset()
+    model, inputs = build(name, small, device, dtype)
+    with torch.no_grad():
+        ref = model(*inputs)
+    cells, live = {}, {}
+    for s in systems:
+        cell = cells[s] = {"model": name, "system": s}
+        t0 = time.perf_counter()
+        try:
+            m, inp = (model, inputs) if s == "eager" else build(name, small, device, dtype)
+            with torch.no_grad():
+                fn, settings = make(s, m, inp)
+                with settings():
+                    _sync(device)
+                    t = time.perf_counter()
+                    out = fn(*inp)
+                    _sync(device)
+                    cell["first_call_ms"] = (time.perf_counter() - t) * 1e3
+                    cell["rel_error"] = rel_error(out, ref)
+                    warm_up(fn, inp, device, timing)
+            live[s] = (fn, inp, settings)
+            if s == "fuser":
                 cell["groups"] = _n_groups(fn)
-    except Exception as e:  # a failing cell records its error; the run goes on
-        cell["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-    return cell
+        except Exception as e:  # a failing system records its error; the run goes on
+            cell["error"] = _error(e)
+        print(f"  {name:<12} {s:<8} {time.perf_counter() - t0:6.1f}s  {cell.get('error', '')}", file=sys.stderr)
+    samples = {s: [] for s in live}
+    for _ in range(timing.rounds):
+        for s, (fn, inp, settings) in list(live.items()):
+            try:
+                with torch.no_grad(), settings():
+                    samples[s] += [elapsed_ms(lambda: fn(*inp), device) for _ in range(timing.runs // timing.rounds)]
+            except Exception as e:
+                cells[s]["error"] = _error(e)
+                del live[s]
+    for s in live:
+        cells[s]["ms"] = statistics.median(samples[s])
+        cells[s]["samples_ms"] = samples[s]
+    live.clear()
+    torch._dynamo.reset()
+    return [cells[s] for s in systems]
 
 
 def _cell_text(cell: dict) -> str:
@@ -221,23 +252,14 @@ def main(args: argparse.Namespace) -> int:
     models = [m for m in MODELS if args.only in m]
     rows, started = [], time.perf_counter()
     for name in models:
-        ref = None
-        for s in ["eager"] + [s for s in systems if s != "eager"]:
-            t0 = time.perf_counter()
-            if s == "eager":
-                model, inputs = build(name, small, device, dtype)
-                with torch.no_grad():
-                    ref = model(*inputs)
-            cell = run_cell(name, s, small, device, dtype, timing, ref)
-            if s in systems:
-                rows.append(cell)
-            print(f"  {name:<12} {s:<8} {time.perf_counter() - t0:6.1f}s  {cell.get('error', '')}", file=sys.stderr)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        rows += run_model(name, systems, small, device, dtype, timing)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     size = "tiny configs, batch 2" if small else "default configs, batch 8 (128 tokens / 224x224)"
     print(f"\n{device_name}, torch {torch.__version__}, {args.dtype}, {size}: ms per forward (median of "
-          f"{timing.runs} {'CUDA-event' if device.type == 'cuda' else 'perf_counter'}-timed runs after warm-up); "
+          f"{timing.runs} {'CUDA-event' if device.type == 'cuda' else 'perf_counter'}-timed forwards after warm-up, in "
+          f"{timing.rounds} rounds over the systems); "
           "(!) marks an output off eager's by more than 1e-3 relative\n")
     print(format_table(rows, systems))
     for r in rows:
