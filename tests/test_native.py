@@ -403,6 +403,45 @@ def test_native_batch_norm_params_equal_the_python_operator(dtype, vec_dtype, af
         torch.ops.fuser.batch_norm_params(x, w, b, torch.randn(4).to(vec_dtype), var)
 
 
+def test_native_batch_norm_params_kept_views_follow_their_vectors():
+    """A repeated call returns the kept views: they alias the vectors (an in-place update of the running statistics
+    shows), a vector replaced by another tensor, of another dtype, or a storage swapped in under the same tensor
+    (``.data =``) gets new views, an input of another rank gets views of its rank, and views autograd records are
+    not kept."""
+    x = torch.randn(2, 5, 3, 4)
+    w, b, mean, var = torch.randn(5), torch.randn(5), torch.randn(5), torch.rand(5) + 0.5
+    first = torch.ops.fuser.batch_norm_params(x, w, b, mean, var)
+    again = torch.ops.fuser.batch_norm_params(x, w, b, mean, var)
+    assert all(a is f for a, f in zip(again, first))  # the kept views themselves
+    _same_views(again, torch.ops.fuser.batch_norm_params_py(x, w, b, mean, var))
+    mean.add_(1.5)  # eval mode keeps the statistics, but a user may set them in place
+    var.mul_(2)
+    _same_views(torch.ops.fuser.batch_norm_params(x, w, b, mean, var),
+                torch.ops.fuser.batch_norm_params_py(x, w, b, mean, var))
+    assert torch.equal(first[2].flatten(), mean) and torch.equal(first[3].flatten(), var)
+    mean2 = mean.clone() + 3  # another tensor in the same slot
+    _same_views(torch.ops.fuser.batch_norm_params(x, w, b, mean2, var),
+                torch.ops.fuser.batch_norm_params_py(x, w, b, mean2, var))
+    w.data = torch.randn(5)  # a new storage under the same tensor
+    _same_views(torch.ops.fuser.batch_norm_params(x, w, b, mean, var),
+                torch.ops.fuser.batch_norm_params_py(x, w, b, mean, var))
+    x3 = torch.randn(2, 5, 7)  # another rank
+    got = torch.ops.fuser.batch_norm_params(x3, w, b, mean, var)
+    assert all(t.shape == (5, 1) for t in got)
+    _same_views(got, torch.ops.fuser.batch_norm_params_py(x3, w, b, mean, var))
+    wd, bd, md, vd = (t.double() for t in (w, b, mean, var))  # another dtype
+    xd = x.double()
+    _same_views(torch.ops.fuser.batch_norm_params(xd, wd, bd, md, vd),
+                torch.ops.fuser.batch_norm_params_py(xd, wd, bd, md, vd))
+    wg = w.detach().clone().requires_grad_()
+    with torch.enable_grad():
+        got = torch.ops.fuser.batch_norm_params(x, wg, b, mean, var)
+        got2 = torch.ops.fuser.batch_norm_params(x, wg, b, mean, var)
+        assert got[0].grad_fn is not None and got[0] is not got2[0]
+        got[0].sum().backward()
+    assert torch.equal(wg.grad, torch.ones(5))
+
+
 def _softmax_written_out(x, bias):
     y = x + bias
     e = torch.exp(y - torch.amax(y, -1, True))
