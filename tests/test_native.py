@@ -698,3 +698,146 @@ def test_native_summed_backward_from_several_threads():
 
     run_in_threads(4, work)
     assert _stats()["split_backwards"] == before + 80
+
+
+# ---- CUDA: the native backward launches the column kernels and the row kernels with column sums itself
+
+def _ln_long(x, w, b):
+    return torch.layer_norm(x, [16384], None, None, 1e-5) * w + b
+
+
+def _rms_long(x, w):
+    return torch.rms_norm(x, [16384], None, 1e-6) * w
+
+
+@pytest.fixture
+def column_sums_setting(monkeypatch):
+    """Sets ``settings.cuda_column_sums`` for a test; the prepared signatures are forgotten before and after (they
+    hold the backward chosen under the setting they were prepared with)."""
+    from fuser import settings
+
+    def choose(value: bool):
+        monkeypatch.setattr(settings, "cuda_column_sums", value)
+        native.clear()
+
+    yield choose
+    native.clear()
+
+
+def _steady(before: dict, after: dict, handed: list, handed_before: int) -> None:
+    """A step the native path served whole: no call handed over (neither to prepare nor for Python), no backward
+    run by Python."""
+    assert after["handed"] == before["handed"] and after["misses"] == before["misses"], (before, after)
+    assert len(handed) == handed_before
+
+
+def _cuda_tol(dtype):
+    return dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else None  # (rounded once, from float)
+
+
+# (function, [rows, cols], whether the fused row kernel can take the sums: the row in one trip; 16384 float32 or
+# bfloat16 elements take several, the plan's bound)
+_CUDA_NORMS = [(_ln_affine, (9, 48), True), (_rms_weight, (9, 48), True), (_ln_affine, (300, 48), True),
+               (_ln_long, (8, 16384), False), (_rms_long, (8, 16384), False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_row", (True, False), ids=("in_row_on", "in_row_off"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", range(len(_CUDA_NORMS)),
+                         ids=[f"{f.__name__}-{r}x{n}" for f, (r, n), _ in _CUDA_NORMS])
+def test_cuda_norm_training_steps_run_natively(case, dtype, in_row, column_sums_setting, monkeypatch):
+    """layer_norm(x) * w + b and rms_norm(x) * w training steps on CUDA: after the first calls the native backward
+    launches the fused row kernel with its partial rows and second kernel (a row of one trip, in-row sums on), or
+    the split (the row kernel, then the column kernel of the weight's and bias's sums; float32), without handing
+    anything to Python; bfloat16 rows whose fused form is off or declined keep Python's backward (their split would
+    round the statistics). Eager's float64 gradients on fresh inputs every call."""
+    fn, shape, one_trip = _CUDA_NORMS[case]
+    column_sums_setting(in_row)
+    ff = fuser.fuse(torch.jit.script(fn))
+    handed = _python_backwards(monkeypatch)
+    fused = in_row and one_trip
+    native_split = not fused and dtype == torch.float32
+    n_params = 1 if fn in (_rms_weight, _rms_long) else 2
+    for step in range(6):
+        args = _args([shape] + [shape[-1:]] * n_params, dtype, "cuda")
+        before, handed_before = _stats(), len(handed)
+        y = _check_step(ff, fn, args, tol=_cuda_tol(dtype))
+        torch.cuda.synchronize()
+        after = _stats()
+        if step < 3:  # (the profiling executor's first calls run unfused; then the steps' groups are prepared)
+            continue
+        assert y.grad_fn.name() == "FusedGroupBackward"
+        grew = {k: after[k] - before[k] for k in ("fused_backwards", "cuda_row_sums", "split_backwards",
+                                                   "column_sums", "cuda_column_kernels")}
+        if fused:
+            _steady(before, after, handed, handed_before)
+            assert grew == dict(fused_backwards=1, cuda_row_sums=1, split_backwards=0, column_sums=0,
+                                cuda_column_kernels=0), grew
+        elif native_split:
+            _steady(before, after, handed, handed_before)
+            assert grew == dict(fused_backwards=0, cuda_row_sums=0, split_backwards=1, column_sums=1,
+                                cuda_column_kernels=1), grew
+        else:
+            assert len(handed) == handed_before + 1 and grew["cuda_row_sums"] == 0, grew
+
+
+def _cuda_broadcast_ids():
+    return [f"{f.__name__}-{'-'.join('x'.join(map(str, s)) or 'scalar' for s in shapes)}" for f, shapes, _ in
+            _BROADCASTS]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", range(len(_BROADCASTS)), ids=_cuda_broadcast_ids())
+def test_cuda_broadcast_gradients_summed_by_native_column_kernels(case, dtype, monkeypatch):
+    """gelu(x + bias) (and times a third input) training steps on CUDA: the native backward runs the main group and
+    launches the column kernels itself (cuda_column_kernels grows by the column groups), nothing handed to Python
+    in the steady state; eager's float64 gradients on fresh inputs every call."""
+    fn, shapes, n_columns = _BROADCASTS[case]
+    ff = fuser.fuse(torch.jit.script(fn))
+    handed = _python_backwards(monkeypatch)
+    for step in range(6):
+        before, handed_before = _stats(), len(handed)
+        y = _check_step(ff, fn, _args(shapes, dtype, "cuda"), tol=_cuda_tol(dtype))
+        torch.cuda.synchronize()
+        after = _stats()
+        if step >= 3:
+            assert y.grad_fn.name() == "FusedGroupBackward"
+            _steady(before, after, handed, handed_before)
+            assert after["cuda_column_kernels"] - before["cuda_column_kernels"] == n_columns
+            assert after["column_sums"] - before["column_sums"] == n_columns
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_row", (True, False), ids=("in_row_on", "in_row_off"))
+def test_cuda_native_summed_backward_on_a_side_stream(in_row, column_sums_setting, monkeypatch):
+    """Training steps on a side stream whose inputs are written after a long sleep queued on it: the native launches
+    (the row kernel with partial rows and its second kernel, or the column kernels, and the buffers they allocate)
+    go on torch's current stream, so they read the inputs once written and the results equal eager's; launched on
+    another stream they would race the sleep."""
+    column_sums_setting(in_row)
+    fl = fuser.fuse(torch.jit.script(_ln_affine))
+    fg = fuser.fuse(torch.jit.script(_gelu_bias))
+    handed = _python_backwards(monkeypatch)
+    for _ in range(4):  # prepared on the default stream
+        _check_step(fl, _ln_affine, _args([(300, 48), (48,), (48,)], torch.float32, "cuda"))
+        _check_step(fg, _gelu_bias, _args([(300, 48), (48,)], torch.float32, "cuda"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    before = _stats()
+    handed_before = len(handed)
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            torch.cuda._sleep(20_000_000)  # (tens of milliseconds of the side stream before the inputs exist)
+            ln_args = _args([(300, 48), (48,), (48,)], torch.float32, "cuda")
+            gelu_args = _args([(300, 48), (48,)], torch.float32, "cuda")
+            _check_step(fl, _ln_affine, ln_args)
+            _check_step(fg, _gelu_bias, gelu_args)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    after = _stats()
+    _steady(before, after, handed, handed_before)
+    grew = {k: after[k] - before[k] for k in ("cuda_row_sums", "cuda_column_kernels")}
+    assert grew == (dict(cuda_row_sums=3, cuda_column_kernels=3) if in_row
+                    else dict(cuda_row_sums=0, cuda_column_kernels=6)), grew
