@@ -841,3 +841,84 @@ def test_cuda_native_summed_backward_on_a_side_stream(in_row, column_sums_settin
     grew = {k: after[k] - before[k] for k in ("cuda_row_sums", "cuda_column_kernels")}
     assert grew == (dict(cuda_row_sums=3, cuda_column_kernels=3) if in_row
                     else dict(cuda_row_sums=0, cuda_column_kernels=6)), grew
+
+
+def _cuda_record_tail(rec: list) -> tuple:
+    """A CUDA launch record read as hotpath.cpp's parse reads it (from the function on): (head, align, raw bytes,
+    form, buffers, later kernels)."""
+    head, rest = rec[:9], rec[9:]
+    align, rest = rest[1:1 + rest[0]], rest[1 + rest[0]:]
+    raw, rest = bytes(rest[1:1 + rest[0]]), rest[1 + rest[0]:]
+    form, rest = rest[0], rest[1:]
+    temps, rest = [tuple(rest[1 + 2 * j:3 + 2 * j]) for j in range(rest[0])], rest[1 + 2 * rest[0]:]
+    then = [tuple(rest[1 + 5 * j:6 + 5 * j]) for j in range(rest[0])]
+    assert len(rest) == 1 + 5 * rest[0]
+    return head, align, raw, form, temps, then
+
+
+def test_cuda_records_of_row_sums_and_column_kernels(monkeypatch):
+    """The records of the CUDA launches the native backward makes, built on the CPU from CUDA plans with stand-in
+    loaded kernels: a row kernel with column sums (its grid and slots from the rows, the slots in the argument bytes,
+    a float32 partial-row buffer [slots, cols] per sum whose pointer follows the outputs', then the second kernel);
+    a column kernel split along its rows (the float64 workspace, stage 0 in the bytes, then stage 1 written at the
+    struct's stage field)."""
+    from types import SimpleNamespace
+
+    from fuser import autodiff, grad_sums, ir
+    from fuser.cuda import launch as cuda_launch
+    from fuser.kernel_cache import STORE
+    from fuser.native import record
+    from fuser.rows import RowGeometry, launch, outer_launch
+    from fuser.rows.plan import plan as row_plan
+    monkeypatch.setattr(cuda_launch, "primary_context_handle", lambda index: 0x77)
+    fn, second = SimpleNamespace(_function_ptr=0x1000, device_index=0), SimpleNamespace(_function_ptr=0x2000)
+
+    b = ir.Builder()
+    x, w, c = b.input(), b.input(), b.input()
+    spec = STORE.get(STORE.register(b.build([b.add("aten::layer_norm", x, (40,), w, c, 1e-5, True)])))
+    args = [torch.randn(300, 40), torch.randn(40), torch.randn(40)]
+    sig = tuple((a.dtype, False) for a in args)
+    bw = autodiff.backward_for(spec, (True,) * 3, (True,), sig)
+    shapes = [a.shape for a in args]
+    bargs = autodiff.backward_args(spec, bw, args, [torch.randn(300, 40)], shapes)
+    fused = grad_sums.fused_for(bw, grad_sums.plan(spec, bw, shapes, args[0].shape, sig, bargs))
+    p = row_plan(fused.spec, bargs, target="cuda")
+    assert p.key.sums == (1, 2), p
+    backend = object.__new__(launch.RowCudaKernel)
+    n_in, n_out = len(p.tensors), len(p.out_dtypes)
+    backend.kernel, backend.second, backend.shape, backend.sums = fn, second, p.key.shape, p.key.sums
+    backend.struct = launch.args_struct(n_in, n_in + n_out + 2, len(p.scalars))
+    backend.block, backend.rows_per_block = p.key.shape.block, p.key.shape.block // p.key.shape.tpr
+    backend.parts_blocks, backend.max_blocks = 3, 3 * launch.ROW_WAVES  # (few blocks: several rows a slot)
+    geo = RowGeometry(p, launch.RowKernel("k", "", "cuda", tuple(p.out_dtypes), backend))
+    outputs = geo.outputs()
+    rec, _, owner = record._row_or_column_cuda(geo, True, p.tensors, p.scalars, outputs, [], [])
+    head, align, raw, form, temps, then = _cuda_record_tail(rec)
+    grid, slots = launch.part_layout(300, p.key.shape, 3)
+    assert owner is backend and grid == 3 and slots == 3 * backend.rows_per_block
+    assert head[:6] == [0x1000, backend.block, grid, grid, int(p.vec_ok), 0x77] and len(align) == n_in + n_out
+    assert form == record.FORM_ROW_SUMS and then == [(0x2000, launch.parts_grid(40), launch.PARTS_BLOCK, -1, 0)]
+    assert temps == [(record.scalar_type(torch.float32), slots * 40)] * 2
+    a = backend.struct.from_buffer_copy(raw)
+    assert (a.rows, a.cols, a.slots) == (300, 40, slots) and list(a.ptrs[n_in + n_out:]) == [None, None]
+    assert head[6] == backend.struct.ptrs.offset and head[6] + 8 * (len(align) + len(temps)) <= len(raw)
+
+    b = ir.Builder()
+    x, y = b.input(), b.input()
+    cspec = STORE.get(STORE.register(b.build([b.add(grad_sums.SUM, b.call("aten::mul", x, y), (0,), True, None)])))
+    cargs = [torch.randn(4096, 64), torch.randn(4096, 64)]
+    p = row_plan(cspec, cargs, target="cuda")
+    assert isinstance(p, outer_launch.OuterPlan), p
+    backend = object.__new__(outer_launch.OuterCudaKernel)
+    backend.kernel, backend.n_red, backend.max_blocks, backend.n_sm, backend._grids = fn, 1, 65535, 132, {}
+    backend.struct = outer_launch.args_struct(2, 2 + 1 + 1, len(p.scalars))
+    geo = outer_launch.OuterGeometry(p, outer_launch.OuterKernel("k", "", "cuda", tuple(p.out_dtypes), backend))
+    rec, _, _ = record._row_or_column_cuda(geo, False, p.tensors, p.scalars, [torch.empty(1, 64)], [], [])
+    head, align, raw, form, temps, then = _cuda_record_tail(rec)
+    g = outer_launch.cuda_grid(4096, 64, 1, 132, 65535, p.key.cvec)
+    assert g.grid1 > 0 and g.workspace > 0 and geo.hot_path
+    assert head[:5] == [0x1000, cuda_launch.BLOCK_SIZE, g.grid0, g.grid0, int(p.key.cvec > 1)] and len(align) == 3
+    assert form == record.FORM_COLUMNS and temps == [(record.scalar_type(torch.float64), g.workspace)]
+    assert then == [(0x1000, g.grid1, cuda_launch.BLOCK_SIZE, backend.struct.stage.offset, 1)]
+    a = backend.struct.from_buffer_copy(raw)
+    assert (a.red, a.cols, a.splits, a.stage, a.ptrs[3]) == (4096, 64, g.splits, 0, None)
