@@ -922,3 +922,40 @@ def test_cuda_records_of_row_sums_and_column_kernels(monkeypatch):
     assert then == [(0x1000, g.grid1, cuda_launch.BLOCK_SIZE, backend.struct.stage.offset, 1)]
     a = backend.struct.from_buffer_copy(raw)
     assert (a.red, a.cols, a.splits, a.stage, a.ptrs[3]) == (4096, 64, g.splits, 0, None)
+
+
+def _sum0(x, y):
+    return (x * y).sum(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_column_kernels_are_served_natively_without_autograd(dtype):
+    """A fused sum over dim 0 on CUDA: repeated calls launched natively (cuda_column_kernels grows per call), for
+    columns in vectors, a strided input, odd columns, and rows split over blocks (a workspace and stage 1); every
+    call the same bits, float64 eager's sums within the rounding of the dtype; a sum over no rows goes to Python
+    (its zeros)."""
+    f = fuser.fuse(torch.jit.script(_sum0))
+    for x, y in ((torch.randn(8, 4096), torch.randn(8, 4096)), (torch.randn(64, 2 * 77)[:, ::2], torch.randn(77)),
+                 (torch.randn(1000, 33), torch.randn(1000, 33)), (torch.randn(4096, 64), torch.randn(4096, 64))):
+        x, y = x.to("cuda", dtype), y.to("cuda", dtype)
+        with torch.no_grad():
+            for _ in range(3):  # (the profiling executor's first calls run unfused)
+                f(x, y)
+            before = _stats()
+            outs = [f(x, y) for _ in range(3)]
+            torch.cuda.synchronize()
+            after = _stats()
+        assert after["hits"] - before["hits"] == 3 and after["cuda_column_kernels"] - before["cuda_column_kernels"] == 3
+        want = (x.double() * y.double()).sum(0)
+        rows = x.shape[0]
+        tol = dict(rtol=2e-2, atol=2e-2 * rows ** 0.5) if dtype == torch.bfloat16 else dict(rtol=1e-5,
+                                                                                               atol=1e-5 * rows ** 0.5)
+        for out in outs:
+            assert out.dtype == dtype and out.shape == want.shape
+            torch.testing.assert_close(out.double(), want, **tol)
+            assert torch.equal(out, outs[0])
+    with torch.no_grad():
+        empty = [torch.randn(0, 6, dtype=dtype, device="cuda"), torch.randn(0, 6, dtype=dtype, device="cuda")]
+        for _ in range(4):
+            torch.testing.assert_close(f(*empty), _sum0(*empty))
