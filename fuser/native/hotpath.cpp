@@ -138,7 +138,7 @@ struct Backward {
   std::vector<Chunks> chunks;
   // where inputs' gradients are summed over the rows (a bias, a norm's weight and bias): the groups
   // fuser/grad_sums.py's run launches instead, run when grad mode is off (as Python's backward does): a row
-  // backward's fused form (the sums inside its row kernel), or a pointwise backward's main group and column groups
+  // backward's fused form (the sums inside its row kernel), or a backward's main group and column groups
   std::vector<SumStep> steps;
   std::vector<std::array<int64_t, 3>> step_takes;  // (forward tensor input, step, its output)
 };

@@ -164,9 +164,9 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
     group's digest, the summing steps' digests) for ``hotpath.cpp``'s ``put_train``; the backward group is the one
     of the pattern where every differentiable output gets a gradient. Where an input's gradient is summed over the
     rows (``fuser/grad_sums.py``), the groups ``grad_sums.run`` would launch for these shapes are recorded beside it
-    as steps, when kernels serve them all, for backwards that run without grad mode: a CPU row backward's fused form
-    (the sums inside its row kernel), or a pointwise backward's split (its main group, then the column groups); else
-    Python's backward runs such calls."""
+    as steps, when kernels serve them all, for backwards that run without grad mode: a row backward's fused form
+    (the sums inside its row kernel; on CUDA where ``settings.cuda_column_sums`` is on), or a backward's split (its
+    main group, then the column groups); else Python's backward runs such calls."""
     from .. import autodiff, grad_sums
     diff = autodiff.differentiable_outputs(call, outputs)
     saved = call.saved
