@@ -409,9 +409,10 @@ def split_plan(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], f
     """For the native hot path, which prepares a backward before it runs: where :func:`run` would take the split of a
     backward (its main group, a group apart, the column groups; a row backward's where :func:`_fused_declines`) for
     arguments like ``args`` and a kernel serves every part (planned and compiled now; no float argument limits, which
-    would send a call to the old path), (steps, takes); else None (Python's backward decides per call, as before). Steps, in :func:`run`'s order:
-    (group, 0 or 2 for a column group, its inputs as (-1, the backward's argument) or (an earlier step, its output));
-    takes: per forward input with a gradient, (its index, the step, the step's output)."""
+    would send a call to the old path), (steps, takes); else None (Python's backward decides per call, as before).
+    Steps, in :func:`run`'s order: (group, 0 or 2 for a column group, its inputs as (-1, the backward's argument) or
+    (an earlier step, its output)); takes: per forward input with a gradient, (its index, the step, the step's
+    output)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not tensors:
         return None

@@ -51,7 +51,7 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     path must hand such calls over."""
     kernel = getattr(geo, "kernel", None)
     rows = hasattr(geo, "rows")  # a row kernel's geometry (fuser.rows.RowGeometry)
-    cols = hasattr(geo, "red")  # a column kernel's (fuser.rows.OuterGeometry): on the CPU, as a row kernel's
+    cols = hasattr(geo, "red")  # a column kernel's (fuser.rows.OuterGeometry; on the CPU, a row kernel's ABI)
     if kernel is None or not getattr(geo, "hot_path", True) or (  # hot_path False: a column kernel of no work
             not rows and not cols and kernel.random and geo.device.type != "cpu") or \
             len(outputs) != len(kernel.out_dtypes):
