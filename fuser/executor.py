@@ -448,9 +448,11 @@ def _allocated(geo: Geometry, tensors: Sequence[torch.Tensor], device) -> tuple[
     return concat_outputs(geo, device)
 
 
-def outputs_like(geo: Geometry, tensors: Sequence[torch.Tensor]) -> list:
-    """Outputs like the ones :func:`run` returns for a pointwise kernel's geometry (allocated, not written): the
-    native hot path prepares a backward of several groups with them."""
+def outputs_like(geo, tensors: Sequence[torch.Tensor]) -> list:
+    """Outputs like the ones :func:`run` returns for a pointwise or a row kernel's geometry (allocated, not
+    written): the native hot path prepares a backward of several groups with them."""
+    if not isinstance(geo, Geometry):  # (fuser.rows.RowGeometry)
+        return geo.outputs()
     return _allocated(geo, tensors, geo.device)[0]
 
 

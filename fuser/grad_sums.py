@@ -373,19 +373,18 @@ def _takes(spec: KernelSpec, bw, dims: tuple, shapes, full) -> list[tuple[int, i
 
 def fused_plan(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: torch.Size,
                sig: tuple) -> Optional[tuple[KernelSpec, list[tuple[int, int]]]]:
-    """For the native hot path, which prepares a backward before it runs: where :func:`run` would take a CPU row
+    """For the native hot path, which prepares a backward before it runs: where :func:`run` would take a row
     backward's fused form for arguments like ``args`` and its kernel serves them (planned and compiled now), the
     fused group and, per forward input with a gradient, (its index, the fused group's output that is its gradient,
     summed or taken whole); else None (Python's backward decides per call, as before)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if not bw.spec.has_reduction or not tensors or any(t.device.type != "cpu" for t in tensors):
+    if not bw.spec.has_reduction or not tensors:
         return None
     dims = plan(spec, bw, shapes, full, sig, args)
-    if dims is None or (bw.spec.key, tuple(shapes), sig, tensors[0].device) in _no_fused:
+    if dims is None or _fused_declines(bw, dims, tensors, args, (bw.spec.key, tuple(shapes), sig, tensors[0].device)):
         return None
     fused = fused_for(bw, dims)
-    if fused is None or len(fused.spec.group.inputs) != len(args) or \
-            executor.kernel_geometry(fused.spec, tensors, args) is None:
+    if len(fused.spec.group.inputs) != len(args):
         return None
     takes = [(j, (fused.summed if take else fused.whole)[out])
              for j, out, take in _takes(spec, bw, dims, shapes, full)]
@@ -394,20 +393,33 @@ def fused_plan(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], f
     return fused.spec, takes
 
 
+def _fused_declines(bw, dims: tuple, tensors: Sequence[torch.Tensor], args: list, signature: tuple) -> bool:
+    """Whether :func:`run` takes a row backward's split for such arguments (``signature``: :func:`run`'s): its fused
+    form is off (CUDA without ``settings.cuda_column_sums``), there is none, or its kernel does not serve them (a
+    fallback: :func:`run` takes the split from then on)."""
+    if signature in _no_fused or (tensors[0].device.type == "cuda" and not settings.cuda_column_sums):
+        return True
+    fused = fused_for(bw, dims)
+    return fused is None or (len(fused.spec.group.inputs) == len(args)
+                             and executor.kernel_geometry(fused.spec, tensors, args) is None)
+
+
 def split_plan(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: torch.Size,
                sig: tuple) -> Optional[tuple[list, list]]:
     """For the native hot path, which prepares a backward before it runs: where :func:`run` would take the split of a
-    pointwise backward (its main group, a group apart, the column groups) for arguments like ``args`` and a kernel
-    serves every part (planned and compiled now; no float argument limits, which would send a call to the old path),
-    (steps, takes); else None (Python's backward decides per call, as before). Steps, in :func:`run`'s order:
-    (group, 0 or 2 for a column group, its inputs as (-1, the backward's argument) or (an earlier step, its output));
-    takes: per forward input with a gradient, (its index, the step, the step's output)."""
+    backward (its main group, a group apart, the column groups; a row backward's where :func:`_fused_declines`) for
+    arguments like ``args`` and a kernel serves every part (planned and compiled now; no float argument limits, which
+    would send a call to the old path), (steps, takes); else None (Python's backward decides per call, as before).
+    Steps, in :func:`run`'s order: (group, 0 or 2 for a column group, its inputs as (-1, the backward's argument) or
+    (an earlier step, its output)); takes: per forward input with a gradient, (its index, the step, the step's
+    output)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if bw.spec.has_reduction or not tensors:
+    if not tensors:
         return None
     dims = plan(spec, bw, shapes, full, sig, args)
-    if dims is None or (bw.spec.key, tuple(shapes), sig, tensors[0].device) in _no_kernel \
-            or _rounded_statistics(spec, bw, dims, sig):
+    signature = (bw.spec.key, tuple(shapes), sig, tensors[0].device)
+    if dims is None or signature in _no_kernel or _rounded_statistics(spec, bw, dims, sig) or (
+            bw.spec.has_reduction and not _fused_declines(bw, dims, tensors, args, signature)):
         return None
     split = split_for(bw, dims)
     if split is None:

@@ -773,8 +773,8 @@ class SumsWatch:
 
 def scripted_training_steps(fn, make_args, watch, steps: int = 5):
     """``fn`` through torch.jit.script and the pass, ``steps`` calls on fresh ``make_args()`` (the later ones served
-    by the native hot path, whose backward runs a CPU row backward's fused group itself and hands other backwards
-    that sum a gradient to Python): per call (step, output,
+    by the native hot path, whose backward runs the groups that sum a gradient itself where kernels serve them, and
+    hands the other backwards to Python): per call (step, output,
     arguments, output gradient, their gradients), ``watch`` (a :class:`SumsWatch`) cleared just before the
     backward."""
     import fuser

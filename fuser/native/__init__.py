@@ -137,12 +137,14 @@ def stats() -> Optional[dict]:
     """Counters of the loaded library: calls served, calls handed over to prepare, calls handed over for Python,
     prepared signatures, backwards that ran a fused group (weight/bias gradients summed in the row kernel), column
     groups backwards launched (broadcast inputs' gradients summed apart), backwards that ran such a split
-    (``record.train_record``); None when it is not loaded."""
+    (``record.train_record``), CUDA launches of a row kernel with column sums (partial rows, then the second kernel)
+    and of a column kernel; None when it is not loaded."""
     if "built" not in _state:
         return None
-    hits, misses, handed, launches, fused, columns, split = torch.ops.fuser._native_stats()
+    hits, misses, handed, launches, fused, columns, split, row_sums, column_kernels = torch.ops.fuser._native_stats()
     return {"hits": hits, "misses": misses, "handed": handed, "signatures": launches, "fused_backwards": fused,
-            "column_sums": columns, "split_backwards": split}
+            "column_sums": columns, "split_backwards": split, "cuda_row_sums": row_sums,
+            "cuda_column_kernels": column_kernels}
 
 
 settings.on_change.append(clear)

@@ -49,6 +49,23 @@ struct Out {
   int64_t pieces = 1, step = 0;  // a cat's result: the kernel writes it through one pointer per piece, step bytes apart
 };
 
+// A buffer a CUDA launch allocates per call (through the caching allocator, on the current stream, released once the
+// launches are queued: later work on that stream runs after them): its pointer follows the outputs'.
+struct Temp {
+  c10::ScalarType dtype;
+  int64_t numel = 0;  // 0: a null pointer
+};
+
+// A kernel launched after the first, on the same argument struct; an int32 written into it first (a stage number).
+struct Then {
+  void* fn = nullptr;
+  int64_t grid = 0, block = 0;
+  int64_t patch_off = -1;  // -1: nothing written
+  int32_t patch = 0;
+};
+
+enum Form : int64_t { kPlainForm = 0, kRowSums = 1, kColumns = 2 };
+
 struct Limit {
   int64_t index;
   bool nonfinite;
@@ -85,6 +102,9 @@ struct Launch {
   bool vec_shape = false;
   void* ctx = nullptr;
   std::vector<int64_t> align;  // per pointer (inputs, outputs): bytes the vector path needs, 0: any
+  int64_t form = kPlainForm;  // a row kernel with column sums, a column kernel: counted (stats)
+  std::vector<Temp> temps;  // a row kernel's partial rows, a column kernel's workspace
+  std::vector<Then> then;  // the column sums' second kernel, a column kernel's stage 1
   // training (a call autograd records): which inputs require grad, and the backward
   std::vector<uint8_t> requires_grad;
   std::shared_ptr<const Backward> backward;
@@ -118,7 +138,7 @@ struct Backward {
   std::vector<Chunks> chunks;
   // where inputs' gradients are summed over the rows (a bias, a norm's weight and bias): the groups
   // fuser/grad_sums.py's run launches instead, run when grad mode is off (as Python's backward does): a row
-  // backward's fused form (the sums inside its row kernel), or a pointwise backward's main group and column groups
+  // backward's fused form (the sums inside its row kernel), or a backward's main group and column groups
   std::vector<SumStep> steps;
   std::vector<std::array<int64_t, 3>> step_takes;  // (forward tensor input, step, its output)
 };
@@ -133,6 +153,7 @@ struct Group {
 std::shared_mutex table_mutex;
 std::unordered_map<int64_t, Group> table;
 std::atomic<int64_t> n_hits{0}, n_misses{0}, n_handed{0}, n_fused{0}, n_columns{0}, n_split{0};
+std::atomic<int64_t> n_cuda_row_sums{0}, n_cuda_column_kernels{0};  // CUDA launches of those forms
 
 CuLaunch cu_launch = nullptr;
 CuCtxGetCurrent cu_ctx_get_current = nullptr;
@@ -219,14 +240,37 @@ void launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sc
   for (const at::Tensor& t : inputs) put(t.data_ptr());
   for (size_t j = 0; j < outs.size(); ++j)
     for (int64_t p = 0; p < l.outs[j].pieces; ++p) put(static_cast<char*>(outs[j].data_ptr()) + p * l.outs[j].step);
+  // the buffers: on the current device (fusion_group checked it is l.device), from the caching allocator on its
+  // current stream, the stream the kernels go on; freed when this returns, after the launches are queued
+  std::vector<at::Tensor> temps;
+  if (!l.temps.empty()) {
+    temps.reserve(l.temps.size());
+    const auto options = at::TensorOptions().device(l.device);
+    for (size_t t = 0; t < l.temps.size(); ++t) {
+      uintptr_t a = 0;
+      if (l.temps[t].numel > 0) {
+        temps.push_back(at::empty({l.temps[t].numel}, options.dtype(l.temps[t].dtype)));
+        a = reinterpret_cast<uintptr_t>(temps.back().data_ptr());
+      }
+      std::memcpy(base + l.ptrs_off + 8 * (k + t), &a, 8);
+    }
+  }
   const int32_t v = vec ? 1 : 0;
   if (l.vec_off >= 0) std::memcpy(base + l.vec_off, &v, 4);
   if (!scalars.empty()) std::memcpy(base + l.scalars_off, scalars.data(), scalars.size() * sizeof(double));
   const auto grid = static_cast<unsigned>(vec ? l.grid_vec : l.grid_scalar);
   void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(l.device).native_handle();
   void* params[1] = {base};
-  const int err = cu_launch(l.fn, grid, 1, 1, static_cast<unsigned>(l.block), 1, 1, 0, stream, params, nullptr);
+  int err = cu_launch(l.fn, grid, 1, 1, static_cast<unsigned>(l.block), 1, 1, 0, stream, params, nullptr);
   TORCH_CHECK(err == 0, "fuser: cuLaunchKernel failed with CUresult ", err);
+  for (const Then& t : l.then) {  // (cuLaunchKernel copied the arguments: they may change for the next)
+    if (t.patch_off >= 0) std::memcpy(base + t.patch_off, &t.patch, 4);
+    err = cu_launch(t.fn, static_cast<unsigned>(t.grid), 1, 1, static_cast<unsigned>(t.block), 1, 1, 0, stream,
+                    params, nullptr);
+    TORCH_CHECK(err == 0, "fuser: cuLaunchKernel (a second kernel) failed with CUresult ", err);
+  }
+  if (l.form == kRowSums) n_cuda_row_sums.fetch_add(1, std::memory_order_relaxed);
+  if (l.form == kColumns) n_cuda_column_kernels.fetch_add(1, std::memory_order_relaxed);
 }
 
 void launch_cpu(const Launch& l, at::TensorList inputs, at::ArrayRef<double> scalars,
@@ -805,7 +849,36 @@ std::shared_ptr<Launch> parse(const std::vector<int64_t>& sig, const std::vector
                   "fuser native record: pointers");
       const std::vector<int64_t> bytes = r.take(r.next());
       l->args.assign(bytes.begin(), bytes.end());
-      TORCH_CHECK(l->ptrs_off + 8 * static_cast<int64_t>(l->align.size()) <= static_cast<int64_t>(l->args.size()) &&
+      const auto size = static_cast<int64_t>(l->args.size());
+      l->form = r.next();
+      TORCH_CHECK(kPlainForm <= l->form && l->form <= kColumns, "fuser native record: form ", l->form);
+      const int64_t n_temps = r.next();
+      TORCH_CHECK(n_temps >= 0, "fuser native record: buffers");
+      for (int64_t t = 0; t < n_temps; ++t) {
+        Temp temp;
+        temp.dtype = static_cast<c10::ScalarType>(r.next());
+        temp.numel = r.next();
+        TORCH_CHECK(temp.numel >= 0 && (temp.dtype == c10::ScalarType::Float || temp.dtype == c10::ScalarType::Double),
+                    "fuser native record: buffer");
+        l->temps.push_back(temp);
+      }
+      const int64_t n_then = r.next();
+      TORCH_CHECK(n_then >= 0, "fuser native record: kernels");
+      for (int64_t t = 0; t < n_then; ++t) {
+        Then then;
+        then.fn = reinterpret_cast<void*>(r.next());
+        then.grid = r.next();
+        then.block = r.next();
+        then.patch_off = r.next();
+        const int64_t patch = r.next();
+        TORCH_CHECK(then.fn && then.grid > 0 && then.block > 0 && then.patch_off >= -1 && then.patch_off + 4 <= size &&
+                        patch == static_cast<int32_t>(patch),
+                    "fuser native record: a second kernel");
+        then.patch = static_cast<int32_t>(patch);
+        l->then.push_back(then);
+      }
+      TORCH_CHECK(l->fn && l->block > 0 && l->grid_vec > 0 && l->grid_scalar > 0, "fuser native record: launch");
+      TORCH_CHECK(l->ptrs_off + 8 * static_cast<int64_t>(l->align.size() + l->temps.size()) <= size &&
                       l->vec_off + 4 <= static_cast<int64_t>(l->args.size()) && l->vec_off >= -1 &&
                       l->ptrs_off >= 0 && l->scalars_off >= 0 &&
                       l->scalars_off + 8 * l->n_scalars <= static_cast<int64_t>(l->args.size()),
@@ -933,7 +1006,8 @@ std::vector<int64_t> stats() {
   std::shared_lock<std::shared_mutex> lock(table_mutex);
   int64_t launches = 0;
   for (const auto& kv : table) launches += static_cast<int64_t>(kv.second.launches.size());
-  return {n_hits.load(), n_misses.load(), n_handed.load(), launches, n_fused.load(), n_columns.load(), n_split.load()};
+  return {n_hits.load(), n_misses.load(), n_handed.load(), launches, n_fused.load(), n_columns.load(), n_split.load(),
+          n_cuda_row_sums.load(), n_cuda_column_kernels.load()};
 }
 
 }  // namespace

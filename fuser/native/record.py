@@ -4,7 +4,9 @@ From what a Python call just did (the executor's geometry for the inputs' signat
 returned), the record holds: the signature to match (per tensor: dtype, device, sizes, strides), the outputs to
 allocate (dtype, sizes, strides: the Python path's own), the float arguments' limits, and the launch: the CPU
 kernel's function, its sizes/strides arrays and whether it draws random numbers, or the CUDA function, grids,
-context and the by-value argument struct's bytes with the offsets of what changes per call. A cat's result is
+context and the by-value argument struct's bytes with the offsets of what changes per call, then the buffers a
+launch allocates (a row kernel's column sums' partial rows, a column kernel's workspace) and the kernels launched
+after the first on the same arguments (the column sums' second kernel, a column kernel's stage 1). A cat's result is
 allocated whole and written through one pointer per piece (its slices, a fixed number of bytes apart). A signature
 this path must not take (a CUDA random kernel, a group that falls back) gets a record of kind "python", so the hot
 path hands it over without asking again.
@@ -49,15 +51,13 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     path must hand such calls over."""
     kernel = getattr(geo, "kernel", None)
     rows = hasattr(geo, "rows")  # a row kernel's geometry (fuser.rows.RowGeometry)
-    cols = hasattr(geo, "red")  # a column kernel's (fuser.rows.OuterGeometry): the CPU ones, as a row kernel's
-    if kernel is None or not getattr(geo, "hot_path", True) or (  # hot_path False: e.g. a CUDA column kernel's
+    cols = hasattr(geo, "red")  # a column kernel's (fuser.rows.OuterGeometry; on the CPU, a row kernel's ABI)
+    if kernel is None or not getattr(geo, "hot_path", True) or (  # hot_path False: a column kernel of no work
             not rows and not cols and kernel.random and geo.device.type != "cpu") or \
             len(outputs) != len(kernel.out_dtypes):
         return None
     device = geo.device
     if device.type not in ("cpu", "cuda") or any(t.device != device for t in (*tensors, *outputs)):
-        return None
-    if cols and device.type != "cpu":
         return None
     rec = [KIND_CPU if device.type == "cpu" else KIND_CUDA, geo.red if cols else geo.rows if rows else geo.numel,
            len(outputs)]
@@ -86,17 +86,8 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
                 int(getattr(kernel, "random", False))]
         return rec, floats, backend
     from ..cuda import launch as cuda_launch
-    if rows:
-        from ..rows import launch as row_launch
-        struct = backend.struct
-        args = row_launch.fill_args(struct, geo.rows, geo.cols, geo.lead, geo.strides, tensors, scalars, outputs)
-        raw = ctypes.string_at(ctypes.addressof(args), ctypes.sizeof(args))
-        grid = backend.grid(geo)
-        # the vector flag as for pointwise kernels: the geometry allows vectors, each call checks the pointers
-        rec += [backend.kernel._function_ptr, backend.block, grid, grid, int(bool(geo.vec_ok)),
-                cuda_launch.primary_context_handle(backend.kernel.device_index), struct.ptrs.offset,
-                struct.vec.offset, struct.scalars.offset, len(geo.vec_align), *geo.vec_align, len(raw), *raw]
-        return rec, floats, backend
+    if rows or cols:
+        return _row_or_column_cuda(geo, rows, tensors, scalars, outputs, rec, floats)
     loc = cuda_launch.LaunchArgs(backend._struct, backend.vec_align)
     loc.fill(geo, tensors, scalars, kernel_outputs)
     struct = type(loc.args)
@@ -105,7 +96,66 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     rec += [backend._function_ptr, cuda_launch.BLOCK_SIZE, backend.grid(geo, True), backend.grid(geo, False),
             int(bool(geo.vec_shape)), ctx, struct.ptrs.offset, struct.vec.offset, struct.scalars.offset,
             len(backend.vec_align), *backend.vec_align, len(raw), *raw]
+    rec += _cuda_tail(FORM_PLAIN, [], [])
     return rec, floats, backend
+
+
+FORM_PLAIN, FORM_ROW_SUMS, FORM_COLUMNS = 0, 1, 2  # a CUDA launch: one kernel, a row kernel with column sums, a
+# column kernel (hotpath.cpp counts the last two)
+
+
+class _Null:
+    """A pointer filled per call (a buffer the hot path allocates): 0 in the recorded argument bytes."""
+
+    @staticmethod
+    def data_ptr() -> int:
+        return 0
+
+
+def _row_or_column_cuda(geo, rows: bool, tensors, scalars, outputs, rec: list, floats: list) -> tuple:
+    """The CUDA launch of a row kernel (with column sums: the row kernel on one wave of blocks writing partial rows
+    into buffers allocated per call, then the second kernel adding them) or of a column kernel (stage 0, and where
+    the columns are split, stage 1 combining the workspace's partial results)."""
+    from ..cuda import launch as cuda_launch
+    backend = geo.kernel.backend
+    n_ptrs = len(tensors) + len(outputs)
+    if rows:
+        from ..rows import launch as row_launch
+        kernel, struct = backend.kernel, backend.struct
+        temps, then, form, slots = [], [], FORM_PLAIN, 0
+        grid = backend.grid(geo)
+        if backend.sums:  # (slots and the grid follow from the rows: fixed per signature)
+            grid, slots, dtypes = backend.parts(geo)
+            temps = [(scalar_type(dt), slots * geo.cols) for dt in dtypes]
+            then = [(backend.second._function_ptr, row_launch.parts_grid(geo.cols), row_launch.PARTS_BLOCK, -1, 0)]
+            form = FORM_ROW_SUMS
+        args = row_launch.fill_args(struct, geo.rows, geo.cols, geo.lead, geo.strides, tensors, scalars, outputs,
+                                    parts=(_Null,) * len(temps), slots=slots)
+        block, vec_shape, align = backend.block, bool(geo.vec_ok), tuple(geo.vec_align)
+    else:
+        from ..rows import outer_launch
+        kernel, struct = backend.kernel, backend.struct
+        g = backend.grid_for(geo)
+        grid, block, vec_shape, form = g.grid0, cuda_launch.BLOCK_SIZE, geo.cvec > 1, FORM_COLUMNS
+        temps = [(scalar_type(torch.float64), g.workspace)]  # (none: a null pointer)
+        then = [(kernel._function_ptr, g.grid1, block, struct.stage.offset, 1)] if g.grid1 else []
+        args = outer_launch.fill_args(struct, geo, g, 0, tensors, scalars, outputs, 0)
+        align = tuple(geo.vec_align) or (0,) * n_ptrs
+    if len(align) != n_ptrs:
+        return None
+    raw = ctypes.string_at(ctypes.addressof(args), ctypes.sizeof(args))
+    rec += [kernel._function_ptr, block, grid, grid, int(vec_shape),
+            cuda_launch.primary_context_handle(kernel.device_index), struct.ptrs.offset, struct.vec.offset,
+            struct.scalars.offset, len(align), *align, len(raw), *raw]
+    rec += _cuda_tail(form, temps, then)
+    return rec, floats, backend
+
+
+def _cuda_tail(form: int, temps: Sequence[tuple[int, int]], then: Sequence[tuple]) -> list[int]:
+    """The end of a CUDA record: its form, the buffers allocated per call (dtype, elements; their pointers follow
+    the outputs'), and the kernels launched after the first with the same arguments (function, grid, block, and an
+    int32 written first at an offset, -1: none)."""
+    return [form, len(temps), *[x for t in temps for x in t], len(then), *[x for t in then for x in t]]
 
 
 def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Tensor],
@@ -114,9 +164,9 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
     group's digest, the summing steps' digests) for ``hotpath.cpp``'s ``put_train``; the backward group is the one
     of the pattern where every differentiable output gets a gradient. Where an input's gradient is summed over the
     rows (``fuser/grad_sums.py``), the groups ``grad_sums.run`` would launch for these shapes are recorded beside it
-    as steps, when kernels serve them all, for backwards that run without grad mode: a CPU row backward's fused form
-    (the sums inside its row kernel), or a pointwise backward's split (its main group, then the column groups); else
-    Python's backward runs such calls."""
+    as steps, when kernels serve them all, for backwards that run without grad mode: a row backward's fused form
+    (the sums inside its row kernel; on CUDA where ``settings.cuda_column_sums`` is on), or a backward's split (its
+    main group, then the column groups); else Python's backward runs such calls."""
     from .. import autodiff, grad_sums
     diff = autodiff.differentiable_outputs(call, outputs)
     saved = call.saved

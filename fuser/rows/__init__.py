@@ -29,7 +29,7 @@ class RowGeometry:
     ``executor.run`` asks of a geometry (``kernel.scalar_limits``, ``requires_grad``, ``device``)."""
 
     __slots__ = ("kernel", "rows", "cols", "lead", "strides", "out_shapes", "out_dtypes", "device", "cpu_args",
-                 "requires_grad", "vec_ok", "vec_align", "hot_path")
+                 "requires_grad", "vec_ok", "vec_align")
 
     def __init__(self, p: RowPlan, kernel: launch.RowKernel):
         self.kernel, self.rows, self.cols, self.lead, self.strides = kernel, p.rows, p.cols, p.lead, p.strides
@@ -38,12 +38,14 @@ class RowGeometry:
         self.device = p.tensors[0].device
         self.requires_grad = any(t.requires_grad for t in p.tensors)
         self.cpu_args = launch.CpuArgs(p) if kernel.target == "cpu" else None
-        # CUDA column sums launch two kernels with partial-row buffers: the native hot path hands them over
-        self.hot_path = kernel.target == "cpu" or not p.key.sums
+
+    def outputs(self) -> list[torch.Tensor]:
+        """The outputs a launch writes, allocated."""
+        return [torch.empty(s, dtype=dt, device=self.device) for s, dt in zip(self.out_shapes, self.out_dtypes)]
 
     def run(self, tensors, scalars) -> list[torch.Tensor]:
         """Allocate the outputs and launch (the executor checked everything else)."""
-        outputs = [torch.empty(s, dtype=dt, device=self.device) for s, dt in zip(self.out_shapes, self.out_dtypes)]
+        outputs = self.outputs()
         if self.rows == 0:
             return outputs
         if self.cpu_args is not None:

@@ -155,11 +155,20 @@ def part_buffers(p_rows: int, p_cols: int, shape, sums: tuple, sum_dtypes: tuple
     block's row) writing its partial row; float64 sums in double, the others in float."""
     if not sums:
         return 0, 0, []
+    grid, slots = part_layout(p_rows, shape, max_blocks)
+    return grid, slots, [torch.empty((slots, p_cols), dtype=part_dtype(dt), device=device) for dt in sum_dtypes]
+
+
+def part_layout(p_rows: int, shape, max_blocks: int) -> tuple[int, int]:
+    """(grid, slots) of a row kernel with column sums: ``max_blocks`` blocks at most, a slot per block's row."""
     rpb = shape.block // shape.tpr
     grid = max(1, min(-(-p_rows // rpb), max_blocks))
-    slots = grid * rpb
-    return grid, slots, [torch.empty((slots, p_cols), dtype=torch.float64 if dt == torch.float64 else torch.float32,
-                                     device=device) for dt in sum_dtypes]
+    return grid, grid * rpb
+
+
+def part_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a column sum's partial rows: its accumulator's (double for float64 sums, else float)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 PARTS_BLOCK = 256  # threads a block of the column sums' second kernel (templates.CUDA_PARTS_KERNEL): 32 columns
@@ -201,10 +210,17 @@ class RowCudaKernel:
                                       self.block, 0)
         sms = torch.cuda.get_device_properties(kernel.device_index).multi_processor_count
         self.max_blocks = max(1, per_sm) * sms * ROW_WAVES
+        self.parts_blocks = max(1, per_sm) * sms  # column sums: one wave, a partial row per slot
         self._local = threading.local()
 
     def grid(self, geo) -> int:
         return max(1, min(-(-geo.rows // self.rows_per_block), self.max_blocks))
+
+    def parts(self, geo) -> tuple[int, int, tuple]:
+        """Column sums: (the row kernel's grid, its slots, the partial-row buffers' dtypes; each [slots, cols]), as
+        :meth:`launch` allocates them (the native hot path allocates them per call the same way)."""
+        grid, slots = part_layout(geo.rows, self.shape, self.parts_blocks)
+        return grid, slots, tuple(part_dtype(geo.out_dtypes[m]) for m in self.sums)
 
     def launch(self, geo, tensors, scalars, outputs) -> None:
         vec = vector_ok(geo.vec_ok, geo.vec_align, tensors, outputs)
@@ -227,8 +243,7 @@ class RowCudaKernel:
         from ..cuda import launch as cuda_launch
         index = self.kernel.device_index
         grid, slots, parts = part_buffers(geo.rows, geo.cols, self.shape, self.sums,
-                                          tuple(geo.out_dtypes[m] for m in self.sums),
-                                          max(1, self.max_blocks // ROW_WAVES), geo.device)
+                                          tuple(geo.out_dtypes[m] for m in self.sums), self.parts_blocks, geo.device)
         a = fill_args(self.struct, geo.rows, geo.cols, geo.lead, geo.strides, tensors, scalars, outputs, vec,
                       parts, slots)
         params = (ctypes.c_void_p * 1)(ctypes.addressof(a))

@@ -3,7 +3,7 @@
 CUDA one through the host emulation with the same arguments (:func:`fill_args`, :func:`cuda_grid`).
 
 :class:`OuterGeometry` is what the executor caches per input signature. The native hot path
-(``fuser.native.record``) launches CPU ones for calls autograd does not record (``hot_path``, ``hot_path_grad``).
+(``fuser.native.record``) launches them for calls autograd does not record (``hot_path``, ``hot_path_grad``).
 """
 from __future__ import annotations
 
@@ -70,10 +70,10 @@ class OuterGeometry:
 
     def __init__(self, p: OuterPlan, kernel: OuterKernel):
         self.kernel, self.red, self.cols, self.col_sizes, self.strides = kernel, p.red, p.cols, p.col_sizes, p.strides
-        # fuser.native.record launches CPU column kernels (the CPU ABI of row kernels: red, then the column dims
-        # and the columns) where there is a column and a row: the hot path skips a launch of no work, and a sum
-        # over no rows must still write its zeros; CUDA ones go to Python
-        self.hot_path = kernel.target == "cpu" and p.red > 0 and p.cols > 0
+        # fuser.native.record launches column kernels (on the CPU with the CPU ABI of row kernels: red, then the
+        # column dims and the columns; on CUDA both stages and the workspace) where there is a column and a row:
+        # the hot path skips a launch of no work, and a sum over no rows must still write its zeros
+        self.hot_path = p.red > 0 and p.cols > 0
         self.out_shapes, self.out_dtypes = p.out_shapes, p.out_dtypes
         self.cvec, self.vec_align = p.key.cvec, p.vec_align
         self.device = p.tensors[0].device
@@ -198,12 +198,17 @@ class OuterCudaKernel:
         self._local = threading.local()
         self._grids: dict = {}
 
-    def launch(self, geo, tensors, scalars, outputs) -> None:
-        from ..cuda import launch as cuda_launch
+    def grid_for(self, geo) -> CudaGrid:
+        """The launch shape for ``geo`` (made once per shape; the native hot path records it)."""
         g = self._grids.get((geo.red, geo.cols))
         if g is None:
             g = self._grids[(geo.red, geo.cols)] = cuda_grid(geo.red, geo.cols, self.n_red, self.n_sm,
                                                              self.max_blocks, geo.cvec)
+        return g
+
+    def launch(self, geo, tensors, scalars, outputs) -> None:
+        from ..cuda import launch as cuda_launch
+        g = self.grid_for(geo)
         vec = geo.cvec > 1 and launch.vector_ok(True, geo.vec_align, tensors, outputs)
         index = self.kernel.device_index
         ws = torch.empty(g.workspace, dtype=torch.float64, device=geo.device) if g.workspace else None
