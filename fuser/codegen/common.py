@@ -51,6 +51,7 @@ class KernelOptions:
     vectorize: bool = True
     fast_reduced: bool = True  # CUDA: ops.OpDef.fast expressions for float16/bfloat16 results
     round_reduced: bool = False  # round each eager op's float16/bfloat16 result as eager stores it (settings.py)
+    tile_vec: bool = True  # CUDA: the tiled path's vector form where it applies (settings.cuda_tile_vec)
 
 
 def literal(value, ctype: str) -> str:
@@ -102,6 +103,33 @@ def has_tiled_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Seque
     (a transposed one reads along another dim than the map's innermost), every output dense."""
     return (target == "cuda" and any(d.layout == STRIDED for d in inputs)
             and all(lay == DENSE for lay in out_layouts))
+
+
+# The CUDA tiled path's tiles, (along the map's innermost dim a, along the staged inputs' fastest dim b), in elements.
+# Scalar form (cuda/templates.py's TILED_TRIP): an element per lane and access. Vector form (TILED_TRIP_VEC, for
+# 2-byte staged inputs): TILE_VEC-element vectors along b when staging and along a on the dense side; its shared tile
+# swizzles 8 chunks of 8 elements, so TILE_VEC_A is 64 and TILE_VEC_B 32 or 64 (FUSER_CUDA_TILE_VEC_B, for
+# experiments: it changes the source). 64 x 64 gives each thread two vectors a tensor, 32 bytes of 2-byte elements in
+# flight per tensor: with two tensors and 2048 threads, 128 KB an SM where HBM3 needs 40-64 KB.
+TILE_SCALAR = (64, 32)
+TILE_VEC = 8
+TILE_VEC_A = 64
+TILE_VEC_B = int(os.environ.get("FUSER_CUDA_TILE_VEC_B", "64"))
+if TILE_VEC_B not in (32, 64):
+    raise ValueError(f"FUSER_CUDA_TILE_VEC_B={TILE_VEC_B} (supported: 32, 64)")
+
+
+def tiled_vector(inputs: Sequence[TensorDesc], options: KernelOptions) -> bool:
+    """Whether a kernel's tiled path (see :func:`has_tiled_path`) takes the vector form: the option on and every
+    staged input (``STRIDED``) of 2-byte elements (float16, bfloat16, int16); float32's scalar form is kept."""
+    staged = [d for d in inputs if d.layout == STRIDED]
+    return options.tile_vec and bool(staged) and all(
+        torch.empty((), dtype=d.dtype).element_size() == 2 for d in staged)
+
+
+def tile_shape(inputs: Sequence[TensorDesc], options: KernelOptions) -> tuple[int, int]:
+    """The CUDA tiled path's tile, (along a, along b), for a kernel of these inputs and options."""
+    return (TILE_VEC_A, TILE_VEC_B) if tiled_vector(inputs, options) else TILE_SCALAR
 
 
 def strided_operands(inputs: Sequence[TensorDesc], out_layouts: Sequence[str] = ()) -> int:
