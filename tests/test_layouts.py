@@ -426,7 +426,7 @@ def test_emulated_tiled_path(tiled_inputs, name, dtype, index32):
 
 # --------------------------------------------------------------------------------------------------------
 # the tiled path's vector form (2-byte staged inputs: cuda/templates.py's TILED_TRIP_VEC): 8-element vectors where
-# an operand's sizes, strides and address allow them, element by element where not, partial tiles at both ends
+# every operand's sizes, strides and address allow them (partial tiles at both ends), the scalar form where not
 
 # y contiguous, x transposed, w contiguous float32: outputs of the contiguous layout in three dtypes
 MIXED_OUTPUTS = """graph(%y : Tensor, %x : Tensor, %w : Tensor):
@@ -452,27 +452,32 @@ def _tr(rows, cols, dtype):
     return _t((cols, rows), dtype).t()
 
 
-# name -> (graph, inputs maker); every case takes the tiled path. Sizes: 64 x 64 tiles, 8-element vectors
+# name -> (graph, inputs maker); every case takes the tiled path, in its vector form unless a comment says it falls
+# to the scalar form. Sizes: 64 x 64 tiles (or 64 x 32: FUSER_CUDA_TILE_VEC_B), 8-element vectors
 VEC_CASES = {
-    # whole tiles, every operand in vectors
+    # whole tiles
     "aligned": (ADD_SIGMOID, lambda dt: [_t((128, 192), dt), _tr(128, 192, dt), _t((192,), dt)]),
-    # multiples of the vector, not of the tile: partial tiles at both ends, in vectors
+    # multiples of the vector, not of the tile: partial tiles at both ends
     "partial_tiles": (ADD_SIGMOID, lambda dt: [_t((136, 200), dt), _tr(136, 200, dt), _t((200,), dt)]),
-    # odd sizes both ways: every operand element by element, a partial vector at each row's end
+    # odd sizes both ways: the scalar form
     "odd_sizes": (ADD_SIGMOID, lambda dt: [_t((131, 197), dt), _tr(131, 197, dt), _t((131, 1), dt)]),
-    # an odd innermost size: the staged input in vectors, the dense side element by element
+    # an odd innermost size (the dense side's vectors), an odd outer one (the staged input's): the scalar form
     "odd_inner": (ADD_SIGMOID, lambda dt: [_t((136, 197), dt), _tr(136, 197, dt), _t((197,), dt)]),
-    # an odd outer size: the staged input element by element (a partial vector at the b end), the dense side in vectors
     "odd_outer": (ADD_SIGMOID, lambda dt: [_t((131, 200), dt), _tr(131, 200, dt), _t((200,), dt)]),
-    # the transposed view starts an element in: staged element by element, the rest in vectors
+    # the transposed view starts an element in, or the contiguous one: the scalar form
     "staged_offset": (ADD_SIGMOID, lambda dt: [_t((136, 200), dt), _offset((136, 200), dt, [1, 0]),
                                                _t((200,), dt)]),
-    # the contiguous input starts an element in: it element by element, the outputs in vectors
     "dense_offset": (ADD_SIGMOID, lambda dt: [_offset((136, 200), dt), _tr(136, 200, dt), _t((136, 1), dt)]),
-    # a row slice of a wider tensor (rows layout) whose row stride is a multiple of the vector, and one whose is not
-    "rows_slice": (ADD_SIGMOID, lambda dt: [_tr(72, 200, dt), _t((72, 256), dt)[:, :200], _t((72, 203), dt)[:, :200]]),
-    # two transposed inputs, the second starting an element in
-    "two_staged": (ADD_SIGMOID, lambda dt: [_t((72, 136), dt), _tr(72, 136, dt), _offset((72, 136), dt, [1, 0])]),
+    # a row slice of a wider tensor (rows layout) whose row stride is a multiple of the vector, a column
+    "rows_slice": (ADD_SIGMOID, lambda dt: [_t((72, 256), dt)[:, :200], _tr(72, 200, dt), _t((72, 1), dt)]),
+    # ... and one whose row stride is not: the scalar form
+    "rows_slice_odd": (ADD_SIGMOID, lambda dt: [_t((72, 256), dt)[:, :200], _tr(72, 200, dt),
+                                                _t((72, 203), dt)[:, :200]]),
+    # two transposed inputs
+    "two_staged": (ADD_SIGMOID, lambda dt: [_t((72, 136), dt), _tr(72, 136, dt), _tr(72, 136, dt)]),
+    # ... the second starting an element in: the scalar form
+    "two_staged_offset": (ADD_SIGMOID, lambda dt: [_t((72, 136), dt), _tr(72, 136, dt),
+                                                   _offset((72, 136), dt, [1, 0])]),
     # a batch of transposes
     "3d_batched": (ADD_SIGMOID, lambda dt: [_t((3, 48, 72), dt), _t((3, 72, 48), dt).transpose(1, 2),
                                             _t((72,), dt)]),
@@ -481,13 +486,18 @@ VEC_CASES = {
     # 4-d: the fastest dim of the permuted input is the third
     "4d_permute": (ADD_SIGMOID, lambda dt: [_t((2, 3, 40, 48), dt), _permuted((2, 3, 40, 48), [0, 3, 1, 2], dt),
                                             _t((48,), dt)]),
-    # 4-d channels_last beside a contiguous tensor, sizes that are not multiples of the vector
-    "4d_channels_last": (ADD_SIGMOID, lambda dt: [_t((2, 20, 3, 37), dt),
-                                                  _t((2, 20, 3, 37), dt).contiguous(memory_format=torch.channels_last),
-                                                  _t((37,), dt)]),
+    # 4-d channels_last beside a contiguous tensor
+    "4d_channels_last": (ADD_SIGMOID, lambda dt: [_t((2, 16, 3, 40), dt),
+                                                  _t((2, 16, 3, 40), dt).contiguous(memory_format=torch.channels_last),
+                                                  _t((40,), dt)]),
+    # ... sizes that are not multiples of the vector: the scalar form
+    "4d_channels_last_odd": (ADD_SIGMOID, lambda dt: [_t((2, 20, 3, 37), dt),
+                                                      _t((2, 20, 3, 37), dt).contiguous(
+                                                          memory_format=torch.channels_last), _t((37,), dt)]),
     # outputs of three dtypes (float16/bfloat16, float32, bool): vectors of 16, 32 and 8 bytes
     "mixed_outputs": (MIXED_OUTPUTS, lambda dt: [_t((136, 200), dt), _tr(136, 200, dt),
                                                  _t((136, 200), torch.float32)]),
+    # ... odd sizes: the scalar form
     "mixed_outputs_odd": (MIXED_OUTPUTS, lambda dt: [_t((131, 197), dt), _tr(131, 197, dt),
                                                      _t((131, 197), torch.float32)]),
 }

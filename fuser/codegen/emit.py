@@ -10,7 +10,7 @@ from ..cpu import templates as cpu_t
 from ..cuda import templates as cuda_t
 from ..descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, storage_type
 from .common import (CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_TILE_CHUNK, CPU_TILE_ROWS,
-                     CPU_VECTORS_PER_TRIP, TILE_VEC, has_tiled_path, has_vector_path, tile_shape, tiled_vector,
+                     CPU_VECTORS_PER_TRIP, TILE_SCALAR, TILE_VEC, has_tiled_path, has_vector_path, tile_shape, tiled_vector,
                      value_type, vector_width)
 
 
@@ -189,23 +189,28 @@ class CudaGen(_Gen):
 
     def tiled_loop(self) -> str:
         """The transposing path (``cuda_t.TILED_LOOP``): every generically strided input staged through a
-        shared-memory tile; the other operands read where they are. Its tile's work in the scalar or the vector form
-        (``common.tiled_vector``)."""
+        shared-memory tile; the other operands read where they are. Its scalar form, and before it the vector form
+        where ``common.tiled_vector`` says so (it runs where the operands allow whole vectors)."""
         if not has_tiled_path(self.inputs, "cuda", self.out_layouts):
             return ""
         row = {name: j for j, name in enumerate(self.offset_names)}  # strides row of each offset
         staged = [k for k, d in enumerate(self.inputs) if d.layout == STRIDED]
-        vector = tiled_vector(self.inputs, self.options)
-        setup, tiles, trip = (self._tiled_vector if vector else self._tiled_scalar)(row, staged)
+        loop = self._tiled_skeleton("args.tile_dim >= 0", TILE_SCALAR, row, *self._tiled_scalar(row, staged))
+        if not tiled_vector(self.inputs, self.options):
+            return loop
+        ready, *form = self._tiled_vector(row, staged)
+        return ready + self._tiled_skeleton("fz_vec_tiles", tile_shape(self.inputs, self.options), row, *form) + loop
+
+    def _tiled_skeleton(self, condition: str, tile: tuple, row: dict, setup: str, tiles: list, trip: str) -> str:
+        """``cuda_t.TILED_LOOP`` around one form's constants, shared tiles and tile work."""
         if self.options.index32:  # the tile counts' dividers once per thread, the sizes' from the launcher
             dividers = ("    unsigned int ma, sha, mb, shb;\n"
                         "    fz_divider((unsigned int)ta, ma, sha);\n    fz_divider((unsigned int)tb, mb, shb);\n")
             div = {"div_ta": "fz_div(r, ma, sha)", "div_tb": "fz_div(r, mb, shb)"}
         else:
             dividers, div = "", {"div_ta": "r / ta", "div_tb": "r / tb"}
-        tile_a, tile_b = tile_shape(self.inputs, self.options)
         return cuda_t.TILED_LOOP.substitute(
-            dividers=dividers, div_d=self.divide_by_size(), **div, tile_a=tile_a, tile_b=tile_b,
+            condition=condition, dividers=dividers, div_d=self.divide_by_size(), **div, tile_a=tile[0], tile_b=tile[1],
             setup=setup, tiles=self.block(tiles, "    "), trip=trip,
             bases=", ".join(f"base{j} = 0" for j in row.values()),
             accumulate="\n".join(f"            base{j} += m * args.strides[{j}][d];" for j in row.values()),
@@ -234,76 +239,60 @@ class CudaGen(_Gen):
             offsets=self.block(offsets, "            "), body=self.block(body, "            "))
         return setup, tiles, trip
 
-    def _tiled_vector(self, row: dict, staged: list) -> tuple[str, list[str], str]:
-        """The vector form's constants and flags, shared tiles and tile work (``cuda_t.TILED_TRIP_VEC``)."""
+    def _tiled_vector(self, row: dict, staged: list) -> tuple[str, str, list[str], str]:
+        """The vector form's condition (``cuda_t.TILED_READY_VEC``), constants, shared tiles and tile work
+        (``cuda_t.TILED_TRIP_VEC``)."""
         vw, block = TILE_VEC, self.options.block_size
         tile_a, tile_b = tile_shape(self.inputs, self.options)
         if tile_a * tile_b % (vw * block):
             raise ValueError(f"a {tile_a} x {tile_b} tile is no whole number of {vw}-element vectors per thread of a "
                              f"{block}-thread block")
 
-        def align(dtype) -> int:  # what a vector's address must be a multiple of (fz_vec's alignment)
-            return min(16, vw * torch.empty((), dtype=dtype).element_size())
+        def aligned(ptr: str, dtype) -> str:  # the pointer a multiple of its vector's alignment (fz_vec's)
+            return f"fz_aligned({ptr}, {min(16, vw * torch.empty((), dtype=dtype).element_size())})"
 
-        flags, preload, offsets, pre_decls = [], [], [], []
+        checks, preload, pre_decls = [], [], []
         for k in staged:
-            j = row[f"off{k}"]
-            flags.append(f"const bool vs{k} = sb % vw == 0 && fz_vec_strides(args.strides[{j}], args.rank, bd, vw) && "
-                         f"fz_aligned(t{k}, {align(self.inputs[k].dtype)});")
+            checks.append(f"fz_vec_strides(args.strides[{row[f'off{k}']}], args.rank, bd, {vw}) && "
+                          f"{aligned(f't{k}', self.inputs[k].dtype)}")
         for k, d in enumerate(self.inputs):
             if d.layout in (STRIDED, SCALAR):
                 continue
             s = storage_type(d.dtype)
             if d.layout == REPEAT:  # one element along a
                 j = row[f"off{k}"]
-                offsets.append(f"const fz_index off{k} = base{j} + e * args.strides[{j}][bd];")
                 pre_decls.append(f"{s} dr{k}[per];")
-                preload.append(f"dr{k}[it] = t{k}[off{k}];")
+                preload.append(f"dr{k}[it] = t{k}[base{j} + e * args.strides[{j}][bd]];")
                 continue
-            if d.layout == DENSE:
-                at, step = "i", ""
-                flags.append(f"const bool vd{k} = av && fz_aligned(t{k}, {align(d.dtype)});")
-            else:  # ROWS
+            at = "i"
+            if d.layout == ROWS:
                 j = row[f"off{k}"]
-                at, step = f"off{k}", f" * args.strides[{j}][ad]"
-                offsets.append(f"const fz_index off{k} = base{j} + e * args.strides[{j}][bd] + "
-                               f"c * vw * args.strides[{j}][ad];")
-                flags.append(f"const bool vd{k} = av && fz_vec_strides(args.strides[{j}], args.rank, ad, vw) && "
-                             f"fz_aligned(t{k}, {align(d.dtype)});")
+                at = f"base{j} + e * args.strides[{j}][bd] + c * vw"
+                checks.append(f"fz_vec_strides(args.strides[{j}], args.rank, ad, {vw}) && {aligned(f't{k}', d.dtype)}")
+            else:
+                checks.append(aligned(f"t{k}", d.dtype))
             pre_decls.append(f"fz_vec<{s}, vw> dv{k}[per];")
-            preload += [f"if (vd{k}) {{",
-                        f"  dv{k}[it] = *reinterpret_cast<const fz_vec<{s}, vw>*>(t{k} + {at});",
-                        "} else {",
-                        "#pragma unroll",
-                        f"  for (int k = 0; k < vw; ++k) dv{k}[it].v[k] = t{k}[{at} + (k < last ? k : last){step}];",
-                        "}"]
-        flags += [f"const bool vo{m} = av && fz_aligned(o{m}, {align(dt)});" for m, dt in enumerate(self.out_dtypes)]
+            preload.append(f"dv{k}[it] = *reinterpret_cast<const fz_vec<{s}, vw>*>(t{k} + {at});")
+        checks += [aligned(f"o{m}", dt) for m, dt in enumerate(self.out_dtypes)]
+        ready = cuda_t.TILED_READY_VEC.substitute(vw=vw, checks="".join(f" &&\n        {c}" for c in checks))
         tiles = [f"__shared__ __align__(16) {storage_type(self.inputs[k].dtype)} fz_tile{k}[tile_b * tile_a];"
                  for k in staged]
         subs = [dict(k=k, j=row[f"off{k}"], s=storage_type(self.inputs[k].dtype), block_size=block) for k in staged]
         tile_reads = [f"const fz_vec<{s['s']}, vw> tv{s['k']} = *reinterpret_cast<const fz_vec<{s['s']}, vw>*>("
                       f"fz_tile{s['k']} + e * tile_a + (c ^ (e / vw)) * vw);" for s in subs]
         out_decls = [f"fz_vec<{storage_type(dt)}, vw> ov{m};" for m, dt in enumerate(self.out_dtypes)]
-        stores = []
-        for m, dt in enumerate(self.out_dtypes):
-            s = storage_type(dt)
-            stores += [f"if (vo{m}) {{",
-                       f"  *reinterpret_cast<fz_vec<{s}, vw>*>(o{m} + i) = ov{m};",
-                       "} else {",
-                       "#pragma unroll",
-                       f"  for (int k = 0; k < vw; ++k) if (k <= last) o{m}[i + k] = ov{m}.v[k];",
-                       "}"]
+        stores = [f"*reinterpret_cast<fz_vec<{storage_type(dt)}, vw>*>(o{m} + i) = ov{m};"
+                  for m, dt in enumerate(self.out_dtypes)]
         loads = {STRIDED: "tv{k}.v[k]", DENSE: "dv{k}[it].v[k]", ROWS: "dv{k}[it].v[k]", REPEAT: "dr{k}[it]"}
         body = self.element_body(lambda k, d: loads[d.layout].format(k=k), lambda m: f"ov{m}.v[k]", index="i + k")
-        setup = cuda_t.TILED_SETUP_VEC.substitute(vw=vw, block_size=block, flags=self.block(flags, "    "))
+        setup = cuda_t.TILED_SETUP_VEC.substitute(vw=vw, block_size=block)
         trip = cuda_t.TILED_TRIP_VEC.substitute(
             block_size=block, stage_loads="\n".join(cuda_t.TILE_STAGE_VEC.substitute(s) for s in subs),
-            pre_decls=self.block(pre_decls, "      "), offsets=self.block(offsets, "          "),
-            preload=self.block(preload, "          "),
+            pre_decls=self.block(pre_decls, "      "), preload=self.block(preload, "          "),
             stage_stores="\n".join(cuda_t.TILE_STORE_VEC.substitute(s) for s in subs),
             tile_reads=self.block(tile_reads, "          "), out_decls=self.block(out_decls, "          "),
             body=self.block(body, "            "), stores=self.block(stores, "          "))
-        return setup, tiles, trip
+        return ready, setup, tiles, trip
 
     def vector_loop(self) -> str:
         if not self.options.vectorize or not has_vector_path(self.inputs, "cuda", self.out_layouts):

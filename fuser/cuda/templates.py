@@ -133,7 +133,7 @@ __device__ __forceinline__ long long fz_iabs(long long a) {
 // N elements of T moved together: 16-byte accesses (the compiler splits a 32-byte struct into two, both
 // issued before either is used); alignment capped at 16, the widest access
 template <class T, int N> struct __align__(sizeof(T) * N < 16 ? sizeof(T) * N : 16) fz_vec { T v[N]; };
-// the tiled path's vector form (TILED_SETUP_VEC): whether an operand's runs of n elements along dim `unit` are whole
+// the tiled path's vector form (TILED_READY_VEC): whether an operand's runs of n elements along dim `unit` are whole
 // vectors (stride 1 there, every other stride a multiple of n), and whether a pointer is aligned to `bytes`
 template <class I> __device__ __forceinline__ bool fz_vec_strides(const I* st, int rank, int unit, int n) {
   bool ok = st[unit] == 1;
@@ -222,8 +222,8 @@ ${vstores}
 # the occupancy). ncu on the float16 kernel: bound by instruction issue (78% of issue slots, DRAM at 47%); dividing
 # the tile numbers by magic numbers (below) took it to 0.68 / 0.71 (bfloat16), 32 registers, 81% of issue slots:
 # a warp moves 64 bytes of 2-byte elements per instruction. Vector form (TILED_TRIP_VEC, 2-byte staged inputs):
-# 8-element vectors on both sides, see there.
-TILED_LOOP = Template(r"""  if (args.tile_dim >= 0) {
+# 8-element vectors on both sides, see there; it runs where TILED_READY_VEC allows it, the scalar form otherwise.
+TILED_LOOP = Template(r"""  if (${condition}) {
     const int bd = args.tile_dim, ad = args.rank - 1;
     const fz_index sa = args.sizes[ad], sb = args.sizes[bd];
     constexpr int tile_a = ${tile_a}, tile_b = ${tile_b};
@@ -309,14 +309,22 @@ TILE_STAGE = Template(r"""#pragma unroll
           ${tile}[e][lane] = fz_ld(t${k}[${base} + lane * args.strides[${j}][bd] + e * args.strides[${j}][ad]]);
       }""")
 
-# The vector form's constants and per-operand flags. vw: elements a vector (8: 16 bytes of 2-byte elements); per: a
-# thread's vectors of each tensor per tile. A flag says an operand's vectors are whole and aligned (the same in every
-# thread, so its branches do not diverge): along a, rows of whole vectors (sa % vw) and, for a row-strided operand,
-# stride 1 along a and the others multiples of vw; along b (a staged input) the same with b. An operand without it
-# (a view starting an element in, odd sizes, a step) moves element by element inside the same loops.
-TILED_SETUP_VEC = Template(r"""    constexpr int vw = ${vw}, per = tile_a * tile_b / vw / ${block_size};
-    const bool av = sa % vw == 0;
-${flags}""")
+# Whether the vector form runs (the same in every thread): every operand moves in whole, aligned vectors of vw
+# elements: both tiled sizes multiples of vw, a staged input with stride 1 along b and a row-strided one with stride
+# 1 along a (their other strides multiples of vw), every pointer aligned to its vector. Otherwise (odd sizes, a view
+# starting an element in, a step) the scalar form after it runs: one form's loops carry no branches of the other,
+# and the registers of element-by-element loads (a 2-byte element in a 32-bit register each, all in flight) do not
+# weigh on the vector form's occupancy (sm_90, a GELU: 72 registers with such loads beside the vectors, 40 without).
+TILED_READY_VEC = Template(r"""  bool fz_vec_tiles = false;
+  if (args.tile_dim >= 0) {
+    const int bd = args.tile_dim, ad = args.rank - 1;
+    fz_vec_tiles = args.sizes[ad] % ${vw} == 0 && args.sizes[bd] % ${vw} == 0${checks};
+  }
+""")
+
+# the vector form's constants: vw, elements a vector (8: 16 bytes of 2-byte elements); per, a thread's vectors of
+# each tensor per tile
+TILED_SETUP_VEC = Template(r"""    constexpr int vw = ${vw}, per = tile_a * tile_b / vw / ${block_size};""")
 
 # The vector form's tile (a tile_b x tile_a shared tile of storage-type elements per staged input, b-major). Thread
 # t's vectors are t, t + block, ... of the tile: along b (staging: the vectors of an a-row are consecutive threads)
@@ -325,8 +333,7 @@ ${flags}""")
 # tile as vw elements of one a-column; the tile's 8-element chunks along a are swizzled by b / 8 (chunk ^ (b / 8)), so
 # that those writes (a warp's lanes: 8 or 4 b-chunks c, 4 or 8 a in one chunk) fall in distinct banks, and so do the
 # dense side's 16-byte reads of a b-row's chunks. Loads: every staged vector, then every other operand's, all in
-# flight before the first is used; a partial vector at the end of a row computes on that row's last element (the stage
-# reads the last a-row for rows past the end) and stores only its own elements.
+# flight before the first is used. Sizes are multiples of vw (TILED_READY_VEC): a vector is all inside or all outside.
 TILED_TRIP_VEC = Template(r"""${stage_loads}
 ${pre_decls}
 #pragma unroll
@@ -334,8 +341,6 @@ ${pre_decls}
         const int q = threadIdx.x + it * ${block_size}, e = q / (tile_a / vw), c = q % (tile_a / vw);
         if (a0 + c * vw < sa && b0 + e < sb) {
           const fz_index i = lin + e * dense_b + c * vw;
-          const int last = sa - (a0 + c * vw) < vw ? (int)(sa - (a0 + c * vw)) - 1 : vw - 1;
-${offsets}
 ${preload}
         }
       }
@@ -346,7 +351,6 @@ ${stage_stores}
         const int q = threadIdx.x + it * ${block_size}, e = q / (tile_a / vw), c = q % (tile_a / vw);
         if (a0 + c * vw < sa && b0 + e < sb) {
           const fz_index i = lin + e * dense_b + c * vw;
-          const int last = sa - (a0 + c * vw) < vw ? (int)(sa - (a0 + c * vw)) - 1 : vw - 1;
 ${tile_reads}
 ${out_decls}
 #pragma unroll
@@ -362,18 +366,8 @@ TILE_STAGE_VEC = Template(r"""      fz_vec<${s}, vw> sv${k}[per];
 #pragma unroll
       for (int it = 0; it < per; ++it) {
         const int q = threadIdx.x + it * ${block_size}, c = q % (tile_b / vw), e = q / (tile_b / vw);
-        const fz_index at = base${j} + (a0 + e < sa ? (fz_index)e : sa - 1 - a0) * args.strides[${j}][ad] +
-                            c * vw * args.strides[${j}][bd];
-        if (b0 + c * vw < sb) {
-          if (vs${k}) {
-            sv${k}[it] = *reinterpret_cast<const fz_vec<${s}, vw>*>(t${k} + at);
-          } else {
-            sv${k}[it] = fz_vec<${s}, vw>();
-#pragma unroll
-            for (int k = 0; k < vw; ++k)
-              if (b0 + c * vw + k < sb) sv${k}[it].v[k] = t${k}[at + k * args.strides[${j}][bd]];
-          }
-        }
+        if (a0 + e < sa && b0 + c * vw < sb)
+          sv${k}[it] = *reinterpret_cast<const fz_vec<${s}, vw>*>(t${k} + base${j} + e * args.strides[${j}][ad] + c * vw);
       }""")
 
 # ... and from registers into its shared tile, element (b, a) at b * tile_a + a with a's chunks swizzled
@@ -381,7 +375,7 @@ TILE_STORE_VEC = Template(r"""#pragma unroll
       for (int it = 0; it < per; ++it) {
         const int q = threadIdx.x + it * ${block_size}, c = q % (tile_b / vw), e = q / (tile_b / vw);
         ${s}* at = fz_tile${k} + c * vw * tile_a + ((e / vw) ^ c) * vw + e % vw;
-        if (b0 + c * vw < sb) {
+        if (a0 + e < sa && b0 + c * vw < sb) {
 #pragma unroll
           for (int k = 0; k < vw; ++k) at[k * tile_a] = sv${k}[it].v[k];
         }
