@@ -10,8 +10,8 @@ from ..cpu import templates as cpu_t
 from ..cuda import templates as cuda_t
 from ..descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, storage_type
 from .common import (CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_TILE_CHUNK, CPU_TILE_ROWS,
-                     CPU_VECTORS_PER_TRIP, TILE_SCALAR, TILE_VEC, has_tiled_path, has_vector_path, tile_shape, tiled_vector,
-                     value_type, vector_width)
+                     CPU_VECTORS_PER_TRIP, TILE_SCALAR, TILE_VEC, has_tiled_path, has_vector_path, tile_shape,
+                     tiled_vector, value_type, vector_width)
 
 
 class _Gen:

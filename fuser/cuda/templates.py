@@ -367,7 +367,8 @@ TILE_STAGE_VEC = Template(r"""      fz_vec<${s}, vw> sv${k}[per];
       for (int it = 0; it < per; ++it) {
         const int q = threadIdx.x + it * ${block_size}, c = q % (tile_b / vw), e = q / (tile_b / vw);
         if (a0 + e < sa && b0 + c * vw < sb)
-          sv${k}[it] = *reinterpret_cast<const fz_vec<${s}, vw>*>(t${k} + base${j} + e * args.strides[${j}][ad] + c * vw);
+          sv${k}[it] = *reinterpret_cast<const fz_vec<${s}, vw>*>(
+              t${k} + base${j} + e * args.strides[${j}][ad] + c * vw);
       }""")
 
 # ... and from registers into its shared tile, element (b, a) at b * tile_a + a with a's chunks swizzled
