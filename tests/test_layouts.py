@@ -6,13 +6,14 @@ groups through the executor on the CPU, through the CUDA kernels in the host emu
 TorchScript door. References are eager's ops run directly (values and strides).
 """
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from helpers import assert_same, build, cases, eager, interpret, random_tensor
 
 import fuser
-from fuser import executor, ir, layout, settings
+from fuser import compiler, executor, ir, layout, settings
 from fuser.codegen import common
 from fuser.cuda import emulate
 from fuser.descs import DENSE
@@ -542,6 +543,22 @@ def test_emulated_tiled_scalar_form_of_2_byte_inputs(monkeypatch, name):
     finally:
         em.close()
         em_vector.close()
+
+
+@pytest.mark.parametrize("arch", (80, 90))
+def test_tiled_vector_form_compiles_with_nvrtc(arch):
+    """NVRTC takes the vector form's kernels (CI has no GPU: the emulation runs them, this compiles them)."""
+    from fuser.cuda import driver
+    for name in ("partial_tiles", "rows_slice", "two_staged", "mixed_outputs"):
+        text, make = VEC_CASES[name]
+        graph = torch.parse_ir(text)
+        spec = STORE.get(STORE.register(lower(graph)))
+        p = executor.plan(spec, make(torch.bfloat16), target="cuda")
+        for index32 in (True, False):
+            kernel = compiler.build(spec, replace(p.arg_spec, index32=index32), load=lambda *_: (None, False),
+                                    probe_device="cpu")
+            assert "fz_vec_strides(args.strides" in kernel.source
+            driver.compile_source(kernel.source, kernel.name, driver.NvrtcOptions(arch))
 
 
 # --------------------------------------------------------------------------------------------------------

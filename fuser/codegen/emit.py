@@ -10,8 +10,8 @@ from ..cpu import templates as cpu_t
 from ..cuda import templates as cuda_t
 from ..descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, storage_type
 from .common import (CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_TILE_CHUNK, CPU_TILE_ROWS,
-                     CPU_VECTORS_PER_TRIP, TILE_SCALAR, TILE_VEC, has_tiled_path, has_vector_path, tile_shape,
-                     tiled_vector, value_type, vector_width)
+                     CPU_VECTORS_PER_TRIP, TILE_SCALAR, TILE_VEC, TILE_VEC_THREADS, has_tiled_path, has_vector_path,
+                     tile_shape, tiled_vector, value_type, vector_width)
 
 
 class _Gen:
@@ -181,11 +181,18 @@ class CudaGen(_Gen):
             index_t="int" if self.options.index32 else "long long",
             max_dims=cuda_t.MAX_DIMS, n_strided_slots=max(1, len(self.offset_names)),
             n_ptrs=len(self.inputs) + len(self.outputs), n_scalar_slots=max(1, self.n_scalar_slots),
-            block_size=self.options.block_size,
+            block_size=self.options.block_size, min_blocks=self.min_blocks(),
             params=self.block(params, "  "), hoisted=self.block(self.hoisted(), "  "),
             tiled_loop=self.tiled_loop(), vector_loop=self.vector_loop(),
             offsets=self.offsets(cuda_t.OFFSETS, lambda j, name: f"args.strides[{j}][d]"),
             body=self.block(body, "    "))
+
+    def min_blocks(self) -> str:
+        """``__launch_bounds__``' minimum blocks an SM (with its comma), or "": for kernels with the tiled path's
+        vector form, ``common.TILE_VEC_THREADS`` threads."""
+        vector = has_tiled_path(self.inputs, "cuda", self.out_layouts) and tiled_vector(self.inputs, self.options)
+        blocks = TILE_VEC_THREADS // self.options.block_size
+        return f", {blocks}" if vector and blocks > 0 else ""
 
     def tiled_loop(self) -> str:
         """The transposing path (``cuda_t.TILED_LOOP``): every generically strided input staged through a

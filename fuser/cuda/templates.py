@@ -177,7 +177,7 @@ struct FzArgs {
   double scalars[${n_scalar_slots}];
 };
 
-extern "C" __global__ void __launch_bounds__(${block_size}) ${name}(const FzArgs args) {
+extern "C" __global__ void __launch_bounds__(${block_size}${min_blocks}) ${name}(const FzArgs args) {
   const fz_index numel = args.numel;
 ${params}
 ${hoisted}
