@@ -56,6 +56,7 @@ class CompiledKernel:
     # a value outside makes eager raise (or convert differently), so such calls fall back
     scalar_limits: tuple = ()
     random: bool = False  # draws random numbers: each launch appends rng.launch_state() to the float arguments
+    tile: tuple = codegen.TILE_SCALAR  # CUDA: the tiled path's tile (codegen.tile_shape), for the launch grid
 
 
 def _sample(desc: TensorDesc, rank: int = 1, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -126,12 +127,13 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
     if any(t.result not in DTYPES or t.compute not in DTYPES for t in types):
         return None
     target = "cuda" if arg_spec.device_type == "cuda" else "cpu"
-    # deterministic across processes (the disk cache keys on the source, which holds the name)
-    name = "fused_" + hashlib.sha256(f"{spec.text}\n{arg_spec!r}\n{target}".encode()).hexdigest()[:16]
     options = codegen.KernelOptions(index32=arg_spec.index32,
                                     fast_reduced=os.environ.get("FUSER_FAST_REDUCED", "1") != "0",
                                     round_reduced=settings.round_reduced,
-                                    vectorize=target == "cuda" or _cpu_vectorize())
+                                    vectorize=target == "cuda" or _cpu_vectorize(), tile_vec=settings.cuda_tile_vec)
+    # deterministic across processes (the disk cache keys on the source, which holds the name); the options change
+    # the source, so they are part of it: one name, one source
+    name = "fused_" + hashlib.sha256(f"{spec.text}\n{arg_spec!r}\n{target}\n{options!r}".encode()).hexdigest()[:16]
     try:
         source = codegen.generate(spec.group, arg_spec.inputs, types, target, name, options, arg_spec.outputs)
     except codegen.NotFusable:
@@ -153,7 +155,8 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0", "explain"):  # explain: fuser.explain's tables
         print(f"fuser: compiled {name} for {arg_spec}\n{source}", file=sys.stderr)
     return CompiledKernel(name, arg_spec, out_dtypes, source, strided, vec, backend,
-                          (time.perf_counter() - t0) * 1e3, _scalar_limits(spec, types), spec.random)
+                          (time.perf_counter() - t0) * 1e3, _scalar_limits(spec, types), spec.random,
+                          codegen.tile_shape(arg_spec.inputs, options))
 
 
 def _cpu_vectorize() -> bool:

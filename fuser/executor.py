@@ -293,7 +293,8 @@ class Geometry:
         # the CUDA tiled path: its second map dim (the innermost is the first), or -1; and its tile count
         self.tile_dim = tile_dim(p, kernel)
         sa, sb = p.sizes[-1], p.sizes[self.tile_dim]
-        self.n_tiles = 0 if self.tile_dim < 0 else p.numel // (sa * sb) * -(-sa // cuda_t.TILE_A) * -(-sb // TILE)
+        ta, tb = kernel.tile
+        self.n_tiles = 0 if self.tile_dim < 0 else p.numel // (sa * sb) * -(-sa // ta) * -(-sb // tb)
         self.cpu_args = None
         self.grid_vec = self.grid_scalar = None  # CUDA launch grids, filled by the launcher on first use
         if self.device.type == "cpu":
@@ -306,7 +307,6 @@ class Geometry:
                                  rng.N_STATE if kernel.random else 0)))
 
 
-TILE = 32  # the CUDA tiled path's tiles are cuda_t.TILE_A x TILE elements (cuda/templates.py's TILED_LOOP)
 TILE_MIN = 16  # both tiled dims span at least this much: smaller ones would leave most of a tile's threads idle
 
 

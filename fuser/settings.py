@@ -24,6 +24,11 @@ round_reduced: bool = os.environ.get("FUSER_ROUND_REDUCED", "") == "1"
 # bias's error 4.6e-5 on, 3.1e-5 off, eager 2.1e-5, over terms up to 300; the test's tolerance now allows eager's
 # own rounding error, tests/test_models.py.) Read on each backward call.
 cuda_column_sums: bool = os.environ.get("FUSER_CUDA_COLUMN_SUMS", "1") != "0"
+# The CUDA tiled (transposing) path in its vector form for float16/bfloat16 staged inputs (cuda/templates.py's
+# TILED_TRIP_VEC): 8-element vectors on both sides of the shared-memory tile, where the 2-byte element per lane and
+# access of the scalar form left those kernels bound by instruction issue. Read when a kernel is built (it changes
+# the source, and so every cache key); FUSER_CUDA_TILE_VEC=0 keeps the scalar form for every dtype.
+cuda_tile_vec: bool = os.environ.get("FUSER_CUDA_TILE_VEC", "1") != "0"
 # device type -> fusion on; filled lazily, cleared by the overrides. The executor reads it on every call.
 enabled: dict[str, bool] = {}
 # called after an override changes what fuses (the native hot path forgets its prepared launches)

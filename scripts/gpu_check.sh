@@ -59,15 +59,15 @@ if ! skipped tests; then
 fi
 
 # 3. memcheck over a representative subset: the native hot path's launches (forward, training, row kernels), the
-# tiled path and eager's output layouts, every layout class, cat outputs, random ops, chunk views, both index
-# widths' kernels, and one op of each shape of the table in a reduced dtype. Reports about cuGetProcAddress (the
+# tiled path (both forms) and eager's output layouts, every layout class, cat outputs, random ops, chunk views, both
+# index widths' kernels, and one op of each shape of the table in a reduced dtype. Reports about cuGetProcAddress (the
 # runtime probing for driver entry points) are not errors of ours and are filtered out.
 if ! skipped memcheck; then
   if command -v compute-sanitizer > /dev/null; then
     t=$(date +%s)
     compute-sanitizer --tool memcheck --leak-check no --print-limit 200 \
       "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_native.py tests/test_layouts.py tests/test_normalizations.py tests/test_outer_reductions.py -p no:cacheprovider -x -k \
-      "test_native or cuda_row_kernel_matches_eager or column_vectors_on_the_gpu or cuda_column_kernel_is_deterministic or gpu_tiled_path or gpu_outputs_have_eagers_strides or layouts or concat_on_cuda or rand_like_on_cuda or lstm_cell_with_chunk or signed_zero or mixed_dtypes or side_stream or (op_cuda_vs_eager and float16 and (add-Tensor or where-self or clamp-Tensor or lerp-Tensor or addcmul or sigmoid or pow-Tensor_Scalar))" \
+      "test_native or cuda_row_kernel_matches_eager or column_vectors_on_the_gpu or cuda_column_kernel_is_deterministic or gpu_tiled or gpu_outputs_have_eagers_strides or layouts or concat_on_cuda or rand_like_on_cuda or lstm_cell_with_chunk or signed_zero or mixed_dtypes or side_stream or (op_cuda_vs_eager and float16 and (add-Tensor or where-self or clamp-Tensor or lerp-Tensor or addcmul or sigmoid or pow-Tensor_Scalar))" \
       > "$OUT/memcheck.log" 2>&1
     rc=$?
     errors=$("$PY" - "$OUT/memcheck.log" <<'EOF'

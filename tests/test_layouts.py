@@ -5,12 +5,16 @@ Eager's rule (TensorIterator's, and empty_like's for the ops that allocate that 
 groups through the executor on the CPU, through the CUDA kernels in the host emulation, and through the
 TorchScript door. References are eager's ops run directly (values and strides).
 """
+import math
+from dataclasses import replace
+
 import pytest
 import torch
 from helpers import assert_same, build, cases, eager, interpret, random_tensor
 
 import fuser
-from fuser import executor, ir, layout
+from fuser import compiler, executor, ir, layout, settings
+from fuser.codegen import common
 from fuser.cuda import emulate
 from fuser.descs import DENSE
 from fuser.kernel_cache import STORE
@@ -384,19 +388,31 @@ TILED_PARAMS = [(n, dt, i32) for n in TILED_CASES for dt in (torch.float32, torc
                 for i32 in (True, False)]
 
 
-@pytest.fixture(scope="module")
-def tiled_inputs():
+def _emulated_inputs(params, case):
+    """An emulator with the kernels of every (name, dtype, index32) of ``params`` registered (they compile in one
+    batch), and the inputs per (name, dtype); ``case(name)``: (graph text, inputs maker)."""
     em = emulate.Emulator()
     inputs = {}
-    for name, dt, i32 in TILED_PARAMS:
-        inputs[name, dt] = TILED_CASES[name][0](dt)
-        emulate.kernel_for(torch.parse_ir(ADD_SIGMOID), inputs[name, dt], i32, em)
+    for name, dt, i32 in params:
+        text, make = case(name)
+        if (name, dt) not in inputs:
+            inputs[name, dt] = make(dt)
+        emulate.kernel_for(torch.parse_ir(text), inputs[name, dt], i32, em)
+    return em, inputs
+
+
+def _ids(params):
+    return [f"{n}-{str(dt)[6:]}-{'i32' if i else 'i64'}" for n, dt, i in params]
+
+
+@pytest.fixture(scope="module")
+def tiled_inputs():
+    em, inputs = _emulated_inputs(TILED_PARAMS, lambda name: (ADD_SIGMOID, TILED_CASES[name][0]))
     yield em, inputs
     em.close()
 
 
-@pytest.mark.parametrize("name,dtype,index32", TILED_PARAMS,
-                         ids=[f"{n}-{str(dt)[6:]}-{'i32' if i else 'i64'}" for n, dt, i in TILED_PARAMS])
+@pytest.mark.parametrize("name,dtype,index32", TILED_PARAMS, ids=_ids(TILED_PARAMS))
 def test_emulated_tiled_path(tiled_inputs, name, dtype, index32):
     em, inputs = tiled_inputs
     args = inputs[name, dtype]
@@ -407,6 +423,142 @@ def test_emulated_tiled_path(tiled_inputs, name, dtype, index32):
     assert executor.Geometry(p, kernel).tile_dim == TILED_CASES[name][1]
     assert "__shared__" in kernel.source and "__syncthreads();" in kernel.source
     _assert_like_eager(emulate.run_graph(graph, args, index32, emulator=em), _reference(ADD_SIGMOID, args))
+
+
+# --------------------------------------------------------------------------------------------------------
+# the tiled path's vector form (2-byte staged inputs: cuda/templates.py's TILED_TRIP_VEC): 8-element vectors where
+# every operand's sizes, strides and address allow them (partial tiles at both ends), the scalar form where not
+
+# y contiguous, x transposed, w contiguous float32: outputs of the contiguous layout in three dtypes
+MIXED_OUTPUTS = """graph(%y : Tensor, %x : Tensor, %w : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %a : Tensor = aten::mul(%y, %x)
+  %r : Tensor = aten::sigmoid(%a)
+  %s : Tensor = aten::add(%w, %x, %one)
+  %c : Tensor = aten::gt(%y, %x)
+  return (%r, %s, %c)"""
+
+
+def _offset(shape, dtype, order=None):
+    """A tensor of ``shape`` starting one element into its memory (an address no vector is aligned to); its memory
+    runs in dim order ``order`` (outermost first; default: contiguous)."""
+    order = list(range(len(shape))) if order is None else order
+    n = math.prod(shape)
+    base = _t((n + 1,), dtype)[1:].view([shape[d] for d in order])
+    return base.permute([order.index(d) for d in range(len(shape))])
+
+
+def _tr(rows, cols, dtype):
+    """A (rows, cols) transposed view: its fastest dim is the outer one."""
+    return _t((cols, rows), dtype).t()
+
+
+# name -> (graph, inputs maker); every case takes the tiled path, in its vector form unless a comment says it falls
+# to the scalar form. Sizes: 64 x 64 tiles (or 64 x 32: FUSER_CUDA_TILE_VEC_B), 8-element vectors
+VEC_CASES = {
+    # whole tiles
+    "aligned": (ADD_SIGMOID, lambda dt: [_t((128, 192), dt), _tr(128, 192, dt), _t((192,), dt)]),
+    # multiples of the vector, not of the tile: partial tiles at both ends
+    "partial_tiles": (ADD_SIGMOID, lambda dt: [_t((136, 200), dt), _tr(136, 200, dt), _t((200,), dt)]),
+    # odd sizes both ways: the scalar form
+    "odd_sizes": (ADD_SIGMOID, lambda dt: [_t((131, 197), dt), _tr(131, 197, dt), _t((131, 1), dt)]),
+    # an odd innermost size (the dense side's vectors), an odd outer one (the staged input's): the scalar form
+    "odd_inner": (ADD_SIGMOID, lambda dt: [_t((136, 197), dt), _tr(136, 197, dt), _t((197,), dt)]),
+    "odd_outer": (ADD_SIGMOID, lambda dt: [_t((131, 200), dt), _tr(131, 200, dt), _t((200,), dt)]),
+    # the transposed view starts an element in, or the contiguous one: the scalar form
+    "staged_offset": (ADD_SIGMOID, lambda dt: [_t((136, 200), dt), _offset((136, 200), dt, [1, 0]),
+                                               _t((200,), dt)]),
+    "dense_offset": (ADD_SIGMOID, lambda dt: [_offset((136, 200), dt), _tr(136, 200, dt), _t((136, 1), dt)]),
+    # a row slice of a wider tensor (rows layout) whose row stride is a multiple of the vector, a column
+    "rows_slice": (ADD_SIGMOID, lambda dt: [_t((72, 256), dt)[:, :200], _tr(72, 200, dt), _t((72, 1), dt)]),
+    # ... and one whose row stride is not: the scalar form
+    "rows_slice_odd": (ADD_SIGMOID, lambda dt: [_t((72, 256), dt)[:, :200], _tr(72, 200, dt),
+                                                _t((72, 203), dt)[:, :200]]),
+    # two transposed inputs
+    "two_staged": (ADD_SIGMOID, lambda dt: [_t((72, 136), dt), _tr(72, 136, dt), _tr(72, 136, dt)]),
+    # ... the second starting an element in: the scalar form
+    "two_staged_offset": (ADD_SIGMOID, lambda dt: [_t((72, 136), dt), _tr(72, 136, dt),
+                                                   _offset((72, 136), dt, [1, 0])]),
+    # a batch of transposes
+    "3d_batched": (ADD_SIGMOID, lambda dt: [_t((3, 48, 72), dt), _t((3, 72, 48), dt).transpose(1, 2),
+                                            _t((72,), dt)]),
+    # the transposed input's fastest dim is the outermost of three, a dim between
+    "3d_outer": (ADD_SIGMOID, lambda dt: [_t((40, 5, 48), dt), _permuted((40, 5, 48), [2, 1, 0], dt), _t(())]),
+    # 4-d: the fastest dim of the permuted input is the third
+    "4d_permute": (ADD_SIGMOID, lambda dt: [_t((2, 3, 40, 48), dt), _permuted((2, 3, 40, 48), [0, 3, 1, 2], dt),
+                                            _t((48,), dt)]),
+    # 4-d channels_last beside a contiguous tensor
+    "4d_channels_last": (ADD_SIGMOID, lambda dt: [_t((2, 16, 3, 40), dt),
+                                                  _t((2, 16, 3, 40), dt).contiguous(memory_format=torch.channels_last),
+                                                  _t((40,), dt)]),
+    # ... sizes that are not multiples of the vector: the scalar form
+    "4d_channels_last_odd": (ADD_SIGMOID, lambda dt: [_t((2, 20, 3, 37), dt),
+                                                      _t((2, 20, 3, 37), dt).contiguous(
+                                                          memory_format=torch.channels_last), _t((37,), dt)]),
+    # outputs of three dtypes (float16/bfloat16, float32, bool): vectors of 16, 32 and 8 bytes
+    "mixed_outputs": (MIXED_OUTPUTS, lambda dt: [_t((136, 200), dt), _tr(136, 200, dt),
+                                                 _t((136, 200), torch.float32)]),
+    # ... odd sizes: the scalar form
+    "mixed_outputs_odd": (MIXED_OUTPUTS, lambda dt: [_t((131, 197), dt), _tr(131, 197, dt),
+                                                     _t((131, 197), torch.float32)]),
+}
+VEC_PARAMS = [(n, dt, True) for n in VEC_CASES for dt in (torch.float16, torch.bfloat16)] + [
+    (n, torch.float16, False) for n in VEC_CASES] + [(n, torch.int16, True) for n in ("partial_tiles", "odd_sizes")]
+
+
+@pytest.fixture(scope="module")
+def vec_inputs():
+    em, inputs = _emulated_inputs(VEC_PARAMS, VEC_CASES.get)
+    yield em, inputs
+    em.close()
+
+
+@pytest.mark.parametrize("name,dtype,index32", VEC_PARAMS, ids=_ids(VEC_PARAMS))
+def test_emulated_tiled_vector_form(vec_inputs, name, dtype, index32):
+    em, inputs = vec_inputs
+    text, _ = VEC_CASES[name]
+    args = inputs[name, dtype]
+    graph = torch.parse_ir(text)
+    spec = STORE.get(STORE.register(lower(graph)))
+    p = executor.plan(spec, args, target="cuda")
+    kernel = emulate.kernel_for(graph, args, index32, em)
+    assert executor.Geometry(p, kernel).tile_dim >= 0
+    assert "fz_vec_strides(args.strides" in kernel.source and kernel.tile == (common.TILE_VEC_A, common.TILE_VEC_B)
+    _assert_like_eager(emulate.run_graph(graph, args, index32, emulator=em), _reference(text, args))
+
+
+@pytest.mark.parametrize("name", ["partial_tiles", "staged_offset", "mixed_outputs_odd"])
+def test_emulated_tiled_scalar_form_of_2_byte_inputs(monkeypatch, name):
+    """settings.cuda_tile_vec off: 2-byte staged inputs take the scalar form, a kernel of another name and source."""
+    text, make = VEC_CASES[name]
+    args, graph = make(torch.float16), torch.parse_ir(text)
+    em_vector, em = emulate.Emulator(), emulate.Emulator()  # an emulator keeps the kernels it built (as a spec does)
+    try:
+        vector = emulate.kernel_for(graph, args, None, em_vector)
+        monkeypatch.setattr(settings, "cuda_tile_vec", False)
+        scalar = emulate.kernel_for(graph, args, None, em)
+        assert "fz_vec_strides(args.strides" not in scalar.source and scalar.tile == common.TILE_SCALAR
+        assert scalar.name != vector.name and scalar.source != vector.source
+        _assert_like_eager(emulate.run_graph(graph, args, emulator=em), _reference(text, args))
+    finally:
+        em.close()
+        em_vector.close()
+
+
+@pytest.mark.parametrize("arch", (80, 90))
+def test_tiled_vector_form_compiles_with_nvrtc(arch):
+    """NVRTC takes the vector form's kernels (CI has no GPU: the emulation runs them, this compiles them)."""
+    from fuser.cuda import driver
+    for name in ("partial_tiles", "rows_slice", "two_staged", "mixed_outputs"):
+        text, make = VEC_CASES[name]
+        graph = torch.parse_ir(text)
+        spec = STORE.get(STORE.register(lower(graph)))
+        p = executor.plan(spec, make(torch.bfloat16), target="cuda")
+        for index32 in (True, False):
+            kernel = compiler.build(spec, replace(p.arg_spec, index32=index32), load=lambda *_: (None, False),
+                                    probe_device="cpu")
+            assert "fz_vec_strides(args.strides" in kernel.source
+            driver.compile_source(kernel.source, kernel.name, driver.NvrtcOptions(arch))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -431,6 +583,32 @@ def test_gpu_outputs_have_eagers_strides_and_values(name):
         assert out is None
         return
     _assert_like_eager(out, _reference(text, args))
+
+
+def _on_cuda_aligned_alike(a):
+    """``a`` on the GPU with its sizes, strides and address modulo 16 (a view starting an element in stays so)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    lead = a.data_ptr() % 16 // a.element_size()
+    span = 1 + sum((s - 1) * st for s, st in zip(a.shape, a.stride())) if a.numel() else 0
+    flat = torch.empty(lead + span, dtype=a.dtype, device="cuda")
+    flat[lead:] = a.as_strided((span,), (1,))
+    return flat[lead:].as_strided(a.shape, a.stride())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,dtype", [(n, dt) for n in VEC_CASES for dt in (torch.float16, torch.bfloat16)])
+def test_gpu_tiled_vector_form(name, dtype):
+    text, make = VEC_CASES[name]
+    host = make(dtype)
+    args = [_on_cuda_aligned_alike(a) for a in host]
+    assert [a.data_ptr() % 16 for a in args if isinstance(a, torch.Tensor)] == [
+        a.data_ptr() % 16 for a in host if isinstance(a, torch.Tensor)]
+    spec = STORE.get(STORE.register(lower(torch.parse_ir(text))))
+    p = executor.plan(spec, args)
+    kernel = executor.kernel_for(spec, p)
+    assert executor.Geometry(p, kernel).tile_dim >= 0 and kernel.tile == (common.TILE_VEC_A, common.TILE_VEC_B)
+    _assert_like_eager(executor.run(spec, args), _reference(text, args))
 
 
 @pytest.mark.gpu

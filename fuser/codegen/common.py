@@ -51,6 +51,7 @@ class KernelOptions:
     vectorize: bool = True
     fast_reduced: bool = True  # CUDA: ops.OpDef.fast expressions for float16/bfloat16 results
     round_reduced: bool = False  # round each eager op's float16/bfloat16 result as eager stores it (settings.py)
+    tile_vec: bool = True  # CUDA: the tiled path's vector form where it applies (settings.cuda_tile_vec)
 
 
 def literal(value, ctype: str) -> str:
@@ -102,6 +103,43 @@ def has_tiled_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Seque
     (a transposed one reads along another dim than the map's innermost), every output dense."""
     return (target == "cuda" and any(d.layout == STRIDED for d in inputs)
             and all(lay == DENSE for lay in out_layouts))
+
+
+# The CUDA tiled path's tiles, (along the map's innermost dim a, along the staged inputs' fastest dim b), in elements.
+# Scalar form (cuda/templates.py's TILED_TRIP): an element per lane and access. Vector form (TILED_TRIP_VEC, for
+# 2-byte staged inputs): TILE_VEC-element vectors along b when staging and along a on the dense side; its shared tile
+# swizzles 8 chunks of 8 elements, so TILE_VEC_A is 64 and TILE_VEC_B 32 or 64 (FUSER_CUDA_TILE_VEC_B, for
+# experiments: it changes the source). From NVRTC on this machine (sm_90, the float16 GELU of a transposed view plus
+# a residual; no GPU here, so no timings): 64 x 32 gives each thread one vector a tensor (8 elements: 32 bytes of
+# loads in flight with two tensors, 48 KB an SM at 1536 threads, where HBM3 wants 40-64 KB), about 65 SASS
+# instructions an element in the tile loop (its static count over a thread's elements; the scalar form: 97); 64 x 64 two
+# vectors (96 KB in flight), about 51 an element, but its 16 copies of the body beside the scalar form's 8 took NVRTC
+# 2.6 times the scalar form's time for a body of nine transcendental ops, and spilled (64 x 32: 2.1 times, none;
+# the GELU 1.8 times for both).
+TILE_SCALAR = (64, 32)
+TILE_VEC = 8
+TILE_VEC_A = 64
+TILE_VEC_B = int(os.environ.get("FUSER_CUDA_TILE_VEC_B", "32"))
+if TILE_VEC_B not in (32, 64):
+    raise ValueError(f"FUSER_CUDA_TILE_VEC_B={TILE_VEC_B} (supported: 32, 64)")
+# Threads an SM a kernel with the vector form asks registers for (__launch_bounds__' minimum blocks; 0: no bound;
+# FUSER_CUDA_TILE_VEC_THREADS for experiments): 1536, 40 registers. Unbounded, NVRTC gave the GELU at 64 x 64 48
+# registers (5 blocks); bounded, 40, no spills, the index math partly on the uniform datapath. 2048 (32 registers)
+# spilled the transcendental body's kernel, which needs 40 in the scalar form too.
+TILE_VEC_THREADS = int(os.environ.get("FUSER_CUDA_TILE_VEC_THREADS", "1536"))
+
+
+def tiled_vector(inputs: Sequence[TensorDesc], options: KernelOptions) -> bool:
+    """Whether a kernel's tiled path (see :func:`has_tiled_path`) takes the vector form: the option on and every
+    staged input (``STRIDED``) of 2-byte elements (float16, bfloat16, int16); float32's scalar form is kept."""
+    staged = [d for d in inputs if d.layout == STRIDED]
+    return options.tile_vec and bool(staged) and all(
+        torch.empty((), dtype=d.dtype).element_size() == 2 for d in staged)
+
+
+def tile_shape(inputs: Sequence[TensorDesc], options: KernelOptions) -> tuple[int, int]:
+    """The CUDA tiled path's tile, (along a, along b), for a kernel of these inputs and options."""
+    return (TILE_VEC_A, TILE_VEC_B) if tiled_vector(inputs, options) else TILE_SCALAR
 
 
 def strided_operands(inputs: Sequence[TensorDesc], out_layouts: Sequence[str] = ()) -> int:

@@ -10,8 +10,8 @@ from ..cpu import templates as cpu_t
 from ..cuda import templates as cuda_t
 from ..descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, storage_type
 from .common import (CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_TILE_CHUNK, CPU_TILE_ROWS,
-                     CPU_VECTORS_PER_TRIP, has_tiled_path,
-                     has_vector_path, value_type, vector_width)
+                     CPU_VECTORS_PER_TRIP, TILE_SCALAR, TILE_VEC, TILE_VEC_THREADS, has_tiled_path, has_vector_path,
+                     tile_shape, tiled_vector, value_type, vector_width)
 
 
 class _Gen:
@@ -181,31 +181,35 @@ class CudaGen(_Gen):
             index_t="int" if self.options.index32 else "long long",
             max_dims=cuda_t.MAX_DIMS, n_strided_slots=max(1, len(self.offset_names)),
             n_ptrs=len(self.inputs) + len(self.outputs), n_scalar_slots=max(1, self.n_scalar_slots),
-            block_size=self.options.block_size,
+            block_size=self.options.block_size, min_blocks=self.min_blocks(),
             params=self.block(params, "  "), hoisted=self.block(self.hoisted(), "  "),
             tiled_loop=self.tiled_loop(), vector_loop=self.vector_loop(),
             offsets=self.offsets(cuda_t.OFFSETS, lambda j, name: f"args.strides[{j}][d]"),
             body=self.block(body, "    "))
 
+    def min_blocks(self) -> str:
+        """``__launch_bounds__``' minimum blocks an SM (with its comma), or "": for kernels with the tiled path's
+        vector form, ``common.TILE_VEC_THREADS`` threads."""
+        vector = has_tiled_path(self.inputs, "cuda", self.out_layouts) and tiled_vector(self.inputs, self.options)
+        blocks = TILE_VEC_THREADS // self.options.block_size
+        return f", {blocks}" if vector and blocks > 0 else ""
+
     def tiled_loop(self) -> str:
         """The transposing path (``cuda_t.TILED_LOOP``): every generically strided input staged through a
-        shared-memory tile; the other operands read where they are."""
+        shared-memory tile; the other operands read where they are. Its scalar form, and before it the vector form
+        where ``common.tiled_vector`` says so (it runs where the operands allow whole vectors)."""
         if not has_tiled_path(self.inputs, "cuda", self.out_layouts):
             return ""
         row = {name: j for j, name in enumerate(self.offset_names)}  # strides row of each offset
         staged = [k for k, d in enumerate(self.inputs) if d.layout == STRIDED]
-        tiles = [f"__shared__ {value_type(self.inputs[k].dtype, self.target)} fz_tile{k}[{cuda_t.TILE_A}][33];"
-                 for k in staged]
-        stage = [cuda_t.TILE_STAGE.substitute(tile=f"fz_tile{k}", k=k, base=f"base{row[f'off{k}']}", j=row[f"off{k}"])
-                 for k in staged] + ["__syncthreads();"]
-        offsets = [f"const fz_index {name} = base{j} + e * args.strides[{j}][bd] + al * args.strides[{j}][ad];"
-                   for name, j in row.items() if name not in {f"off{k}" for k in staged}]
-        held = [k for k, d in enumerate(self.inputs) if d.layout not in (STRIDED, SCALAR)]
-        pre_decls = [f"{value_type(self.inputs[k].dtype, self.target)} fz_pre{k}[(32 / rows) * (tile_a / 32)];"
-                     for k in held]
-        preload = [f"fz_pre{k}[q] = fz_ld({self.scalar_load(k, self.inputs[k])});" for k in held]
-        body = self.element_body(lambda k, d: f"fz_tile{k}[al][e]" if d.layout == STRIDED else f"fz_pre{k}[q]",
-                                 self.scalar_store)
+        loop = self._tiled_skeleton("args.tile_dim >= 0", TILE_SCALAR, row, *self._tiled_scalar(row, staged))
+        if not tiled_vector(self.inputs, self.options):
+            return loop
+        ready, *form = self._tiled_vector(row, staged)
+        return ready + self._tiled_skeleton("fz_vec_tiles", tile_shape(self.inputs, self.options), row, *form) + loop
+
+    def _tiled_skeleton(self, condition: str, tile: tuple, row: dict, setup: str, tiles: list, trip: str) -> str:
+        """``cuda_t.TILED_LOOP`` around one form's constants, shared tiles and tile work."""
         if self.options.index32:  # the tile counts' dividers once per thread, the sizes' from the launcher
             dividers = ("    unsigned int ma, sha, mb, shb;\n"
                         "    fz_divider((unsigned int)ta, ma, sha);\n    fz_divider((unsigned int)tb, mb, shb);\n")
@@ -213,16 +217,89 @@ class CudaGen(_Gen):
         else:
             dividers, div = "", {"div_ta": "r / ta", "div_tb": "r / tb"}
         return cuda_t.TILED_LOOP.substitute(
-            dividers=dividers, div_d=self.divide_by_size(), **div, rows=self.options.block_size // 32,
-            tile_a=cuda_t.TILE_A, tiles=self.block(tiles, "    "),
+            condition=condition, dividers=dividers, div_d=self.divide_by_size(), **div, tile_a=tile[0], tile_b=tile[1],
+            setup=setup, tiles=self.block(tiles, "    "), trip=trip,
             bases=", ".join(f"base{j} = 0" for j in row.values()),
             accumulate="\n".join(f"            base{j} += m * args.strides[{j}][d];" for j in row.values()),
             corner="\n".join(f"        base{j} += b0 * args.strides[{j}][bd] + a0 * args.strides[{j}][ad];"
-                             for j in row.values()),
+                             for j in row.values()))
+
+    def _tiled_scalar(self, row: dict, staged: list) -> tuple[str, list[str], str]:
+        """The scalar form's constants, shared tiles and tile work (``cuda_t.TILED_TRIP``)."""
+        tiles = [f"__shared__ {value_type(self.inputs[k].dtype, self.target)} fz_tile{k}[tile_a][33];"
+                 for k in staged]
+        stage = [cuda_t.TILE_STAGE.substitute(tile=f"fz_tile{k}", k=k, base=f"base{row[f'off{k}']}", j=row[f"off{k}"])
+                 for k in staged] + ["__syncthreads();"]
+        offsets = [f"const fz_index {name} = base{j} + e * args.strides[{j}][bd] + al * args.strides[{j}][ad];"
+                   for name, j in row.items() if name not in {f"off{k}" for k in staged}]
+        held = [k for k, d in enumerate(self.inputs) if d.layout not in (STRIDED, SCALAR)]
+        pre_decls = [f"{value_type(self.inputs[k].dtype, self.target)} fz_pre{k}[(tile_b / rows) * (tile_a / 32)];"
+                     for k in held]
+        preload = [f"fz_pre{k}[q] = fz_ld({self.scalar_load(k, self.inputs[k])});" for k in held]
+        body = self.element_body(lambda k, d: f"fz_tile{k}[al][e]" if d.layout == STRIDED else f"fz_pre{k}[q]",
+                                 self.scalar_store)
+        setup = cuda_t.TILED_SETUP.substitute(rows=self.options.block_size // 32)
+        trip = cuda_t.TILED_TRIP.substitute(
             stage="\n".join(ln if ln.startswith("      for") or ln.startswith(" ") else "      " + ln
                             for ln in stage),
             pre_decls=self.block(pre_decls, "      "), preload=self.block(preload, "            "),
             offsets=self.block(offsets, "            "), body=self.block(body, "            "))
+        return setup, tiles, trip
+
+    def _tiled_vector(self, row: dict, staged: list) -> tuple[str, str, list[str], str]:
+        """The vector form's condition (``cuda_t.TILED_READY_VEC``), constants, shared tiles and tile work
+        (``cuda_t.TILED_TRIP_VEC``)."""
+        vw, block = TILE_VEC, self.options.block_size
+        tile_a, tile_b = tile_shape(self.inputs, self.options)
+        if tile_a * tile_b % (vw * block):
+            raise ValueError(f"a {tile_a} x {tile_b} tile is no whole number of {vw}-element vectors per thread of a "
+                             f"{block}-thread block")
+
+        def aligned(ptr: str, dtype) -> str:  # the pointer a multiple of its vector's alignment (fz_vec's)
+            return f"fz_aligned({ptr}, {min(16, vw * torch.empty((), dtype=dtype).element_size())})"
+
+        checks, preload, pre_decls = [], [], []
+        for k in staged:
+            checks.append(f"fz_vec_strides(args.strides[{row[f'off{k}']}], args.rank, bd, {vw}) && "
+                          f"{aligned(f't{k}', self.inputs[k].dtype)}")
+        for k, d in enumerate(self.inputs):
+            if d.layout in (STRIDED, SCALAR):
+                continue
+            s = storage_type(d.dtype)
+            if d.layout == REPEAT:  # one element along a
+                j = row[f"off{k}"]
+                pre_decls.append(f"{s} dr{k}[per];")
+                preload.append(f"dr{k}[it] = t{k}[base{j} + e * args.strides[{j}][bd]];")
+                continue
+            at = "i"
+            if d.layout == ROWS:
+                j = row[f"off{k}"]
+                at = f"base{j} + e * args.strides[{j}][bd] + c * vw"
+                checks.append(f"fz_vec_strides(args.strides[{j}], args.rank, ad, {vw}) && {aligned(f't{k}', d.dtype)}")
+            else:
+                checks.append(aligned(f"t{k}", d.dtype))
+            pre_decls.append(f"fz_vec<{s}, vw> dv{k}[per];")
+            preload.append(f"dv{k}[it] = *reinterpret_cast<const fz_vec<{s}, vw>*>(t{k} + {at});")
+        checks += [aligned(f"o{m}", dt) for m, dt in enumerate(self.out_dtypes)]
+        ready = cuda_t.TILED_READY_VEC.substitute(vw=vw, checks="".join(f" &&\n        {c}" for c in checks))
+        tiles = [f"__shared__ __align__(16) {storage_type(self.inputs[k].dtype)} fz_tile{k}[tile_b * tile_a];"
+                 for k in staged]
+        subs = [dict(k=k, j=row[f"off{k}"], s=storage_type(self.inputs[k].dtype), block_size=block) for k in staged]
+        tile_reads = [f"const fz_vec<{s['s']}, vw> tv{s['k']} = *reinterpret_cast<const fz_vec<{s['s']}, vw>*>("
+                      f"fz_tile{s['k']} + e * tile_a + (c ^ (e / vw)) * vw);" for s in subs]
+        out_decls = [f"fz_vec<{storage_type(dt)}, vw> ov{m};" for m, dt in enumerate(self.out_dtypes)]
+        stores = [f"*reinterpret_cast<fz_vec<{storage_type(dt)}, vw>*>(o{m} + i) = ov{m};"
+                  for m, dt in enumerate(self.out_dtypes)]
+        loads = {STRIDED: "tv{k}.v[k]", DENSE: "dv{k}[it].v[k]", ROWS: "dv{k}[it].v[k]", REPEAT: "dr{k}[it]"}
+        body = self.element_body(lambda k, d: loads[d.layout].format(k=k), lambda m: f"ov{m}.v[k]", index="i + k")
+        setup = cuda_t.TILED_SETUP_VEC.substitute(vw=vw, block_size=block)
+        trip = cuda_t.TILED_TRIP_VEC.substitute(
+            block_size=block, stage_loads="\n".join(cuda_t.TILE_STAGE_VEC.substitute(s) for s in subs),
+            pre_decls=self.block(pre_decls, "      "), preload=self.block(preload, "          "),
+            stage_stores="\n".join(cuda_t.TILE_STORE_VEC.substitute(s) for s in subs),
+            tile_reads=self.block(tile_reads, "          "), out_decls=self.block(out_decls, "          "),
+            body=self.block(body, "            "), stores=self.block(stores, "          "))
+        return ready, setup, tiles, trip
 
     def vector_loop(self) -> str:
         if not self.options.vectorize or not has_vector_path(self.inputs, "cuda", self.out_layouts):

@@ -16,7 +16,6 @@ from ..c_helpers import HELPERS
 from ..rng import PHILOX
 
 MAX_DIMS = 8  # compressed map dims; more falls back
-TILE_A = 64  # the tiled path's tiles: TILE_A elements along the innermost dim by 32 along the strided inputs' fastest
 
 
 PRELUDE_TEMPLATE = Template(r"""
@@ -134,6 +133,14 @@ __device__ __forceinline__ long long fz_iabs(long long a) {
 // N elements of T moved together: 16-byte accesses (the compiler splits a 32-byte struct into two, both
 // issued before either is used); alignment capped at 16, the widest access
 template <class T, int N> struct __align__(sizeof(T) * N < 16 ? sizeof(T) * N : 16) fz_vec { T v[N]; };
+// the tiled path's vector form (TILED_READY_VEC): whether an operand's runs of n elements along dim `unit` are whole
+// vectors (stride 1 there, every other stride a multiple of n), and whether a pointer is aligned to `bytes`
+template <class I> __device__ __forceinline__ bool fz_vec_strides(const I* st, int rank, int unit, int n) {
+  bool ok = st[unit] == 1;
+  for (int d = 0; d < rank; ++d) ok = ok && (d == unit || st[d] % n == 0);
+  return ok;
+}
+__device__ __forceinline__ bool fz_aligned(const void* p, unsigned int bytes) { return (uint64_t)p % bytes == 0; }
 """)
 
 # float16 loads and stores: one PTX conversion each (round to nearest even; NaN stays NaN)
@@ -170,7 +177,7 @@ struct FzArgs {
   double scalars[${n_scalar_slots}];
 };
 
-extern "C" __global__ void __launch_bounds__(${block_size}) ${name}(const FzArgs args) {
+extern "C" __global__ void __launch_bounds__(${block_size}${min_blocks}) ${name}(const FzArgs args) {
   const fz_index numel = args.numel;
 ${params}
 ${hoisted}
@@ -203,26 +210,26 @@ ${vstores}
 
 # Only emitted when some input is generically strided and every output is dense; args.tile_dim >= 0 says the
 # launcher chose it (fuser.executor.Geometry.tile_dim: a strided input's fastest dim, not the map's innermost).
-# The map is cut into tiles of TILE_A (along the innermost dim, a) x 32 (along that dim, b), a tile per block and
-# trip: the strided inputs are read along b into shared memory (a row of padding keeps both phases free of bank
-# conflicts), then every tensor is read and written along a, so both sides of the transpose are coalesced. A tile
-# is TILE_A wide so that each thread has several loads in flight per phase. Measured on an H100 (GELU of a transposed
-# view plus a contiguous residual, 16384 x 4096, float32 / float16 of the copy floor): 32 x 32 tiles in rolled loops
-# 0.56 / 0.37; unrolled 0.76 / 0.41; 64 wide 0.74 / 0.45; with the operands loaded ahead (below) 0.93 / 0.63;
-# 128 wide for 2-byte dtypes 0.55 (fewer blocks resident); 64 x 64 for 2-byte dtypes (a warp's stage reads covering
-# whole 128-byte lines) 0.54 / 0.58 against 0.62 / 0.64 in the same run (64 registers a thread: half the occupancy).
-# ncu on the float16 kernel: bound by instruction issue (78% of issue slots, DRAM at 47%); dividing the tile numbers
-# by magic numbers (below) took it to 0.68 / 0.71 (bfloat16), 32 registers, 81% of issue slots.
-TILED_LOOP = Template(r"""  if (args.tile_dim >= 0) {
+# The map is cut into tiles of tile_a (along the innermost dim, a) x tile_b (along that dim, b), a tile per block and
+# trip (codegen.tile_shape): the strided inputs are read along b into shared memory, then every tensor is read and
+# written along a, so both sides of the transpose are coalesced. ${trip} is one tile's work, in one of two forms.
+# Scalar form (TILED_TRIP, 64 x 32): an element per lane and access (a row of padding keeps both phases free of bank
+# conflicts). A tile is 64 wide so that each thread has several loads in flight per phase. Measured on an H100 (GELU
+# of a transposed view plus a contiguous residual, 16384 x 4096, float32 / float16 of the copy floor): 32 x 32 tiles
+# in rolled loops 0.56 / 0.37; unrolled 0.76 / 0.41; 64 wide 0.74 / 0.45; with the operands loaded ahead (below)
+# 0.93 / 0.63; 128 wide for 2-byte dtypes 0.55 (fewer blocks resident); 64 x 64 for 2-byte dtypes (a warp's stage
+# reads covering whole 128-byte lines) 0.54 / 0.58 against 0.62 / 0.64 in the same run (64 registers a thread: half
+# the occupancy). ncu on the float16 kernel: bound by instruction issue (78% of issue slots, DRAM at 47%); dividing
+# the tile numbers by magic numbers (below) took it to 0.68 / 0.71 (bfloat16), 32 registers, 81% of issue slots:
+# a warp moves 64 bytes of 2-byte elements per instruction. Vector form (TILED_TRIP_VEC, 2-byte staged inputs):
+# 8-element vectors on both sides, see there; it runs where TILED_READY_VEC allows it, the scalar form otherwise.
+TILED_LOOP = Template(r"""  if (${condition}) {
     const int bd = args.tile_dim, ad = args.rank - 1;
     const fz_index sa = args.sizes[ad], sb = args.sizes[bd];
-    constexpr int tile_a = ${tile_a};
-    const fz_index ta = (sa + tile_a - 1) / tile_a, tb = (sb + 31) / 32;
+    constexpr int tile_a = ${tile_a}, tile_b = ${tile_b};
+    const fz_index ta = (sa + tile_a - 1) / tile_a, tb = (sb + tile_b - 1) / tile_b;
     const fz_index n_tiles = numel / (sa * sb) * ta * tb;
-${dividers}    // rows: blockDim.x / 32, a constant (the launcher's block size) so that the loops over a thread's elements of
-    // a tile unroll and their loads are in flight together (a rolled loop waits for each load in turn)
-    constexpr int rows = ${rows};
-    const int lane = threadIdx.x % 32, row0 = threadIdx.x / 32;
+${dividers}${setup}
 ${tiles}
     for (fz_index tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
       // (divisions by magic numbers where the index is 32 bits: a division is tens of instructions, and the 2-byte
@@ -231,7 +238,7 @@ ${tiles}
       const fz_index a0 = (r - q * ta) * tile_a;
       r = q;
       q = ${div_tb};
-      const fz_index b0 = (r - q * tb) * 32;
+      const fz_index b0 = (r - q * tb) * tile_b;
       r = q;
       // the tile's first element: its map index and each strided operand's offset
       fz_index lin = a0, dense_b = 1, ${bases};
@@ -252,12 +259,24 @@ ${accumulate}
         }
 ${corner}
       }
-      // the other tensor operands' elements of this thread first, into registers: with the stage's reads below,
-      // every load of the tile is in flight before the first is used (loads inside the guarded bodies, branches
-      // around the whole element, waited for each other)
-${pre_decls}
+${trip}
+      __syncthreads();  // the tiles are free for the next trip
+    }
+    return;
+  }
+""")
+
+# the scalar form's constants: rows: blockDim.x / 32, a constant (the launcher's block size) so that the loops over a
+# thread's elements of a tile unroll and their loads are in flight together (a rolled loop waits for each load in turn)
+TILED_SETUP = Template(r"""    constexpr int rows = ${rows};
+    const int lane = threadIdx.x % 32, row0 = threadIdx.x / 32;""")
+
+# the scalar form's tile: the other tensor operands' elements of this thread first, into registers: with the stage's
+# reads after them, every load of the tile is in flight before the first is used (loads inside the guarded bodies,
+# branches around the whole element, waited for each other)
+TILED_TRIP = Template(r"""${pre_decls}
 #pragma unroll
-      for (int it = 0; it < 32 / rows; ++it) {
+      for (int it = 0; it < tile_b / rows; ++it) {
 #pragma unroll
         for (int ja = 0; ja < tile_a; ja += 32) {
           const int e = row0 + it * rows, al = ja + lane, q = it * (tile_a / 32) + ja / 32;
@@ -270,7 +289,7 @@ ${preload}
       }
 ${stage}
 #pragma unroll
-      for (int it = 0; it < 32 / rows; ++it) {
+      for (int it = 0; it < tile_b / rows; ++it) {
 #pragma unroll
         for (int ja = 0; ja < tile_a; ja += 32) {
           const int e = row0 + it * rows, al = ja + lane, q = it * (tile_a / 32) + ja / 32;
@@ -279,20 +298,88 @@ ${stage}
 ${body}
           }
         }
-      }
-      __syncthreads();  // the tiles are free for the next trip
-    }
-    return;
-  }
-""")
+      }""")
 
-# the tiled path's first phase for one strided input: its tile read along b (lanes) into shared memory, a row of
+# the scalar form's first phase for one strided input: its tile read along b (lanes) into shared memory, a row of
 # the tile (its 32 elements along b) per warp and step
 TILE_STAGE = Template(r"""#pragma unroll
       for (int it = 0; it < tile_a / rows; ++it) {
         const int e = row0 + it * rows;
         if (a0 + e < sa && b0 + lane < sb)
           ${tile}[e][lane] = fz_ld(t${k}[${base} + lane * args.strides[${j}][bd] + e * args.strides[${j}][ad]]);
+      }""")
+
+# Whether the vector form runs (the same in every thread): every operand moves in whole, aligned vectors of vw
+# elements: both tiled sizes multiples of vw, a staged input with stride 1 along b and a row-strided one with stride
+# 1 along a (their other strides multiples of vw), every pointer aligned to its vector. Otherwise (odd sizes, a view
+# starting an element in, a step) the scalar form after it runs: one form's loops carry no branches of the other,
+# and the registers of element-by-element loads (a 2-byte element in a 32-bit register each, all in flight) do not
+# weigh on the vector form's occupancy (sm_90, a GELU: 72 registers with such loads beside the vectors, 40 without).
+TILED_READY_VEC = Template(r"""  bool fz_vec_tiles = false;
+  if (args.tile_dim >= 0) {
+    const int bd = args.tile_dim, ad = args.rank - 1;
+    fz_vec_tiles = args.sizes[ad] % ${vw} == 0 && args.sizes[bd] % ${vw} == 0${checks};
+  }
+""")
+
+# the vector form's constants: vw, elements a vector (8: 16 bytes of 2-byte elements); per, a thread's vectors of
+# each tensor per tile
+TILED_SETUP_VEC = Template(r"""    constexpr int vw = ${vw}, per = tile_a * tile_b / vw / ${block_size};""")
+
+# The vector form's tile (a tile_b x tile_a shared tile of storage-type elements per staged input, b-major). Thread
+# t's vectors are t, t + block, ... of the tile: along b (staging: the vectors of an a-row are consecutive threads)
+# or along a (the dense side). A warp's stage reads cover 4 (tile_b 64) or 8 (tile_b 32) a-rows of 128 or 64
+# contiguous bytes; its dense accesses 4 b-rows of 128 bytes of 2-byte elements. Each stage vector is written to the
+# tile as vw elements of one a-column; the tile's 8-element chunks along a are swizzled by b / 8 (chunk ^ (b / 8)), so
+# that those writes (a warp's lanes: 8 or 4 b-chunks c, 4 or 8 a in one chunk) fall in distinct banks, and so do the
+# dense side's 16-byte reads of a b-row's chunks. Loads: every staged vector, then every other operand's, all in
+# flight before the first is used. Sizes are multiples of vw (TILED_READY_VEC): a vector is all inside or all outside.
+TILED_TRIP_VEC = Template(r"""${stage_loads}
+${pre_decls}
+#pragma unroll
+      for (int it = 0; it < per; ++it) {
+        const int q = threadIdx.x + it * ${block_size}, e = q / (tile_a / vw), c = q % (tile_a / vw);
+        if (a0 + c * vw < sa && b0 + e < sb) {
+          const fz_index i = lin + e * dense_b + c * vw;
+${preload}
+        }
+      }
+${stage_stores}
+      __syncthreads();
+#pragma unroll
+      for (int it = 0; it < per; ++it) {
+        const int q = threadIdx.x + it * ${block_size}, e = q / (tile_a / vw), c = q % (tile_a / vw);
+        if (a0 + c * vw < sa && b0 + e < sb) {
+          const fz_index i = lin + e * dense_b + c * vw;
+${tile_reads}
+${out_decls}
+#pragma unroll
+          for (int k = 0; k < vw; ++k) {
+${body}
+          }
+${stores}
+        }
+      }""")
+
+# the vector form's stage for one strided input (strides row ${j}, storage ${s}): its vectors along b into registers
+TILE_STAGE_VEC = Template(r"""      fz_vec<${s}, vw> sv${k}[per];
+#pragma unroll
+      for (int it = 0; it < per; ++it) {
+        const int q = threadIdx.x + it * ${block_size}, c = q % (tile_b / vw), e = q / (tile_b / vw);
+        if (a0 + e < sa && b0 + c * vw < sb)
+          sv${k}[it] = *reinterpret_cast<const fz_vec<${s}, vw>*>(
+              t${k} + base${j} + e * args.strides[${j}][ad] + c * vw);
+      }""")
+
+# ... and from registers into its shared tile, element (b, a) at b * tile_a + a with a's chunks swizzled
+TILE_STORE_VEC = Template(r"""#pragma unroll
+      for (int it = 0; it < per; ++it) {
+        const int q = threadIdx.x + it * ${block_size}, c = q % (tile_b / vw), e = q / (tile_b / vw);
+        ${s}* at = fz_tile${k} + c * vw * tile_a + ((e / vw) ^ c) * vw + e % vw;
+        if (a0 + e < sa && b0 + c * vw < sb) {
+#pragma unroll
+          for (int k = 0; k < vw; ++k) at[k * tile_a] = sv${k}[it].v[k];
+        }
       }""")
 
 # Offsets of the strided inputs at element ${index}. The vector path unrolls the walk over MAX_DIMS (a rolled
