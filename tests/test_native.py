@@ -538,9 +538,18 @@ def _check_step(ff, fn, args, gy=None, tol=None):
     want = torch.autograd.grad(y64, [a for a in args64 if a.requires_grad], gy.double())
     tol = tol or (dict(rtol=1e-10, atol=1e-10) if args[0].dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5))
     torch.testing.assert_close(y.double(), y64.detach(), **tol)
-    for g, w, a in zip(got, want, wanted):
+    # float16/bfloat16: a summed gradient (a bias's) adds values rounded to the dtype, eager's too, so where its
+    # terms cancel its error exceeds a tolerance relative to the result: eager's own error (twice) is allowed on top
+    reduced = args[0].dtype in (torch.float16, torch.bfloat16)
+    if reduced:
+        args_e = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+        eager = torch.autograd.grad(fn(*args_e), [a for a in args_e if a.requires_grad], gy)
+    for k, (g, w, a) in enumerate(zip(got, want, wanted)):
         assert g.dtype == a.dtype and g.shape == a.shape and g.device == a.device
-        torch.testing.assert_close(g.double(), w, rtol=tol["rtol"], atol=tol["atol"] * max(1.0, w.abs().max().item()))
+        atol = tol["atol"] * max(1.0, w.abs().max().item())
+        if reduced:
+            atol += 2 * (eager[k].double() - w).abs().max().item()
+        torch.testing.assert_close(g.double(), w, rtol=tol["rtol"], atol=atol)
     return y
 
 

@@ -115,11 +115,14 @@ def has_tiled_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Seque
 # instructions an element in the tile loop (its static count over a thread's elements; the scalar form: 97); 64 x 64 two
 # vectors (96 KB in flight), about 51 an element, but its 16 copies of the body beside the scalar form's 8 took NVRTC
 # 2.6 times the scalar form's time for a body of nine transcendental ops, and spilled (64 x 32: 2.1 times, none;
-# the GELU 1.8 times for both).
+# the GELU 1.8 times for both). Measured on an H100 (2026-11-25, the benchmark's gelu_transposed_residual at 16384 x
+# 4096, torch.profiler kernel times, one process per setting in one run), float16 / bfloat16: scalar form 198 / 188
+# us, 64 x 32 164 / 162 us, 64 x 64 149 / 148 us (0.91 of the copy floor; float32 and a transposed input beside a
+# row bias unchanged). So 64 x 64.
 TILE_SCALAR = (64, 32)
 TILE_VEC = 8
 TILE_VEC_A = 64
-TILE_VEC_B = int(os.environ.get("FUSER_CUDA_TILE_VEC_B", "32"))
+TILE_VEC_B = int(os.environ.get("FUSER_CUDA_TILE_VEC_B", "64"))
 if TILE_VEC_B not in (32, 64):
     raise ValueError(f"FUSER_CUDA_TILE_VEC_B={TILE_VEC_B} (supported: 32, 64)")
 # Threads an SM a kernel with the vector form asks registers for (__launch_bounds__' minimum blocks; 0: no bound;
