@@ -24,6 +24,10 @@ round_reduced: bool = os.environ.get("FUSER_ROUND_REDUCED", "") == "1"
 # bias's error 4.6e-5 on, 3.1e-5 off, eager 2.1e-5, over terms up to 300; the test's tolerance now allows eager's
 # own rounding error, tests/test_models.py.) Read on each backward call.
 cuda_column_sums: bool = os.environ.get("FUSER_CUDA_COLUMN_SUMS", "1") != "0"
+# On the CPU, a group's backward reads the transcendental values the cost model picks from its forward instead of
+# recomputing them (fuser/saving.py). On by default; FUSER_CPU_SAVE=0 turns it off. Read on each forward call under
+# autograd that Python runs (the native hot path keeps what a signature was prepared with: fuser.native.clear()).
+cpu_save: bool = os.environ.get("FUSER_CPU_SAVE", "1") != "0"
 # device type -> fusion on; filled lazily, cleared by the overrides. The executor reads it on every call.
 enabled: dict[str, bool] = {}
 # called after an override changes what fuses (the native hot path forgets its prepared launches)
