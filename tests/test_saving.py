@@ -198,6 +198,13 @@ def test_the_switch_and_ops_outside_the_model():
     relu = STORE.get(STORE.register(b.build([b.call("aten::mul", b.call("aten::relu", x), y)])))
     call = autodiff.prepare_call(relu, [torch.randn(4, 5, requires_grad=True), torch.randn(4, 5, requires_grad=True)])
     assert call.save == ()
+    # a group with reductions (a row kernel's backward) recomputes as before: softmax(x) * exp(x)
+    b = ir.Builder()
+    x = b.input()
+    rows = STORE.get(STORE.register(b.build([b.call("aten::mul", b.add("aten::softmax.int", x, -1, None),
+                                                    b.call("aten::exp", x))])))
+    call = autodiff.prepare_call(rows, [torch.randn(4, 32, requires_grad=True)])
+    assert call is not None and call.save == () and call.forward is rows
 
 
 def test_double_backward_recomputes():
