@@ -3,8 +3,9 @@
 When grad mode is on and an input requires grad, :func:`run` wraps the group in an autograd Function. Its
 forward runs the forward kernel (grad mode is off inside it) and saves the inputs the backward reads, and the
 outputs it reads (a softmax or log_softmax result, ``Backward.saved_outputs``: saved as eager saves its output, so
-an in-place change of it before backward raises eager's error). Its
-backward is a group that ``fuser/backward.py`` builds from the derivative table. That group is registered in the kernel store like any group, so it gets a fused kernel (or the
+an in-place change of it before backward raises eager's error). On the CPU the forward may also write the
+transcendental values its backward reads, as extra outputs it saves and does not return (``fuser/saving.py``,
+``_read_saved``). Its backward is a group that ``fuser/backward.py`` builds from the derivative table. That group is registered in the kernel store like any group, so it gets a fused kernel (or the
 fallback, when it cannot be fused), and, when the backward itself runs under grad mode
 (``create_graph=True``), it is differentiated the same way: double backward either runs fused or through
 the interpreter. Gradients of inputs broadcast over the leading dims (a bias, a norm's weight of shape [cols]) are
@@ -35,10 +36,10 @@ from typing import Optional, Sequence
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from . import compiler, executor, fallback, grad_sums, ir, ops, rng
-from .backward import Backward, _carries, _Unsupported, build_backward
+from . import compiler, executor, fallback, grad_sums, ir, ops, rng, saving, settings
+from .backward import Backward, _carries, _Unsupported, build_backward, extra_outputs
 from .descs import DENSE, ArgSpec, TensorDesc
-from .kernel_cache import KernelSpec
+from .kernel_cache import STORE, KernelSpec
 
 _functorch_stack = torch._C._functorch.peek_interpreter_stack
 
@@ -132,15 +133,16 @@ def _reduction_dtypes(spec: KernelSpec, sig: tuple) -> list:
 
 
 def backward_for(spec: KernelSpec, needs: tuple, defined: tuple, sig: tuple,
-                 columns: bool = False, chunks: tuple = ()) -> Optional[Backward]:
+                 columns: bool = False, chunks: tuple = (), save: tuple = ()) -> Optional[Backward]:
     """``columns``: the forward ran as a column kernel (``fuser/rows/outer.py``), whose backward differs.
-    ``chunks``: per tensor, (dim, group inputs) that are its chunks (``_chunked_inputs``)."""
-    key = (spec.key, needs, defined, sig, columns, chunks)
+    ``chunks``: per tensor, (dim, group inputs) that are its chunks (``_chunked_inputs``). ``save``: forward values
+    read from the forward's outputs and extra outputs (``fuser/saving.py``)."""
+    key = (spec.key, needs, defined, sig, columns, chunks, save)
     if key in _backwards:
         return _backwards[key]
     try:
         bw = build_backward(spec, needs, defined, _floating_values(spec, sig), columns, _value_dtypes(spec, sig),
-                            chunks)
+                            chunks, save)
     except _Unsupported:
         bw = None
     except RuntimeError:  # eager rejects these dtypes (the type probe raised): the interpreter will say so
@@ -159,13 +161,39 @@ def _carried_outputs(spec: KernelSpec, needs: tuple, sig: tuple) -> tuple[bool, 
 
 
 _carried: dict[tuple, tuple] = {}
+_saves: dict[tuple, tuple] = {}  # (spec key, needs, sig, chunks) -> saving.chosen's values
+_extended: dict[tuple, KernelSpec] = {}  # (spec key, extra output ids) -> the forward group with those outputs
+
+
+def _cpu_save(spec: KernelSpec, needs: tuple, sig: tuple, chunks: tuple) -> tuple:
+    """The values a CPU backward of every output's gradient reads saved (``fuser/saving.py``); () where none."""
+    key = (spec.key, needs, sig, chunks)
+    got = _saves.get(key)
+    if got is None:
+        bw = backward_for(spec, needs, spec.all_outputs_defined, sig, False, chunks)
+        got = () if bw is None or bw.spec is None else saving.chosen(spec, bw.recomputed, _value_dtypes(spec, sig))
+        _bounded(_saves)[key] = got
+    return got
+
+
+def extended_spec(spec: KernelSpec, extras: tuple) -> KernelSpec:
+    """``spec``'s group with the values ``extras`` (ids) as more outputs, after its own: the forward that writes
+    what its backward reads saved."""
+    key = (spec.key, extras)
+    got = _extended.get(key)
+    if got is None:
+        g = spec.group
+        by_id = {n.out.id: n.out for n in g.nodes}
+        group = ir.Group(g.inputs, g.nodes, g.outputs + tuple(by_id[vid] for vid in extras))
+        got = _bounded(_extended)[key] = STORE.get(STORE.register(group))
+    return got
 
 
 class _Call:
     """What the autograd Function needs besides the tensors: the group and where its arguments go."""
 
     __slots__ = ("spec", "scalars", "needs", "sig", "saved", "carried", "rng_state", "outputs", "columns",
-                 "saved_outputs", "chunks", "sources")
+                 "saved_outputs", "chunks", "sources", "save", "forward")
 
     def __init__(self, spec, scalars, needs, sig, saved, carried, rng_state=None, outputs=None, columns=False,
                  saved_outputs=(), chunks=()):
@@ -178,6 +206,9 @@ class _Call:
         # per tensor whose gradient the backward writes whole: (dim, group inputs that are its chunks); _chunked_inputs
         self.chunks = chunks
         self.sources = None  # those tensors, until the Function is applied; then their chunks, until its forward runs
+        # forward values the backward reads saved (fuser/saving.py; saved_outputs indexes the outputs, then the extra
+        # outputs of those that are none), and the group the forward runs: spec, or spec with those extra outputs
+        self.save, self.forward = (), spec
 
     def args(self, tensors: Sequence) -> list:
         if self.spec.all_tensors:
@@ -200,15 +231,16 @@ class _FusedGroup(torch.autograd.Function):
             args = call.args(tensors)
         out = call.outputs
         if out is None:
-            out = executor.run(call.spec, args)  # grad mode is off in here: the forward kernel
+            out = executor.run(call.forward, args)  # grad mode is off in here: the forward kernel
         if out is None:
-            out = fallback.run(call.spec, args)
+            out = fallback.run(call.forward, args)
         call.outputs = None  # the Function holds them now
         ctx.call = call
         ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
         ctx.n_tensors = len(tensors)
         ctx.save_for_backward(*[t if keep else None for t, keep in zip(tensors, call.saved)],
                               *[out[k] for k in call.saved_outputs])
+        out = out[:len(call.spec.group.outputs)]  # (the extra outputs are the backward's alone)
         # outputs no wanted gradient reaches do not require grad, as in eager
         ctx.mark_non_differentiable(*[o for o, d in zip(out, differentiable_outputs(call, out)) if not d])
         ctx.set_materialize_grads(False)
@@ -252,7 +284,9 @@ def input_grads(call: _Call, saved: Sequence, meta: Sequence, grads: Sequence, o
     result: list = [None] * len(saved)
     if not any(defined):
         return result + [None] * len(call.chunks)
-    bw = backward_for(spec, call.needs, defined, call.sig, call.columns, call.chunks)
+    # double backward (create_graph) recomputes: the extra outputs have no autograd history to differentiate through
+    save = call.save if not torch.is_grad_enabled() else ()
+    bw = backward_for(spec, call.needs, defined, call.sig, call.columns, call.chunks, save)
     t_index = tensor_index(spec)
     fwd_args = call.args(saved)
     wholes: dict = {}  # first chunk's input -> its tensor's gradient, whole
@@ -480,6 +514,8 @@ def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None)
             call.saved = (*(False if any(k in p for p in pos) else keep for k, keep in enumerate(saved)),
                           *(any(saved[k] for k in p) for p in pos))
             call.chunks, call.sources = chunks, [c[2] for c in chunked]
+    if device.type == "cpu" and settings.cpu_save:
+        _read_saved(call, shapes, full)
     if spec.random or spec.has_reduction:  # (a row kernel's backward is planned for the shapes its forward takes)
         if spec.random:
             call.rng_state = rng.launch_state(device) if rng_state is None else rng_state
@@ -498,6 +534,33 @@ def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None)
             call.saved = tuple(j in bw.fwd_inputs for j, is_t in enumerate(spec.input_is_tensor) if is_t)
             call.saved_outputs = bw.saved_outputs
     return call
+
+
+def _read_saved(call: _Call, shapes: list, full: torch.Size) -> None:
+    """On the CPU, where the cost model picks values for the backward to read saved (``fuser/saving.py``): the call
+    made to run the forward with them as extra outputs and to save them. A value whose inputs broadcast to less
+    than ``full`` stays recomputed (the kernel writes outputs of the full shape). The inputs the recomputing
+    backward reads stay saved too (a superset of what this one reads): double backward recomputes."""
+    spec = call.spec
+    save = _cpu_save(spec, call.needs, call.sig, call.chunks)
+    if not save:
+        return
+    n = len(spec.group.outputs)
+    extras = extra_outputs(spec, save)
+    forward = extended_spec(spec, extras) if extras else spec
+    narrow = {vid for vid, deps in zip(extras, forward.output_deps[n:])
+              if broadcast_shapes(*(shapes[k] for k in deps)) != full}
+    if narrow:
+        save = tuple(vid for vid in save if vid not in narrow)
+        extras = extra_outputs(spec, save)
+        forward = extended_spec(spec, extras) if extras else spec
+        if not save:
+            return
+    bw = backward_for(spec, call.needs, spec.all_outputs_defined, call.sig, False, call.chunks, save)
+    if bw is None or bw.spec is None or len(bw.cat_of) != len(call.chunks):
+        return
+    call.save, call.forward = save, forward
+    call.saved_outputs = tuple(sorted({*call.saved_outputs, *bw.saved_outputs}))
 
 
 def _ran_as_columns(spec: KernelSpec, tensors: list) -> Optional[bool]:

@@ -9,6 +9,9 @@ The one value it does not recompute is a softmax or log_softmax that is itself a
 it anyway, so the backward reads it as eager's does (``(g - sum(g * y)) * y``, ``g - exp(y) * sum(g)``), where a
 recompute would read the input and form its max and sum again (two more passes over the row, and every prologue
 input read once more). ``Backward.saved_outputs`` names those outputs; the forward saves them for backward.
+On the CPU, where a transcendental function costs more than the bytes that would save it, the backward also reads
+the values ``build_backward``'s ``save`` names (``fuser/saving.py`` picks them among ``Backward.recomputed``): from
+the group's outputs, or from extra outputs the forward writes for them (:func:`extra_outputs`).
 
 A group with reductions (a row kernel's, ``fuser/rows/``) gets a backward that is one too. There every reduction
 keeps its dims (the forward's are recomputed with keepdim; a dropped-dims output's gradient comes with its dims
@@ -62,6 +65,8 @@ class Backward:
     # operands of an add): written once, as eager's backward passes one tensor to both
     aliases: tuple[tuple[int, int], ...] = ()
     saved_outputs: tuple[int, ...] = ()
+    # forward values (ids) the group recomputes, whose results it reads (``fuser/saving.py`` picks among them)
+    recomputed: tuple[int, ...] = ()
     # per tensor whose gradient is written whole (``chunks`` of build_backward): the forward inputs that are its
     # chunks, in chunk order; under the first, grad_inputs (or aliases) list that gradient, their cat
     cat_of: tuple[tuple[int, ...], ...] = ()
@@ -76,7 +81,7 @@ class _Unsupported(Exception):
 
 def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bool],
                    floating: frozenset, columns: bool = False, dtypes: Optional[dict] = None,
-                   chunks: tuple = ()) -> Backward:
+                   chunks: tuple = (), save: tuple = ()) -> Backward:
     """The backward group of ``spec.group``; raises :class:`_Unsupported` when the table cannot form it.
 
     needs: per group input, whether its gradient is wanted. defined: per group output, whether a gradient
@@ -89,6 +94,9 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     (eager's chunk backward would cat them in a kernel of its own); two tensors whose chunks share their gradients
     (chunk motion's x @ W and h @ U) share it whole. Where a chunk has no gradient of its own (zero, or shared with
     an input that is no such chunk), that tensor's chunks keep their outputs (it is not in ``Backward.cat_of``).
+    save: forward value ids the group reads from the forward instead of recomputing them (a CPU backward,
+    ``fuser/saving.py``): a whole output's from that output, another's from the extra output the forward writes for
+    it (:func:`extra_outputs`; ``saved_outputs`` then indexes the outputs followed by those).
     """
     if spec.concat_consumed:
         raise _Unsupported("a cat's result used inside the group")
@@ -97,7 +105,7 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     env: dict[int, ir.Value] = {}
     for v in fwd.inputs:
         env[v.id] = b.input(v.kind)
-    reused = _reused_outputs(spec)  # forward value id -> output index, read from the saved output
+    reused = _reused_outputs(spec, save)  # forward value id -> output index, read from the saved output
     read_out = {vid: b.input(ir.TENSOR) for vid in reused}
     grad_in = []  # ((k, piece or None), forward value the gradient is for, group input)
     for k, o in enumerate(fwd.outputs):
@@ -213,6 +221,8 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     used = {v.id for n in g.nodes for v in n.values} | {v.id for v in g.outputs}
     keep = [j for j, v in enumerate(g.inputs) if v.id in used]
     g = g.with_inputs(keep)
+    made = {n.out.id for n in g.nodes}
+    recomputed = tuple(n.out.id for n in fwd.nodes if n.out.id not in read_out and env[n.out.id].id in made)
     bspec = STORE.get(STORE.register(g))
     _backward_keys.add(bspec.key)
     n_out = n_fwd + len(read_out)
@@ -225,7 +235,14 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
                                               if n_out <= j < n_grad)
     return Backward(bspec, fwd_inputs, grad_outputs, tuple(grad_inputs), tuple(zero_inputs),
                     unsqueeze if any(unsqueeze) else (), any(j >= n_grad for j in keep), tuple(aliases),
-                    saved_outputs, cat_of)
+                    saved_outputs, recomputed, cat_of)
+
+
+def extra_outputs(spec: KernelSpec, save: tuple) -> tuple[int, ...]:
+    """The values of ``save`` (forward value ids) that are no whole output of the group: the forward writes them as
+    extra outputs, after its own, in this order."""
+    whole = {v.id for v, p in zip(spec.group.outputs, spec.pieces) if p is None}
+    return tuple(vid for vid in save if vid not in whole)
 
 
 def _cat_chunks(chunks: tuple, grad_inputs: list, outputs: list, aliases: list, b: ir.Builder) -> tuple:
@@ -264,16 +281,19 @@ def _cat_chunks(chunks: tuple, grad_inputs: list, outputs: list, aliases: list, 
     return tuple(pieces for _, pieces in chunks if pieces in own or pieces in shared)
 
 
-def _reused_outputs(spec: KernelSpec) -> dict[int, int]:
-    """The softmax and log_softmax results that are group outputs (whole, not a cat's piece): forward value id ->
-    its first output index. The backward reads them from the forward's outputs (the module's doc). A softmax
-    read only inside the group is recomputed: saving it would be a write the forward does not do."""
+def _reused_outputs(spec: KernelSpec, save: tuple = ()) -> dict[int, int]:
+    """The softmax and log_softmax results that are group outputs (whole, not a cat's piece), and the values of
+    ``save``: forward value id -> its first output index (``save``'s others: their extra outputs' indices, after the
+    group's outputs). The backward reads them from the forward's outputs (the module's doc). A softmax read only
+    inside the group is recomputed: saving it would be a write the forward does not do."""
     norm = {n.out.id for n in spec.group.nodes
             if getattr(ops.reduction(n.op), "kind", None) in ("softmax", "log_softmax")}
     found: dict[int, int] = {}
     for k, v in enumerate(spec.group.outputs):
-        if v.id in norm and spec.pieces[k] is None:
+        if (v.id in norm or v.id in save) and spec.pieces[k] is None:
             found.setdefault(v.id, k)
+    n = len(spec.group.outputs)
+    found.update({vid: n + k for k, vid in enumerate(extra_outputs(spec, save))})
     return found
 
 

@@ -29,6 +29,10 @@ cuda_column_sums: bool = os.environ.get("FUSER_CUDA_COLUMN_SUMS", "1") != "0"
 # access of the scalar form left those kernels bound by instruction issue. Read when a kernel is built (it changes
 # the source, and so every cache key); FUSER_CUDA_TILE_VEC=0 keeps the scalar form for every dtype.
 cuda_tile_vec: bool = os.environ.get("FUSER_CUDA_TILE_VEC", "1") != "0"
+# On the CPU, a group's backward reads the transcendental values the cost model picks from its forward instead of
+# recomputing them (fuser/saving.py). On by default; FUSER_CPU_SAVE=0 turns it off. Read on each forward call under
+# autograd that Python runs (the native hot path keeps what a signature was prepared with: fuser.native.clear()).
+cpu_save: bool = os.environ.get("FUSER_CPU_SAVE", "1") != "0"
 # device type -> fusion on; filled lazily, cleared by the overrides. The executor reads it on every call.
 enabled: dict[str, bool] = {}
 # called after an override changes what fuses (the native hot path forgets its prepared launches)

@@ -785,3 +785,18 @@ def scripted_training_steps(fn, make_args, watch, steps: int = 5):
         gy = torch.randn_like(y)
         watch.clear()
         yield step, y, args, gy, torch.autograd.grad(y, args, gy)
+
+
+def assert_close_to_float64(got, want64, want, dtype) -> None:
+    """Gradients ``got`` against eager's in float64 (``want64``): float32 within its tolerance at the gradient's scale;
+    a reduced dtype within twice eager's own error (``want``: eager's in ``dtype``), plus a unit at that scale."""
+    for g, w64, w in zip(got, want64, want):
+        assert g.dtype == dtype and g.shape == w64.shape, (g.dtype, g.shape, w64.shape)
+        scale = max(1.0, w64.abs().max().item())
+        if dtype == torch.float32:
+            tol = tolerances(dtype)
+            torch.testing.assert_close(g.double(), w64, rtol=tol["rtol"], atol=tol["atol"] * scale)
+        else:  # bfloat16: within twice eager's own error of float64, plus a unit of bfloat16 at the gradient's scale
+            err = (g.double() - w64).abs().max().item()
+            eager_err = (w.double() - w64).abs().max().item()
+            assert err <= 2 * eager_err + 8e-3 * scale, (err, eager_err)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FUSED_BACKWARD, row_backward_keys, tolerances
+from helpers import FUSED_BACKWARD, assert_close_to_float64, row_backward_keys, tolerances
 
 import fuser
 from fuser import autodiff, ir, native
@@ -83,19 +83,6 @@ def _grads(kind, op, inputs, needs, dtype):
     return got, want64, want
 
 
-def _assert_close(got, want64, want, dtype):
-    for g, w64, w in zip(got, want64, want):
-        assert g.dtype == dtype and g.shape == w64.shape, (g.dtype, g.shape, w64.shape)
-        scale = max(1.0, w64.abs().max().item())
-        if dtype == torch.float32:
-            tol = tolerances(dtype)
-            torch.testing.assert_close(g.double(), w64, rtol=tol["rtol"], atol=tol["atol"] * scale)
-        else:  # bfloat16: within twice eager's own error of float64, plus a unit of bfloat16 at the gradient's scale
-            err = (g.double() - w64).abs().max().item()
-            eager_err = (w.double() - w64).abs().max().item()
-            assert err <= 2 * eager_err + 8e-3 * scale, (err, eager_err)
-
-
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("op", (SOFTMAX, LOG_SOFTMAX), ids=("softmax", "log_softmax"))
 @pytest.mark.parametrize("kind", ("plain", "prologue"))
@@ -104,7 +91,7 @@ def test_gradients_match_eager_and_the_backward_reads_the_saved_output(kind, op,
         _backwards.clear()
         inputs = _inputs(kind, dtype, n, rows=2 if n > 4096 else 6)
         got, want64, want = _grads(kind, op, inputs, [True] + [False] * (len(inputs) - 1), dtype)
-        _assert_close(got, want64, want, dtype)
+        assert_close_to_float64(got, want64, want, dtype)
         ran = [s for s in _backwards if s.key in row_backward_keys(_backwards)]
         assert ran, f"row {n}: the backward did not run as a fused row kernel"
         assert all(not _recomputes(s.group) for s in ran), f"row {n}: the backward recomputes the softmax"
@@ -151,7 +138,7 @@ def test_a_softmax_read_further_in_the_group(op, _backwards):
         for kind in ("times", "both"):
             for needs in ([True, True], [False, True], [True, False]):
                 got, want64, want = _grads(kind, op, inputs, needs, torch.float32)
-                _assert_close(got, want64, want, torch.float32)
+                assert_close_to_float64(got, want64, want, torch.float32)
 
 
 def test_only_some_output_gradients_defined():
@@ -309,4 +296,4 @@ def test_cuda_backward_reading_the_saved_output_emulated(kind, op, dtype, emulat
         x64 = x.detach().double().requires_grad_()
         (want64,) = torch.autograd.grad(_eager(kind, op, x64, *[a.double() for a in inputs[1:]])[0], x64,
                                         gy.double())
-        _assert_close([got.to(dtype)], [want64], [want], dtype)
+        assert_close_to_float64([got.to(dtype)], [want64], [want], dtype)

@@ -84,8 +84,12 @@ def offer(key: int, digest: str, spec, args: Sequence, tensors: Sequence[torch.T
         return
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     call = autodiff.prepare_call(spec, list(args)) if grad and not spec.random else None
-    geo = spec.geometries.get(sig)
+    geo = (spec if call is None else call.forward).geometries.get(sig)
     kernel = getattr(geo, "kernel", None)  # None: the executor found no kernel for these inputs
+    if kernel is not None and call is not None and call.forward is not spec:  # the kernel's extra outputs (call.save),
+        n = len(outputs)  # as it allocates them
+        outputs = [*outputs, *(torch.empty_strided(sz, st, dtype=dt, device=geo.device) for sz, st, dt in
+                               zip(geo.out_sizes[n:], geo.out_strides[n:], geo.out_dtypes[n:]))]
     got = None if kernel is None or not settings.fusion_enabled(geo.device.type) or (
         grad and (call is None or not getattr(geo, "hot_path_grad", True))) else record.launch_record(
         geo, tensors, scalars, outputs)
@@ -113,17 +117,19 @@ def offer(key: int, digest: str, spec, args: Sequence, tensors: Sequence[torch.T
 def python_backward(spec, saved: Sequence, scalars: Sequence[float], meta: Sequence[int], grads: Sequence) -> list:
     """The gradients of a call the hot path recorded, computed as the autograd Function's backward computes them
     (for an output-gradient pattern the prepared backward group does not cover). ``saved``: per tensor input, then
-    per output, the saved tensor or None. Per chunked tensor (``autodiff._chunked_inputs``), one more gradient,
+    per output (the kernel's: then its extra outputs, ``autodiff._Call.save``), the saved tensor or None. Per chunked
+    tensor (``autodiff._chunked_inputs``), one more gradient,
     that tensor's, at the end."""
     from .. import autodiff
-    needs, tensors, chunks = record.parse_backward_meta(meta)
+    needs, tensors, chunks, save = record.parse_backward_meta(meta)
     device = next(g.device for g in grads if g is not None)
     sig = tuple((dt, len(shape) == 0) for dt, shape in tensors)
     call = autodiff._Call(spec, tuple(scalars), needs, sig, (), (), chunks=chunks)
+    call.save = save
     n = len(tensors)
     outputs = {k: t for k, t in enumerate(saved[n:]) if t is not None}
-    return autodiff.input_grads(call, list(saved[:n]), [(shape, dt, device) for dt, shape in tensors], list(grads),
-                                outputs)
+    return autodiff.input_grads(call, list(saved[:n]), [(shape, dt, device) for dt, shape in tensors],
+                                list(grads[:len(spec.group.outputs)]), outputs)
 
 
 def clear() -> None:

@@ -120,6 +120,9 @@ struct Backward {
   std::vector<uint8_t> saved;  // per tensor input: saved for the backward
   std::vector<uint8_t> differentiable;  // per output
   std::vector<uint8_t> saved_out;  // per output: saved for the backward (a softmax's result, which it reads)
+  // the outputs the call returns; the kernel's others are extra outputs the backward alone reads (values a CPU
+  // backward reads saved, fuser/saving.py): saved, never returned, and recomputed under create_graph (Python's)
+  int64_t n_visible = 0;
   bool has_group = false;
   int64_t bw_key = 0;
   std::string bw_digest;
@@ -478,7 +481,9 @@ struct FusedGroupBackward : public torch::autograd::Node {
     std::vector<at::Tensor> outputs(n_outputs);  // saved as outputs: unpacked with this node as their grad_fn
     for (size_t k = 0; k < n_outputs; ++k)
       if (bw->saved_out[k]) outputs[k] = saved_out[k].unpack(getptr());
-    if (!all || !bw->has_group) {  // another pattern: Python's backward, which builds its group
+    const bool extras = bw->n_visible < static_cast<int64_t>(n_outputs);
+    if (!all || !bw->has_group || (extras && c10::GradMode::is_enabled())) {  // another pattern (or double backward
+      // through extra outputs, which have no history): Python's backward, which builds its group
       static auto op = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("fuser::fusion_group_backward_py", "")
                            .typed<PyBackward>();
@@ -614,7 +619,9 @@ std::vector<at::Tensor> record_call(std::shared_ptr<const Launch> found, at::Ten
   }
   node->saved_out.resize(outs.size());
   for (size_t k = 0; k < outs.size(); ++k)  // after the edges: saved as this node's outputs (no reference cycle)
-    if (bw.saved_out[k]) node->saved_out[k] = torch::autograd::SavedVariable(outs[k], true);
+    if (bw.saved_out[k])
+      node->saved_out[k] = torch::autograd::SavedVariable(outs[k], static_cast<int64_t>(k) < bw.n_visible);
+  outs.resize(bw.n_visible);  // (the extra outputs: the backward's alone)
   return outs;
 }
 
@@ -906,7 +913,8 @@ void put(int64_t key, c10::string_view digest, std::vector<int64_t> sig, std::ve
 }
 
 // A call autograd records: the forward as put's, the inputs' requires_grad, and the backward (bw: saved inputs,
-// differentiable outputs, saved outputs, then whether a backward group is prepared, its inputs and outputs; see record.py).
+// differentiable outputs, saved outputs, the outputs returned, then whether a backward group is prepared, its inputs
+// and outputs; see record.py).
 void put_train(int64_t key, c10::string_view digest, std::vector<int64_t> sig, std::vector<int64_t> rec,
                std::vector<double> floats, std::vector<int64_t> grads, std::vector<int64_t> bw_rec,
                c10::string_view bw_digest, std::vector<std::string> step_digests, std::vector<int64_t> py_meta) {
@@ -926,6 +934,10 @@ void put_train(int64_t key, c10::string_view digest, std::vector<int64_t> sig, s
   const int64_t n_out = static_cast<int64_t>(l->outs.size());
   for (int64_t k = 0; k < n_out; ++k) bw->differentiable.push_back(static_cast<uint8_t>(r.next() != 0));
   for (int64_t k = 0; k < n_out; ++k) bw->saved_out.push_back(static_cast<uint8_t>(r.next() != 0));
+  bw->n_visible = r.next();
+  TORCH_CHECK(0 < bw->n_visible && bw->n_visible <= n_out, "fuser native record: returned outputs");
+  for (int64_t k = bw->n_visible; k < n_out; ++k)
+    TORCH_CHECK(!bw->differentiable[k] && bw->saved_out[k], "fuser native record: an extra output");
   const int64_t n_chunked = r.next();
   for (int64_t c = 0; c < n_chunked; ++c) {
     Backward::Chunks chunks;

@@ -168,7 +168,8 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
     (the sums inside its row kernel; on CUDA where ``settings.cuda_column_sums`` is on), or a backward's split (its
     main group, then the column groups); else Python's backward runs such calls."""
     from .. import autodiff, grad_sums
-    diff = autodiff.differentiable_outputs(call, outputs)
+    n = len(spec.group.outputs)  # outputs: the kernel's, the forward's own then extra ones (call.save)
+    diff = autodiff.differentiable_outputs(call, outputs[:n])
     saved = call.saved
     chunks = [autodiff.chunk_positions(spec, c) for c in call.chunks]
     if chunks:  # the Function saves the chunked tensors (last) for their chunks; here the chunks themselves are saved
@@ -177,12 +178,14 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
         for pos, keep in zip(chunks, call.saved[-m:]):
             for k in pos:
                 saved[k] = keep
-    rec = [int(s) for s in saved] + [int(d) for d in diff] + [int(k in call.saved_outputs)
-                                                               for k in range(len(outputs))]
+    rec = [int(s) for s in saved] + [int(d) for d in diff] + [0] * (len(outputs) - n) + [
+        int(k in call.saved_outputs) for k in range(len(outputs))]
+    rec.append(n)
     rec.append(len(chunks))
     for c, pos in zip(call.chunks, chunks):
         rec += [c[0], len(pos), *pos]
-    bw = autodiff.backward_for(spec, call.needs, diff, call.sig, False, call.chunks) if launch is not None else None
+    bw = autodiff.backward_for(spec, call.needs, diff, call.sig, False, call.chunks, call.save) \
+        if launch is not None else None
     t_index = autodiff.tensor_index(spec)
     s_index = {j: k for k, j in enumerate(j for j, is_t in enumerate(spec.input_is_tensor) if not is_t)}
     inputs = []
@@ -260,18 +263,20 @@ def _backward_like(inputs: Sequence[tuple[int, int]], tensors: Sequence[torch.Te
 
 def backward_meta(call, tensors: Sequence[torch.Tensor]) -> list[int]:
     """What ``fusion_group_backward_py`` rebuilds a call from: per group input whether it needs a gradient, then
-    per tensor input its dtype, dim and sizes, then ``call.chunks`` (each: its dim and group inputs)."""
+    per tensor input its dtype, dim and sizes, then ``call.chunks`` (each: its dim and group inputs), then
+    ``call.save`` (the forward values its backward reads saved)."""
     meta = [len(call.needs), *[int(n) for n in call.needs], len(tensors)]
     for t in tensors:
         meta += [scalar_type(t.dtype), t.dim(), *t.shape]
     meta.append(len(call.chunks))
     for dim, pieces in call.chunks:
         meta += [dim, len(pieces), *pieces]
+    meta += [len(call.save), *call.save]
     return meta
 
 
-def parse_backward_meta(meta: Sequence[int]) -> tuple[tuple, list, tuple]:
-    """(needs, per tensor input (dtype, shape), chunks) from :func:`backward_meta`'s list."""
+def parse_backward_meta(meta: Sequence[int]) -> tuple[tuple, list, tuple, tuple]:
+    """(needs, per tensor input (dtype, shape), chunks, save) from :func:`backward_meta`'s list."""
     dtypes = {code: dt for dt, code in _codes.items()}
     n = meta[0]
     needs = tuple(bool(x) for x in meta[1:1 + n])
@@ -287,4 +292,5 @@ def parse_backward_meta(meta: Sequence[int]) -> tuple[tuple, list, tuple]:
     for _ in range(meta[i]):
         chunks.append((meta[i + 1], tuple(meta[i + 3:i + 3 + meta[i + 2]])))
         i += 2 + meta[i + 2]
-    return needs, tensors, tuple(chunks)
+    i += 1
+    return needs, tensors, tuple(chunks), tuple(meta[i + 1:i + 1 + meta[i]])
