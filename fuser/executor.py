@@ -452,7 +452,7 @@ def outputs_like(geo, tensors: Sequence[torch.Tensor]) -> list:
     """Outputs like the ones :func:`run` returns for a pointwise or a row kernel's geometry (allocated, not
     written): the native hot path prepares a backward of several groups with them."""
     if not isinstance(geo, Geometry):  # (fuser.rows.RowGeometry)
-        return geo.outputs()
+        return geo.new_outputs()
     return _allocated(geo, tensors, geo.device)[0]
 
 

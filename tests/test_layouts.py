@@ -619,3 +619,18 @@ def test_gpu_tiled_path(name, dtype):
     p = executor.plan(spec, args)
     assert executor.Geometry(p, executor.kernel_for(spec, p)).tile_dim == TILED_CASES[name][1]
     _assert_like_eager(executor.run(spec, args), _reference(ADD_SIGMOID, args))
+
+
+def test_tiled_vector_tiles_fit_static_shared_memory():
+    """Both forms' shared tiles of a kernel stay within 48 KB: 64 x 64 for up to two staged 2-byte inputs, 64 x 32 for
+    three, the scalar form alone from four (each generated kernel's declared tiles, summed, checked too)."""
+    from fuser.descs import STRIDED, TensorDesc
+    options = common.KernelOptions()
+    want = {1: (64, 64), 2: (64, 64), 3: (64, 32), 4: common.TILE_SCALAR, 5: common.TILE_SCALAR}
+    for n, shape in want.items():
+        inputs = [TensorDesc(torch.float16, STRIDED)] * n + [TensorDesc(torch.float16, DENSE)]
+        assert common.tiled_vector(inputs, options) == (n <= 3)
+        if common.TILE_VEC_B == 64:
+            assert common.tile_shape(inputs, options) == shape, n
+        vec = common.tile_shape(inputs, options) if common.tiled_vector(inputs, options) else (0, 0)
+        assert n * (64 * 33 * 4 + vec[0] * vec[1] * 2) <= common.SHARED_BYTES

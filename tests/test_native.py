@@ -944,7 +944,7 @@ def test_cuda_records_of_row_sums_and_column_kernels(monkeypatch):
     backend.block, backend.rows_per_block = p.key.shape.block, p.key.shape.block // p.key.shape.tpr
     backend.parts_blocks, backend.max_blocks = 3, 3 * launch.ROW_WAVES  # (few blocks: several rows a slot)
     geo = RowGeometry(p, launch.RowKernel("k", "", "cuda", tuple(p.out_dtypes), backend))
-    outputs = geo.outputs()
+    outputs = geo.new_outputs()
     rec, _, owner = record._row_or_column_cuda(geo, True, p.tensors, p.scalars, outputs, [], [])
     head, align, raw, form, temps, then = _cuda_record_tail(rec)
     grid, slots = launch.part_layout(300, p.key.shape, 3)

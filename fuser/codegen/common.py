@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -132,17 +132,34 @@ if TILE_VEC_B not in (32, 64):
 TILE_VEC_THREADS = int(os.environ.get("FUSER_CUDA_TILE_VEC_THREADS", "1536"))
 
 
-def tiled_vector(inputs: Sequence[TensorDesc], options: KernelOptions) -> bool:
-    """Whether a kernel's tiled path (see :func:`has_tiled_path`) takes the vector form: the option on and every
-    staged input (``STRIDED``) of 2-byte elements (float16, bfloat16, int16); float32's scalar form is kept."""
+# Static shared memory a CUDA kernel may declare (48 KB). A kernel with the vector form declares both forms' tiles: per
+# staged input the scalar form's [64][33] values (4 bytes at least) and the vector form's 64 x tile_b 2-byte
+# elements; 64 x 64 fits two staged inputs, 64 x 32 three (an H100's ptxas refused three at 64 x 64: 49920 bytes).
+SHARED_BYTES = 48 * 1024
+
+
+def _vector_tile(inputs: Sequence[TensorDesc], options: KernelOptions) -> Optional[tuple[int, int]]:
     staged = [d for d in inputs if d.layout == STRIDED]
-    return options.tile_vec and bool(staged) and all(
-        torch.empty((), dtype=d.dtype).element_size() == 2 for d in staged)
+    if not (options.tile_vec and staged and all(torch.empty((), dtype=d.dtype).element_size() == 2 for d in staged)):
+        return None
+    scalar = len(staged) * TILE_SCALAR[0] * 33 * 4  # (2-byte dtypes compute in float or int: 4 bytes)
+    for tile_b in dict.fromkeys((TILE_VEC_B, 32)):
+        if scalar + len(staged) * TILE_VEC_A * tile_b * 2 <= SHARED_BYTES:
+            return TILE_VEC_A, tile_b
+    return None
+
+
+def tiled_vector(inputs: Sequence[TensorDesc], options: KernelOptions) -> bool:
+    """Whether a kernel's tiled path (see :func:`has_tiled_path`) takes the vector form: the option on, every
+    staged input (``STRIDED``) of 2-byte elements (float16, bfloat16, int16; float32's scalar form is kept), and
+    both forms' shared tiles within :data:`SHARED_BYTES`."""
+    return _vector_tile(inputs, options) is not None
 
 
 def tile_shape(inputs: Sequence[TensorDesc], options: KernelOptions) -> tuple[int, int]:
-    """The CUDA tiled path's tile, (along a, along b), for a kernel of these inputs and options."""
-    return (TILE_VEC_A, TILE_VEC_B) if tiled_vector(inputs, options) else TILE_SCALAR
+    """The CUDA tiled path's tile, (along a, along b), for a kernel of these inputs and options: 64 x 64 for the
+    vector form where the shared tiles fit, else 64 x 32."""
+    return _vector_tile(inputs, options) or TILE_SCALAR
 
 
 def strided_operands(inputs: Sequence[TensorDesc], out_layouts: Sequence[str] = ()) -> int:

@@ -39,13 +39,13 @@ class RowGeometry:
         self.requires_grad = any(t.requires_grad for t in p.tensors)
         self.cpu_args = launch.CpuArgs(p) if kernel.target == "cpu" else None
 
-    def outputs(self) -> list[torch.Tensor]:
+    def new_outputs(self) -> list[torch.Tensor]:
         """The outputs a launch writes, allocated."""
         return [torch.empty(s, dtype=dt, device=self.device) for s, dt in zip(self.out_shapes, self.out_dtypes)]
 
     def run(self, tensors, scalars) -> list[torch.Tensor]:
         """Allocate the outputs and launch (the executor checked everything else)."""
-        outputs = self.outputs()
+        outputs = self.new_outputs()
         if self.rows == 0:
             return outputs
         if self.cpu_args is not None:
