@@ -467,3 +467,122 @@ def test_an_all_true_attention_mask_becomes_none_and_the_result_is_eagers(offset
             assert_same(traced(q2), m(q2))
     (sdpa,) = traced.graph.findAllNodes("aten::scaled_dot_product_attention")
     assert (sdpa.inputsAt(3).node().kind() == "prim::Constant" and sdpa.inputsAt(3).toIValue() is None) == dropped
+
+
+# ----------------------------------------------------------------------------------------------- permute motion
+
+def layer_scale_residual(r, gamma, x):
+    # ConvNeXt's block end: x is (N, H, W, C) from a linear, the residual (N, C, H, W)
+    return r + (gamma * x).permute(0, 3, 1, 2)
+
+
+def _permute_of_a_group_value(g) -> bool:
+    return any(n.kind() == "aten::permute" and n.inputsAt(0).node().kind() == "prim::FusionGroup"
+               for n in g.nodes())
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_permute_between_layer_scale_and_residual_add_moves_and_both_fuse(channels_last, dtype):
+    def make(seed):
+        gen = torch.Generator().manual_seed(seed)
+        r = torch.randn(2, 6, 5, 7, generator=gen).to(dtype)
+        if channels_last:  # ConvNeXt's own case: the residual is a permuted view itself
+            r = r.contiguous(memory_format=torch.channels_last)
+        return r, torch.randn(6, generator=gen).to(dtype), torch.randn(2, 5, 7, 6, generator=gen).to(dtype)
+
+    fused = _trace(layer_scale_residual, *make(1))
+    g = _shown(fused)
+    assert _group_kinds(g) == [["aten::mul", "aten::add"]]
+    assert not _permute_of_a_group_value(g) and len(g.findAllNodes("aten::permute")) == 2  # one per operand
+    args = make(2)
+    out, ref = fused(*args), layer_scale_residual(*args)
+    assert_same(out, ref)
+    assert out.stride() == ref.stride()
+
+
+def test_permute_motion_keeps_eagers_gradients():
+    gen = torch.Generator().manual_seed(3)
+    args = [torch.randn(3, 4, 5, 6, generator=gen), torch.randn(4, generator=gen, dtype=torch.float64).float(),
+            torch.randn(3, 5, 6, 4, generator=gen)]
+    fused = _trace(layer_scale_residual, *args)
+    assert _group_kinds(_shown(fused)) == [["aten::mul", "aten::add"]]
+    a = [t.clone().requires_grad_() for t in args]
+    b = [t.clone().requires_grad_() for t in args]
+    out, ref = fused(*a), layer_scale_residual(*b)
+    dy = torch.randn(ref.shape, generator=gen)
+    out.backward(dy)
+    ref.backward(dy)
+    assert_same(out.detach(), ref.detach())
+    for x, y in zip(a, b):
+        assert_same(x.grad, y.grad)
+
+
+def chain_then_permute(a, b, c):
+    # a chain of pointwise ops, whose operands have ranks 3 and 1, then a transpose and another op
+    return (torch.sigmoid(a * b) + 1.5).permute(2, 0, 1) * c
+
+
+def test_a_permute_moves_through_a_chain_in_a_scripted_graph():
+    # scripted: no ranks in the graph, so the operands are broadcast to the result's shape before the permute
+    fused = _script(chain_then_permute)
+    gen = torch.Generator().manual_seed(4)
+    args = (torch.randn(4, 5, 6, generator=gen), torch.randn(6, generator=gen), torch.randn(6, 4, 5, generator=gen))
+    out, ref = fused(*args), chain_then_permute(*args)
+    assert_same(out, ref)
+    assert out.stride() == ref.stride()
+    g = _shown(fused)
+    assert _group_kinds(g) == [["aten::mul", "aten::sigmoid", "aten::add", "aten::mul"]]
+    assert g.findAllNodes("aten::broadcast_tensors")
+    # shapes that do not broadcast: eager's error
+    bad = (torch.randn(4, 5, 6), torch.randn(5), torch.randn(6, 4, 5))
+    with pytest.raises(RuntimeError, match="must match the size"):
+        chain_then_permute(*bad)
+    with pytest.raises(RuntimeError, match="must match the size"):
+        fused(*bad)
+
+
+def shared_value(a, b, c):
+    y = a * b  # used twice: moving the permute through it would compute it twice
+    return (y * 2).permute(1, 0) + c, y
+
+
+def permute_of_a_fusable_chain_end(a, c):
+    y = torch.relu(a)
+    z = y + 1  # y has another use: the permute would land between relu and add, splitting their group
+    return (z * 2).permute(1, 0) + c, y.sum()
+
+
+def permute_read_by_no_fusable_op(a, b, w):
+    return torch.mm((a * b).permute(1, 0), w)
+
+
+@pytest.mark.parametrize("fn", [shared_value, permute_of_a_fusable_chain_end, permute_read_by_no_fusable_op])
+def test_permutes_that_would_gain_nothing_or_split_a_group_stay(fn):
+    gen = torch.Generator().manual_seed(5)
+    n = 2 if fn is permute_of_a_fusable_chain_end else 3
+    args = tuple(torch.randn(4, 4, generator=gen) for _ in range(n))
+    g = torch.jit.trace(fn, args, check_trace=False).graph.copy()
+    torch._C._jit_pass_inline(g)
+    assert prepare.move_permutes(g) == 0
+    fused = _trace(fn, *args)
+    args = tuple(torch.randn(4, 4, generator=gen) for _ in range(n))
+    out, ref = fused(*args), fn(*args)
+    for o, r in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
+        assert_same(o, r)
+
+
+def mutation_among_the_moved_ops(a, b, c):
+    y = a * 2
+    a.add_(1)  # the moved ops would run after this and read the new a
+    z = (y + b).permute(1, 0)
+    return z + c
+
+
+def test_a_permute_does_not_move_ops_past_a_mutation():
+    gen = torch.Generator().manual_seed(6)
+    fused = _script(mutation_among_the_moved_ops)
+    args = [torch.randn(3, 3, generator=gen) for _ in range(3)]
+    ref_args = [t.clone() for t in args]
+    assert_same(fused(*args), mutation_among_the_moved_ops(*ref_args))
+    assert_same(args[0], ref_args[0])
