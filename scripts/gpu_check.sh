@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# The one command for a GPU machine (H100/H200, under 9 minutes): the GPU test suite, a compute-sanitizer
-# memcheck pass over a representative subset, a time-bounded CUDA fuzz campaign in parallel processes (run
-# beside the tests), and the benchmark's quick mode (run alone, for clean timings). Writes its logs and
+# The one command for a GPU machine (H100/H200): the GPU test suite, a compute-sanitizer memcheck pass over a
+# representative subset, a time-bounded CUDA fuzz campaign in parallel processes (run beside the tests), the
+# benchmark's quick mode (run alone, for clean timings) and the model zoo at realistic sizes. Writes its logs and
 # summary.txt under $OUT when that is set (else a temporary directory, printed). Exits non-zero when any part
 # fails. Every change that touches CUDA code ends with this command passing on a GPU.
 #
 # Knobs: FUSER_TEST_SEED (the tests' seed; default: fresh, printed), FUSER_FUZZ_SEED (default: fresh, printed),
 # FUSER_GPU_FUZZ_SECONDS (default 200), FUSER_GPU_FUZZ_JOBS (default: cores - 4), GPU_CHECK_SKIP (a list of
-# parts to leave out: tests memcheck fuzz bench), GPU_CHECK_TESTS (which GPU tests: all, the default; gpu_py,
-# tests/test_gpu.py alone; others, every other file: the suite took more than 570 s on an H100 on 2026-11-25, so
-# where calls are limited to 10 minutes it runs as two calls, GPU_CHECK_TESTS=gpu_py GPU_CHECK_SKIP="memcheck fuzz
-# bench", then GPU_CHECK_TESTS=others GPU_CHECK_SKIP="memcheck fuzz bench", then GPU_CHECK_SKIP="tests bench").
+# parts to leave out: tests memcheck fuzz bench models), GPU_CHECK_TESTS (which GPU tests: all, the default; gpu_py,
+# tests/test_gpu.py alone; others, every other file). The whole takes more than 10 minutes (the test stage alone
+# took more than 570 s on an H100 on 2026-11-25), so where calls are limited to 10 minutes it runs as four calls:
+#   GPU_CHECK_TESTS=gpu_py GPU_CHECK_SKIP="memcheck fuzz bench models"
+#   GPU_CHECK_TESTS=others GPU_CHECK_SKIP="memcheck fuzz bench models"
+#   GPU_CHECK_SKIP="tests bench models"
+#   GPU_CHECK_SKIP="tests memcheck fuzz"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -132,6 +135,18 @@ if ! skipped bench; then
   "$PY" -m fuser.bench --quick --json "$OUT/bench_quick.json" --png "$OUT/bench_quick.png" > "$OUT/bench.txt" 2>&1
   rc=$?
   note "bench --quick: rc=$rc, $(( $(date +%s) - t ))s"
+  [ $rc -eq 0 ] || status=1
+fi
+
+# 6. the model zoo at realistic sizes (GPT-2 small, BERT base, ViT-B/16, ConvNeXt-T, ResNet-50, MobileNetV2; batch 8),
+# traced under every system, each first call checked against eager and timed in interleaved rounds (about 180 s on an
+# H200): fails when a system raised on a model
+if ! skipped models; then
+  t=$(date +%s)
+  "$PY" -m fuser.bench --models --json "$OUT/models.json" > "$OUT/models.txt" 2>&1
+  rc=$?
+  note "bench --models: rc=$rc, $(( $(date +%s) - t ))s"
+  sed -n '/^model /,/^total/p' "$OUT/models.txt" | tee -a "$SUMMARY"
   [ $rc -eq 0 ] || status=1
 fi
 

@@ -243,7 +243,8 @@ def format_table(rows: list[dict], systems) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Called by :func:`fuser.bench.cli.main` for ``--models``; uses its --device, --quick, --only, --systems, --json."""
+    """Called by :func:`fuser.bench.cli.main` for ``--models``; uses its --device, --quick, --only, --systems, --json.
+    Exits 1 when any system raised on any model (the table says ``error``, and the error is printed below it)."""
     device = torch.device(args.device)
     small = args.quick or device.type == "cpu"
     timing = QUICK if args.quick else FULL
@@ -271,4 +272,4 @@ def main(args: argparse.Namespace) -> int:
                             "size": size, "timing": timing.__dict__},
                    "rows": rows}, f, indent=1, default=str)
     print(f"wrote {args.json}")
-    return 0
+    return 1 if any("error" in r for r in rows) else 0  # scripts/gpu_check.sh fails a zoo model that raised
