@@ -538,19 +538,32 @@ def _check_step(ff, fn, args, gy=None, tol=None):
     want = torch.autograd.grad(y64, [a for a in args64 if a.requires_grad], gy.double())
     tol = tol or (dict(rtol=1e-10, atol=1e-10) if args[0].dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5))
     torch.testing.assert_close(y.double(), y64.detach(), **tol)
-    # float16/bfloat16: a summed gradient (a bias's) adds values rounded to the dtype, eager's too, so where its
-    # terms cancel its error exceeds a tolerance relative to the result: eager's own error (twice) is allowed on top
+    # float16/bfloat16: a summed gradient (a bias's) adds terms rounded to the dtype, eager's too, so where its
+    # terms cancel its error exceeds a tolerance relative to the result. Allowed on top: eager's own error (twice),
+    # or four standard deviations of the error that rounding each term to the dtype gives the sum (an error of up
+    # to u|t| each, about uniform: u / sqrt(3) * sqrt(sum t^2)), whichever is larger. (Eager's error alone is one
+    # draw of that noise: on the CPU, 5 of 60 seeds of a bfloat16 bias over 512 elements failed with it.)
     reduced = args[0].dtype in (torch.float16, torch.bfloat16)
     if reduced:
         args_e = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
         eager = torch.autograd.grad(fn(*args_e), [a for a in args_e if a.requires_grad], gy)
+        unit = 2.0 ** (-8 if args[0].dtype == torch.bfloat16 else -11)
+    at = [i for i, a in enumerate(args) if a.requires_grad]
     for k, (g, w, a) in enumerate(zip(got, want, wanted)):
         assert g.dtype == a.dtype and g.shape == a.shape and g.device == a.device
         atol = tol["atol"] * max(1.0, w.abs().max().item())
         if reduced:
-            atol += 2 * (eager[k].double() - w).abs().max().item()
+            noise = 4 * unit / 3 ** 0.5 * _summed_terms(fn, args64, at[k], gy).pow(2).sum_to_size(a.shape).sqrt()
+            atol += max(2 * (eager[k].double() - w).abs().max().item(), noise.max().item())
         torch.testing.assert_close(g.double(), w, rtol=tol["rtol"], atol=atol)
     return y
+
+
+def _summed_terms(fn, args64, k, gy):
+    """The float64 terms that the gradient of input ``k`` sums where it is broadcast: the gradient of that input
+    expanded to the output's shape (its own gradient where it is not broadcast)."""
+    full = args64[k].detach().expand(gy.shape).clone().requires_grad_()
+    return torch.autograd.grad(fn(*[full if i == k else b for i, b in enumerate(args64)]), [full], gy.double())[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
