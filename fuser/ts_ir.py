@@ -8,7 +8,7 @@ import torch
 
 from . import ir
 
-# the TorchScript node attribute that carries ``ir.Node.origin`` (set by the pass's decompositions, prepare.py)
+# the TorchScript node attribute that carries ``ir.Node.origin`` (set by the pass's decompositions, fuser/prepare/)
 ORIGIN = "fuser_origin"
 
 

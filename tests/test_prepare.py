@@ -1,5 +1,5 @@
-"""The rewrites before the pass (fuser/prepare.py): mutation removal, dropout, inference batch norm; and conv+BN
-folding of frozen modules. Each checked against eager on fresh random inputs, and on the graph it makes."""
+"""The rewrites before the pass (fuser/prepare/): mutation removal, dropout, inference batch norm, permute motion;
+and conv+BN folding of frozen modules. Each checked against eager on fresh random inputs, and on the graph it makes."""
 import pytest
 import torch
 import torch.nn as nn

@@ -51,7 +51,7 @@ def decompositions() -> dict:
         ops.of(op.name()) is not None or "scaled_dot_product" in op.name())]
     for op in keep_whole:
         del table[op]
-    # inference batch norm (a model in eval mode) into its pointwise ops, as the TorchScript door's prepare.py
+    # inference batch norm (a model in eval mode) into its pointwise ops, as the TorchScript door's prepare/
     # does: they fuse with what follows (a ReLU)
     from torch._decomp import decomposition_table
     aten = torch.ops.aten
