@@ -523,23 +523,61 @@ def chain_then_permute(a, b, c):
     return (torch.sigmoid(a * b) + 1.5).permute(2, 0, 1) * c
 
 
-def test_a_permute_moves_through_a_chain_in_a_scripted_graph():
-    # scripted: no ranks in the graph, so the operands are broadcast to the result's shape before the permute
-    fused = _script(chain_then_permute)
+def test_a_permute_moves_through_a_chain_broadcasting_its_operands_first():
+    # traced: the graph shows the operands' ranks (3 and 1), so they are broadcast to the result's shape before
+    # the permute
     gen = torch.Generator().manual_seed(4)
-    args = (torch.randn(4, 5, 6, generator=gen), torch.randn(6, generator=gen), torch.randn(6, 4, 5, generator=gen))
+
+    def make():
+        return (torch.randn(4, 5, 6, generator=gen), torch.randn(6, generator=gen),
+                torch.randn(6, 4, 5, generator=gen))
+
+    fused = _trace(chain_then_permute, *make())
+    args = make()
     out, ref = fused(*args), chain_then_permute(*args)
     assert_same(out, ref)
     assert out.stride() == ref.stride()
     g = _shown(fused)
     assert _group_kinds(g) == [["aten::mul", "aten::sigmoid", "aten::add", "aten::mul"]]
     assert g.findAllNodes("aten::broadcast_tensors")
-    # shapes that do not broadcast: eager's error
+
+
+def test_a_scripted_chain_with_operands_of_unknown_rank_stays():
+    # scripted: no ranks in the graph; b could be a 0-dim CPU tensor beside CUDA ones, which eager takes as a
+    # scalar and a broadcast view of it would not be
+    fused = _script(chain_then_permute)
+    g = _shown(fused)
+    assert not g.findAllNodes("aten::broadcast_tensors") and _permute_of_a_group_value(g)
+    assert _group_kinds(g) == [["aten::mul", "aten::sigmoid", "aten::add"]]
+    gen = torch.Generator().manual_seed(7)
+    args = (torch.randn(4, 5, 6, generator=gen), torch.randn(6, generator=gen), torch.randn(6, 4, 5, generator=gen))
+    assert_same(fused(*args), chain_then_permute(*args))
     bad = (torch.randn(4, 5, 6), torch.randn(5), torch.randn(6, 4, 5))
     with pytest.raises(RuntimeError, match="must match the size"):
-        chain_then_permute(*bad)
-    with pytest.raises(RuntimeError, match="must match the size"):
         fused(*bad)
+
+
+def scaled_by_a_tensor(x, s, y):
+    return (x * s).permute(1, 0) + y
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_zero_dim_operand_stays_unpermuted(device):
+    # s a 0-dim CPU tensor: a scalar to eager beside tensors of any device; the permute moves onto x alone
+    gen = torch.Generator().manual_seed(8)
+
+    def make():
+        return (torch.randn(5, 7, generator=gen).to(device), torch.tensor(1.5),
+                torch.randn(7, 5, generator=gen).to(device))
+
+    fused = _trace(scaled_by_a_tensor, *make())
+    g = _shown(fused)
+    assert _group_kinds(g) == [["aten::mul", "aten::add"]] and not g.findAllNodes("aten::broadcast_tensors")
+    assert len(g.findAllNodes("aten::permute")) == 1
+    args = make()
+    out, ref = fused(*args), scaled_by_a_tensor(*args)
+    assert_same(out, ref)
+    assert out.stride() == ref.stride()
 
 
 def shared_value(a, b, c):

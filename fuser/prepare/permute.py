@@ -20,7 +20,11 @@ and applies only where
   would land between two fusable ops would split a group rather than join one;
 * something the pass fuses reads the permute's result (else the move gains nothing and costs views);
 * ``dims`` is a constant and no op with side effects stands among the tree's nodes (the moved ops run where the
-  tree's last op stood, which must read the same values).
+  tree's last op stood, which must read the same values);
+* every leaf that needs broadcasting has a rank the graph shows (a traced graph's types), or is a module's parameter
+  or buffer (``prim::GetAttr``, untyped even in traced graphs): broadcast_tensors would expand a 0-dim CPU tensor,
+  which eager takes as a scalar beside CUDA tensors, into one it refuses. 0-dim leaves stay as they are.
+  (A 0-dim CPU tensor kept as a plain attribute of a module moved to CUDA is the case this does not cover.)
 
 Returns the permutes moved.
 """
@@ -99,12 +103,19 @@ def _tree(permute: torch._C.Node) -> Optional[tuple]:
                 if _id(p) not in members:
                     members[_id(p)] = p
                     todo.append(p)
-            elif p.kind() == "prim::Constant" and v.type().dim() == 0:
-                continue  # a 0-dim constant (a traced Python number) broadcasts from any position
+            elif v.type().dim() == 0:
+                # a 0-dim tensor (a traced Python number, a constant) broadcasts from any position, and stays as
+                # it is: a 0-dim CPU tensor is a scalar beside CUDA tensors, a broadcast view of it would not be
+                continue
             elif graph_fuser.fusable_op(p) is not None:
                 return None  # the permute would split a fusable region
             else:
                 leaves.setdefault(v.unique(), v)
+    if len(leaves) > 1 and any(v.type().dim() is None and v.node().kind() != "prim::GetAttr"
+                               for v in leaves.values()):
+        # a leaf of unknown rank could be a 0-dim CPU tensor beside CUDA ones, which broadcast_tensors would expand;
+        # a module's parameter or buffer (a traced graph does not type them) moves with the module
+        return None
     nodes = list(block.nodes())
     at = [k for k, n in enumerate(nodes) if n.outputsSize() == 1 and _id(n) in members]
     order = [nodes[k] for k in at]
@@ -136,6 +147,7 @@ def _move(graph: torch._C.Graph, permute: torch._C.Node, dims: list, members: li
     for leaf, view in zip(leaves, views):
         moved = create(graph, "aten::permute", [view, dims_v], root)
         moved.copyMetadata(permute)
+        moved.output().setType(_of_rank(leaf, len(dims)))  # a later move through this view reads its rank
         env[leaf.unique()] = moved.output()
     for n in members:
         clone = graph.createClone(n, lambda v: env.get(v.unique(), v))
@@ -151,6 +163,11 @@ def _move(graph: torch._C.Graph, permute: torch._C.Node, dims: list, members: li
         dims_list.destroy()
     for n in reversed(members):
         n.destroy()
+
+
+def _of_rank(v: torch._C.Value, rank: int):
+    """A tensor type of ``v``'s dtype (where known) and of ``rank`` dims of unknown sizes."""
+    return _with_dtype_of(v).with_sizes([None] * rank)
 
 
 def _with_dtype_of(v: torch._C.Value):
