@@ -1,6 +1,6 @@
 """Before the fusion pass: rewrite what real networks contain into the pointwise ops the pass fuses.
 
-Six rewrites, each exact to eager's semantics where it applies and a no-op elsewhere:
+Five rewrites, each exact to eager's semantics where it applies and a no-op elsewhere:
 
 * :func:`remove_dropout`: dropout that is off (``train`` a constant False, or ``p`` a constant 0) is the
   identity, as eager returns its input; dropout that is on (a constant ``0 < p < 1``) becomes
@@ -17,8 +17,6 @@ Six rewrites, each exact to eager's semantics where it applies and a no-op elsew
   all-True ``expand`` where eager passes None). Same values, so the same result; the copy costs a small kernel.
   Before it, :func:`drop_all_true_attention_masks` passes None for a bool mask that is provably all True (that
   traced mask: ``expand(ge(arange(n) + 0, 0))``), as eager does, so the flash kernel can run.
-* :func:`move_permutes`: a permute of a pointwise op's result moves ahead of the op, onto its operands (views),
-  where that lets the op join what reads the permute (ConvNeXt's layer scale and residual add).
 
 Precondition: calls are inlined. The graph may have nested blocks; every rewrite walks them.
 """
@@ -30,9 +28,8 @@ from .attention import densify_attention_masks, drop_all_true_attention_masks
 from .batch_norm import BATCH_NORM_SCHEMA, decompose_batch_norm
 from .dropout import remove_dropout
 from .mutation import SAME_DTYPE_ACTIVATIONS, remove_mutation
-from .permute import move_permutes
 
-__all__ = ["prepare_graph", "remove_dropout", "remove_mutation", "decompose_batch_norm", "move_permutes",
+__all__ = ["prepare_graph", "remove_dropout", "remove_mutation", "decompose_batch_norm",
            "drop_all_true_attention_masks", "densify_attention_masks", "SAME_DTYPE_ACTIVATIONS", "BATCH_NORM_SCHEMA"]
 
 
@@ -41,8 +38,7 @@ def prepare_graph(graph: torch._C.Graph) -> dict[str, int]:
 
     Mutation goes before batch_norm: the decomposition ends in ``type_as``, whose result may alias its input,
     and RemoveMutation leaves an in-place op on such a value alone (``bn(x).relu_()`` would stay in place).
-    Permutes move last, over the functional ops and decomposed batch norms the others made.
     """
     return {"dropout": remove_dropout(graph), "mutation": remove_mutation(graph),
             "batch_norm": decompose_batch_norm(graph), "all_true_mask": drop_all_true_attention_masks(graph),
-            "attention_mask": densify_attention_masks(graph), "permute": move_permutes(graph)}
+            "attention_mask": densify_attention_masks(graph)}
