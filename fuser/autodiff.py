@@ -463,7 +463,7 @@ def differentiable(spec: KernelSpec, args: list, rng_state: Optional[list] = Non
 def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None) -> Optional[_Call]:
     """What :func:`differentiable` runs as an autograd Function (a random group's or a row group's forward outputs
     computed), or None where it cannot."""
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or spec.views is not None:  # (no generated backward through a permute yet)
         return None
     if _forward_ad._current_level >= 0 or _functorch_stack() is not None:
         return None

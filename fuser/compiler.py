@@ -117,6 +117,8 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
     the type probe runs; default: the arg spec's device) for its CPU tensors.
     """
     t0 = time.perf_counter()
+    if spec.flat is not None:  # permutes inside: the plan reads each input through its view (fuser/views.py)
+        spec = spec.flat
     if any(d.dtype not in DTYPES for d in arg_spec.inputs) or spec.concat_consumed or any(
             spec.group.is_input(v) for v in spec.group.outputs):  # a kernel's outputs are fresh tensors
         return None

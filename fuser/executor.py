@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from . import codegen, compiler, layout, rng, settings
+from . import codegen, compiler, layout, rng, settings, views
 from .cuda import templates as cuda_t
 from .descs import DENSE, DTYPES, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, ArgSpec, TensorDesc
 from .kernel_cache import KernelSpec
@@ -135,14 +135,23 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
     (``fuser.cuda.emulate``) plans "cuda" kernels for CPU tensors.
     """
     if spec.has_reduction:  # a row kernel's plan (fuser/rows/)
+        if spec.views is not None:
+            return "a permute in a group with a reduction"
         from . import rows
         return rows.plan(spec, args, target)
     checked = check_inputs(spec, args, target)
     if isinstance(checked, str):
         return checked
     tensors, scalars, device, target = checked
+    viewed = tensors  # each input as the map reads it: through its permutes (fuser/views.py), if the group has any
+    if spec.views is not None:
+        if isinstance(spec.views, str):
+            return spec.views
+        viewed = views.apply(spec.group, spec.views, tensors)
+        if isinstance(viewed, str):
+            return viewed
 
-    shapes = [t.shape for t in tensors]
+    shapes = [t.shape for t in viewed]
     first = shapes[0]
     if all(s == first for s in shapes):
         shape = first
@@ -166,7 +175,7 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
         return out_sizes
 
     out_layouts = []
-    if not concat and all(t.is_contiguous() and t.shape == shape for t in tensors) and all(
+    if not concat and all(t.is_contiguous() and t.shape == shape for t in viewed) and all(
             st == layout.contiguous_strides(sz) for sz, st in zip(out_sizes, out_strides)):
         sizes, layouts, strided = [numel], [DENSE] * len(tensors), []
     else:
@@ -174,12 +183,12 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
         kernel_out = [st for st, info in zip(out_strides, concat or [None] * len(out_strides))
                       for _ in range(1 if info is None else info[2])]
         order = map_order(spec, shape, out_strides)
-        per = [_full_strides(t, len(shape)) for t in tensors]
+        per = [_full_strides(t, len(shape)) for t in viewed]
         per += [[0 if shape[d] == 1 else st[d] for d in range(len(shape))] for st in kernel_out]
         sizes, per = _merge([shape[d] for d in order], [[p[d] for d in order] for p in per])
         dense = _contiguous_strides(sizes)
         layouts, strided, out_strided = [], [], []
-        for st in per[:len(tensors)]:
+        for st in per[:len(viewed)]:
             if all(x == 0 for x in st):
                 layouts.append(SCALAR)
             elif st == dense:
@@ -187,7 +196,7 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
             else:
                 layouts.append(ROWS if st[-1] == 1 else REPEAT if st[-1] == 0 else STRIDED)
                 strided.append(st)
-        for st in per[len(tensors):]:  # outputs are never broadcast: dense, rows or strided
+        for st in per[len(viewed):]:  # outputs are never broadcast: dense, rows or strided
             out_layouts.append(DENSE if st == dense else ROWS if st[-1] == 1 else STRIDED)
             if out_layouts[-1] != DENSE:
                 out_strided.append(st)
@@ -195,10 +204,10 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
         if strided and target == "cuda" and len(sizes) > cuda_t.MAX_DIMS:
             return f"{len(sizes)} dims after compression (the CUDA kernels take {cuda_t.MAX_DIMS})"
     extent = max([numel] + [math.prod(c[0]) for c in concat or () if c is not None])
-    for t, lay in zip(tensors, layouts):
+    for t, lay in zip(viewed, layouts):
         if lay in STRIDED_LAYOUTS:
             extent = max(extent, 1 + sum((s - 1) * x for s, x in zip(t.shape, t.stride())))
-    descs = tuple(TensorDesc(t.dtype, lay, t.dim() == 0) for t, lay in zip(tensors, layouts))
+    descs = tuple(TensorDesc(t.dtype, lay, t.dim() == 0) for t, lay in zip(viewed, layouts))
     arg_spec = ArgSpec(target, device.index, descs, extent < INDEX32_LIMIT,
                        tuple(out_layouts) if any(lay != DENSE for lay in out_layouts) else ())
     return Plan(arg_spec, tensors, scalars, shape, numel, sizes or [1],
@@ -230,8 +239,9 @@ def _concat_info(spec: KernelSpec, shapes: list, shape) -> Union[list, str]:
 def _output_layouts(spec: KernelSpec, args: Sequence, tensors: Sequence[torch.Tensor], shape,
                     concat: Optional[list]) -> tuple:
     """Per graph output, the sizes and the strides eager gives it (``fuser.layout``), or (the reason it is
-    not known, None). Contiguous inputs give contiguous outputs without asking."""
-    if all(t.stride() == layout.contiguous_strides(t.shape) for t in tensors):
+    not known, None). Contiguous inputs give contiguous outputs without asking (unless a permute inside
+    reorders them)."""
+    if spec.views is None and all(t.stride() == layout.contiguous_strides(t.shape) for t in tensors):
         sizes = [tuple(shape) if info is None else info[0] for info in concat or [None] * len(spec.output_deps)]
         return sizes, [layout.contiguous_strides(sz) for sz in sizes]
     got = layout.group_layouts(spec.group, args)

@@ -60,6 +60,8 @@ def fusable_op(node: torch._C.Node) -> Optional[ops.OpDef]:
     if not node.kind().startswith("aten::") or node.outputsSize() != 1 or list(node.blocks()):
         return None
     schema = node.schema()
+    if schema == ops.PERMUTE.schemas[0]:  # a view read through by the kernel (fuser/views.py): constant dims
+        return ops.PERMUTE if _constant_ints(node.inputsAt(1)) is not None else None
     op = ops.lookup(schema)
     if op is None:
         red = ops.lookup_reduction(schema)
@@ -82,6 +84,44 @@ def fusable_op(node: torch._C.Node) -> Optional[ops.OpDef]:
         if v.type().kind() != "FloatType":
             return None
     return op
+
+
+def _constant_ints(v: torch._C.Value) -> Optional[list]:
+    """The value of a constant int list, else None."""
+    if not _is_constant(v):
+        return None
+    val = v.toIValue()
+    return list(val) if isinstance(val, (list, tuple)) and all(
+        isinstance(d, int) and not isinstance(d, bool) for d in val) else None
+
+
+def fold_permute_dims(graph: torch._C.Graph, block: torch._C.Block) -> int:
+    """A permute's dims built by a ``prim::ListConstruct`` of int constants (as tracing records ``x.permute(0, 3, 1,
+    2)``) become one list constant, which a group holds as it holds other constants. Returns the permutes changed."""
+    done = 0
+    for node in list(block.nodes()):
+        if node.kind() != "aten::permute" or node.schema() != ops.PERMUTE.schemas[0]:
+            continue
+        lst = node.inputsAt(1).node()
+        if lst.kind() != "prim::ListConstruct":
+            continue
+        items = [_constant_ints_item(v) for v in lst.inputs()]
+        if any(i is None for i in items):
+            continue
+        const = graph.insertConstant(items)
+        const.node().moveBefore(node)
+        node.replaceInput(1, const)
+        if not lst.output().uses():
+            lst.destroy()
+        done += 1
+    return done
+
+
+def _constant_ints_item(v: torch._C.Value) -> Optional[int]:
+    if not _is_constant(v):
+        return None
+    val = v.toIValue()
+    return val if isinstance(val, int) and not isinstance(val, bool) else None
 
 
 def reduced_dims(node: torch._C.Node) -> Optional[tuple]:
@@ -251,6 +291,10 @@ class _BlockFuser:
         outs = self._outputs(members)
         if any(self.ops[v.node()].aliases_input and not self._private(v.node().inputsAt(0), mset) for v in outs):
             return None
+        if any(self.ops[m] is ops.PERMUTE for m in members) and (any(
+                op is None or op.reduction is not None or op.concat or op.random for op in map(self.ops.get, members))
+                or self.spaces(members) is None):
+            return None
         reduced = {reduced_dims(m) for m in members
                    if self.ops.get(m) is not None and self.ops[m].reduction is not None}
         if len(reduced) > 1:  # one set of reduced dims per group (a row kernel)
@@ -266,6 +310,36 @@ class _BlockFuser:
         if len(self._external_inputs(members)) + len(outs) > MAX_GROUP_ARGS:
             return None
         return deferred
+
+    def spaces(self, members: Iterable[torch._C.Node]) -> Optional[dict]:
+        """Per member, the chain of member permutes between it and the group's outputs (``fuser/views.py``), or
+        None where a member's value would be needed in two (read through a permute and without it)."""
+        mset = set(members)
+        where: dict = {}
+        for m in sorted(mset, key=self.pos.__getitem__, reverse=True):  # its users in the group come first
+            v = m.output()
+            users = _users_in_block(v, self.block)
+            chains = {()} if self._returned(v) or any(u not in mset for u in users) else set()
+            chains.update(where[u] + ((u,) if self.ops[u] is ops.PERMUTE else ()) for u in users if u in mset)
+            if len(chains) > 1:
+                return None
+            where[m] = chains.pop() if chains else ()
+        return where
+
+    def group_inputs(self, members: list[torch._C.Node]) -> list[tuple]:
+        """The group's inputs as (outer value, chain of permutes it is read through): a value read in two spaces
+        is two inputs. Tensors first, then float scalars (the runtime op takes them as two lists)."""
+        mset = set(members)
+        where = self.spaces(members)
+        seen, out = set(), []
+        for m in sorted(mset, key=self.pos.__getitem__):
+            chain = where[m] + ((m,) if self.ops[m] is ops.PERMUTE else ())
+            for v in m.inputs():
+                if v.node() in mset or _inlined_constant(v) or (v.unique(), chain) in seen:
+                    continue
+                seen.add((v.unique(), chain))
+                out.append((v, chain))
+        return [x for x in out if _is_tensor(x[0])] + [x for x in out if not _is_tensor(x[0])]
 
     def _worth_a_kernel(self, members: list[torch._C.Node]) -> bool:
         """Whether the group replaces :data:`MIN_GROUP_KERNELS` eager kernels: table ops, a cat counting (eager
@@ -326,26 +400,37 @@ def _node_uses(node: torch._C.Node) -> list[torch._C.Value]:
     return vals
 
 
-def build_subgraph(members: list[torch._C.Node], inputs: list[torch._C.Value],
-                   outputs: list[torch._C.Value]) -> torch._C.Graph:
+def build_subgraph(members: list[torch._C.Node], inputs: list, outputs: list[torch._C.Value],
+                   spaces: Optional[dict] = None) -> torch._C.Graph:
     """A standalone graph of ``members`` (in order) with the given external inputs and outputs.
 
+    ``inputs``: values, or (value, chain) pairs with ``spaces`` (per member, its chain: ``_BlockFuser.spaces``),
+    where a value read through different permutes is one input per chain.
     Non-tensor constants are cloned into the subgraph, so they are part of its identity.
     """
     sub = torch._C.Graph()
-    vmap: dict[int, torch._C.Value] = {}
+    ext: dict = {}  # (outer value, chain) -> the subgraph's input
     for v in inputs:
+        v, chain = v if isinstance(v, tuple) else (v, ())
         nv = sub.addInput()
         nv.setType(v.type())
-        vmap[v.unique()] = nv
+        ext[v.unique(), chain] = nv
+    vmap: dict[int, torch._C.Value] = {}  # members' results and the constants cloned
     for m in members:
+        chain = () if spaces is None else spaces[m] + ((m,) if m.kind() == "aten::permute" else ())
+        local = {}
         for v in m.inputs():
-            if v.unique() not in vmap:
+            u = v.unique()
+            got = vmap.get(u)
+            if got is None:
+                got = ext.get((u, chain))
+            if got is None:
                 assert _inlined_constant(v), "precondition: every other input is an external input"
                 c = sub.createClone(v.node(), lambda x: x)
                 sub.insertNode(c)
-                vmap[v.unique()] = c.output()
-        c = sub.createClone(m, lambda x: vmap[x.unique()])
+                got = vmap[u] = c.output()
+            local[u] = got
+        c = sub.createClone(m, lambda x: local[x.unique()])
         sub.insertNode(c)
         for a, b in zip(m.outputs(), c.outputs()):
             vmap[a.unique()] = b
@@ -466,14 +551,13 @@ def fuse_block(graph: torch._C.Graph, block: torch._C.Block) -> int:
         for sub in node.blocks():
             made += fuse_block(graph, sub)
     move_chunks(graph, block)
+    fold_permute_dims(graph, block)
     fuser = _BlockFuser(block)
     for members in fuser.run():
-        inputs = fuser._external_inputs(members)
-        # tensors first, then float scalars: the runtime op takes them as two lists
-        inputs = [v for v in inputs if _is_tensor(v)] + [v for v in inputs if not _is_tensor(v)]
+        inputs = fuser.group_inputs(members)
         outputs = fuser._outputs(members)
-        sub = build_subgraph(members, inputs, outputs)
-        group = graph.create("prim::FusionGroup", inputs, len(outputs))
+        sub = build_subgraph(members, inputs, outputs, fuser.spaces(members))
+        group = graph.create("prim::FusionGroup", [v for v, _ in inputs], len(outputs))
         group.g_("Subgraph", sub)
         group.insertBefore(members[-1])
         for old, new in zip(outputs, group.outputs()):

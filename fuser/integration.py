@@ -196,6 +196,15 @@ class _Installer:
         self.local.depth = 1
         try:
             result = fn(*args, **kwargs)
+            if fn is self.saved[1] and isinstance(result, torch.jit.ScriptModule) and kwargs.get(
+                    "check_trace", args[3] if len(args) > 3 else True):
+                # the trace's check ran the module, and a method that ran keeps running the graph its executor
+                # compiled then (an edit of its graph does not reach it): trace again, unchecked, and fuse that one
+                if len(args) > 3:
+                    args = (*args[:3], False, *args[4:])
+                else:
+                    kwargs = {**kwargs, "check_trace": False}
+                result = fn(*args, **kwargs)
         finally:
             self.local.depth = 0
         return _maybe_fuse(result)

@@ -33,7 +33,9 @@ def fuse(scripted):
     """Apply the fusion pass to a scripted or traced function or module (submodule calls inlined).
 
     Returns the fused callable: a new ``ScriptFunction`` for functions, the same module (methods edited in
-    place) for modules.
+    place) for modules. A module's method that has already run keeps running the graph it ran first (TorchScript's
+    executor compiled it then): fuse a module before its first call, e.g. ``torch.jit.trace(m, x,
+    check_trace=False)`` (the check runs it), or trace under :func:`install`, which does so.
     """
     return integration.fuse(scripted)
 

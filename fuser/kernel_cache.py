@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from . import ir, ops
+from . import ir, ops, views
 
 
 @dataclass
@@ -59,6 +59,10 @@ class KernelSpec:
         self.concat_consumed = any(v.id in cats for n in g.nodes for v in n.values)
         # a reduction inside: the row kernels of fuser/rows/ run it, not the pointwise map
         self.has_reduction = any(ops.reduction(n.op) is not None for n in g.nodes)
+        # permutes inside (fuser/views.py): per input, the permutes it is read through (or why the group cannot
+        # run as one map); the kernel computes the group without them, ``flat``
+        self.views = views.spaces(g) if views.has_permute(g) else None
+        self.flat = KernelSpec(self.key, views.flat(g)) if isinstance(self.views, tuple) else None
 
     @property
     def n_tensor_inputs(self) -> int:

@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import ir
+from . import ir, views
 
 Layout = tuple  # (sizes, strides), both tuples of ints
 
@@ -242,6 +242,12 @@ def _dtype(a, dtypes: dict) -> Optional[torch.dtype]:
 
 
 def _node_layout(n: ir.Node, env: dict, dtypes: dict) -> Union[Layout, str, None]:
+    if n.op == views.PERMUTE:  # a view: its operand's sizes and strides, reordered
+        sizes, strides = env[n.args[0].id]
+        dims = views.permute_dims(n.args[1], len(sizes))
+        if dims is None:
+            return f"permute dims {list(n.args[1])} for a tensor of {len(sizes)} dims (eager raises)"
+        return tuple(sizes[d] for d in dims), tuple(strides[d] for d in dims)
     if n.op == "aten::cat":  # channels_last when every piece suggests it, else contiguous
         pieces = [env[x.id] for x in n.args[0]]
         dim = n.args[1] % len(pieces[0][0])

@@ -371,6 +371,13 @@ def of(op: str) -> Optional[OpDef]:
     return OPS_BY_OVERLOAD.get(op)
 
 
+# A view the TorchScript pass may put in a group (``fuser/views.py``). It is in none of the tables above, so the
+# other front doors do not take it, and codegen never sees it: the kernel computes the group without its permutes,
+# each input read through its view.
+PERMUTE = OpDef("permute", ("aten::permute(Tensor(a) self, int[] dims) -> Tensor(a)",),
+                {None: Exprs("$a", "$a", "$a")}, aliases_input=True, shape_args=(0,))
+
+
 # ---- reductions ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

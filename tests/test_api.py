@@ -10,6 +10,7 @@ from helpers import assert_same
 
 import fuser
 from fuser.errors import CompileError
+from fuser.kernel_cache import STORE
 
 API = ["install", "uninstall", "fuse", "graph_for", "register_fusion", "run_fusion", "debug_launch_graph",
        "debug_get_fused_kernel_code", "can_fuse_on_cpu", "can_fuse_on_gpu", "override_can_fuse_on_cpu",
@@ -58,6 +59,27 @@ def test_install_fuses_lstm_update_into_one_group():
     assert _n_groups(g) == 1
     for a, b in zip(fn(*args), lstm_update(*args)):
         assert_same(a, b)
+
+
+def test_traced_module_under_install_runs_its_group():
+    """torch.jit.trace checks a trace by running the module, and a method that ran keeps the graph its executor
+    compiled: under install the module is traced again, unchecked, and that one is fused, so the group runs."""
+    class Block(torch.nn.Module):
+        def forward(self, x, b):
+            return gelu_block(x, b)
+
+    x, b = torch.randn(16, 32), torch.randn(32)
+    fuser.install()
+    try:
+        traced = torch.jit.trace(Block(), (x, b))
+    finally:
+        fuser.uninstall()
+    before = {spec.key: len(spec.geometries) for spec in STORE._specs.values()}
+    for _ in range(2):
+        out = traced(x, b)
+    assert_same(out, gelu_block(x, b))
+    ran = [spec for spec in STORE._specs.values() if len(spec.geometries) > before.get(spec.key, 0)]
+    assert any("aten::tanh" in spec.text for spec in ran)
 
 
 def test_install_and_uninstall_trace_and_nnc_switches():
