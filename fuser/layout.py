@@ -15,6 +15,8 @@ Eager's rule is TensorIterator's (aten/src/ATen/TensorIterator.cpp), applied op 
   asks the operands in order and skips a pair that one of them broadcasts (equal strides: the smaller dim
   goes first); the result is dense in that order (contiguous when the order is the identity).
 
+A ``permute`` inside a group (``fuser/views.py``) is a view: its operand's sizes and strides, reordered.
+
 Ops that allocate otherwise have their own rule: ``empty_like`` semantics (rand_like, casts, hardtanh, which
 allocates with empty_like and writes into it: the input's strides when it is non-overlapping and dense, else
 dense strides in its stride order), type_as (its input itself when the dtypes agree, else empty_like's;

@@ -45,4 +45,3 @@ def create(graph: torch._C.Graph, kind: str, inputs: list, before: torch._C.Node
     for o in node.outputs():
         o.setType(_TENSOR)
     return node
-
