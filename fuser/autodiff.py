@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from . import compiler, executor, fallback, grad_sums, ir, ops, rng, saving, settings
+from . import compiler, executor, fallback, grad_sums, ir, layout, ops, rng, saving, settings, views
 from .backward import Backward, _carries, _Unsupported, build_backward, extra_outputs
 from .descs import DENSE, ArgSpec, TensorDesc
 from .kernel_cache import STORE, KernelSpec
@@ -53,7 +53,9 @@ def run(spec: KernelSpec, args: list, rng_state: Optional[list] = None) -> list[
     # an input that requires grad under grad mode: the kernel alone would not do (the executor says None)
     grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
     out = None if grad else executor.run(spec, args, rng_state)
-    if out is None:
+    if out is None and grad and isinstance(spec.views, tuple):
+        out = _differentiable_views(spec, args)
+    elif out is None:
         out = differentiable(spec, args, rng_state)
     if out is None and rng_state is not None:
         raise RuntimeError("fuser: the backward of a fusion group with rand_like (dropout) could not run as a "
@@ -460,10 +462,37 @@ def differentiable(spec: KernelSpec, args: list, rng_state: Optional[list] = Non
     return list(_FusedGroup.apply(call, *tensors))
 
 
+def _differentiable_views(spec: KernelSpec, args: list) -> Optional[list[torch.Tensor]]:
+    """A group with permutes under autograd (``fuser/views.py``): its permute-free group, differentiated as any
+    group, on its inputs' views, which autograd carries the gradients back through. Only where that group gives
+    eager's output layouts for these views (it does but where eager's layout rule breaks a tie by dim order, which
+    the permutes change); else None (the interpreter runs the ops)."""
+    if len(args) != len(spec.input_is_tensor) or any(
+            is_t != isinstance(a, torch.Tensor) for a, is_t in zip(args, spec.input_is_tensor)):
+        return None
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    try:
+        sig = executor.signature(tensors)
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    flat = views.registered_flat(spec)
+    viewed = views.apply(spec.group, spec.views, tensors)
+    if isinstance(viewed, str):
+        return None
+    it = iter(viewed)
+    flat_args = [next(it) if is_t else a for a, is_t in zip(args, spec.input_is_tensor)]
+    same = spec.view_layouts.get(sig)
+    if same is None:
+        want = layout.group_layouts(spec.group, args)
+        same = not isinstance(want, str) and want == layout.group_layouts(flat.group, flat_args)
+        _bounded(spec.view_layouts)[sig] = same
+    return differentiable(flat, flat_args) if same else None
+
+
 def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None) -> Optional[_Call]:
     """What :func:`differentiable` runs as an autograd Function (a random group's or a row group's forward outputs
     computed), or None where it cannot."""
-    if not torch.is_grad_enabled() or spec.views is not None:  # (no generated backward through a permute yet)
+    if not torch.is_grad_enabled() or spec.views is not None:  # (a group with permutes: _differentiable_views)
         return None
     if _forward_ad._current_level >= 0 or _functorch_stack() is not None:
         return None

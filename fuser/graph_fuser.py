@@ -103,8 +103,8 @@ def fold_permute_dims(graph: torch._C.Graph, block: torch._C.Block) -> int:
         if node.kind() != "aten::permute" or node.schema() != ops.PERMUTE.schemas[0]:
             continue
         lst = node.inputsAt(1).node()
-        if lst.kind() != "prim::ListConstruct":
-            continue
+        if lst.kind() != "prim::ListConstruct" or len(lst.output().uses()) != 1:
+            continue  # (a list used elsewhere may be changed before the permute reads it: dims[0] = 1)
         items = [_constant_ints_item(v) for v in lst.inputs()]
         if any(i is None for i in items):
             continue
@@ -260,6 +260,16 @@ class _BlockFuser:
         return (v.node() in mset and not self._returned(v)
                 and all(u in mset for u in _users_in_block(v, self.block)))
 
+    def _fresh(self, v: torch._C.Value, mset: set) -> bool:
+        """Whether group output ``v`` may be a fresh tensor: eager's is one, or a view or the very tensor of a value
+        no one outside sees. An op that may return its input (``type_as``, ``permute``) is followed down to the op
+        that computed the value: ``x.permute(1, 0).type_as(y)`` is ``x`` itself in eager, a view users write through."""
+        while self.ops[v.node()].aliases_input:
+            v = v.node().inputsAt(0)
+            if not self._private(v, mset):
+                return False
+        return True
+
     def _returned(self, v: torch._C.Value) -> bool:
         return any(u.user.kind() == "prim::Return" and u.user.owningBlock() == self.block for u in v.uses())
 
@@ -289,7 +299,7 @@ class _BlockFuser:
                 deferred.append(n)
                 deferred_outs.update(o.unique() for o in n.outputs())
         outs = self._outputs(members)
-        if any(self.ops[v.node()].aliases_input and not self._private(v.node().inputsAt(0), mset) for v in outs):
+        if any(not self._fresh(v, mset) for v in outs):
             return None
         if any(self.ops[m] is ops.PERMUTE for m in members) and (any(
                 op is None or op.reduction is not None or op.concat or op.random for op in map(self.ops.get, members))

@@ -199,12 +199,19 @@ class _Installer:
             if fn is self.saved[1] and isinstance(result, torch.jit.ScriptModule) and kwargs.get(
                     "check_trace", args[3] if len(args) > 3 else True):
                 # the trace's check ran the module, and a method that ran keeps running the graph its executor
-                # compiled then (an edit of its graph does not reach it): trace again, unchecked, and fuse that one
+                # compiled then (an edit of its graph does not reach it): trace again, unchecked, and fuse that one.
+                # The module's buffers (a batch norm's running statistics) are put back as the first trace left them
+                module = args[0] if args else kwargs.get("func")
+                buffers = [(b, b.detach().clone()) for b in module.buffers()] if isinstance(
+                    module, torch.nn.Module) else []
                 if len(args) > 3:
                     args = (*args[:3], False, *args[4:])
                 else:
                     kwargs = {**kwargs, "check_trace": False}
                 result = fn(*args, **kwargs)
+                with torch.no_grad():
+                    for b, kept in buffers:
+                        b.copy_(kept)
         finally:
             self.local.depth = 0
         return _maybe_fuse(result)

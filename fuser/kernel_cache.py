@@ -63,6 +63,8 @@ class KernelSpec:
         # run as one map); the kernel computes the group without them, ``flat``
         self.views = views.spaces(g) if views.has_permute(g) else None
         self.flat = KernelSpec(self.key, views.flat(g)) if isinstance(self.views, tuple) else None
+        self.flat_key: Optional[int] = None  # ``flat`` registered in the store, for autograd (views.registered_flat)
+        self.view_layouts: dict = {}  # input signature -> whether ``flat`` on the views gives eager's output layouts
 
     @property
     def n_tensor_inputs(self) -> int:

@@ -82,6 +82,25 @@ def test_traced_module_under_install_runs_its_group():
     assert any("aten::tanh" in spec.text for spec in ran)
 
 
+def test_traced_module_under_install_keeps_its_buffers_as_a_stock_trace_leaves_them():
+    """The second trace under install runs the module once more: a train-mode batch norm's running statistics
+    are put back as the first trace left them."""
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+
+    x = torch.randn(2, 3, 8, 8)
+    stock_model, fused_model = make(), make()
+    torch.jit.trace(stock_model, (x,))
+    fuser.install()
+    try:
+        torch.jit.trace(fused_model, (x,))
+    finally:
+        fuser.uninstall()
+    for (name, a), (_, b) in zip(stock_model.named_buffers(), fused_model.named_buffers()):
+        assert torch.equal(a, b), name
+
+
 def test_install_and_uninstall_trace_and_nnc_switches():
     cpu, gpu = torch._C._jit_can_fuse_on_cpu(), torch._C._jit_can_fuse_on_gpu()
     fuser.install()

@@ -5,11 +5,12 @@ directly on the same inputs: values, dtypes and strides (users see them), throug
 CPU backend, through the CUDA kernels in the host emulation, and on a GPU. Three cases come from a review of an
 earlier design (a graph rewrite that moved permutes onto operands) that got them wrong: a 0-dim float32 operand
 beside bfloat16 ones (type promotion), a function traced with a 0-dim operand and called with a full one (ranks
-come from the call), and an outer product whose operands are all broadcast (eager's layout tie-break).
+come from the call), and an outer product whose operands are all broadcast (eager's layout tie-break); two more
+from a review of this one: a dims list changed before the permute, and a permuted input leaving the group.
 """
 import pytest
 import torch
-from helpers import random_tensor
+from helpers import FUSED_BACKWARD, random_tensor
 
 import fuser
 from fuser import executor, graph_fuser, ir, ts_ir, views
@@ -229,19 +230,43 @@ def test_wrong_dims_give_eagers_error(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gradients_equal_eagers(device):
-    """Under autograd the group runs eager's ops (no generated backward through a permute yet)."""
-    res, gamma, x = (t.to(device).requires_grad_() for t in _inputs_layer_scale())
+@pytest.mark.parametrize("res_layout", [torch.contiguous_format, torch.channels_last])
+def test_gradients_equal_eagers(device, res_layout):
+    """Under autograd the permute-free group is differentiated on the inputs' views (one fused Function), and
+    autograd carries the gradients back through the views: gamma's is summed over the broadcast dims."""
+    res, gamma, x = _inputs_layer_scale()
+    res = res.contiguous(memory_format=res_layout)
+    res, gamma, x = (t.to(device).requires_grad_() for t in (res, gamma, x))
     scripted = fuser.fuse(torch.jit.script(_layer_scale))
     for _ in range(2):
         out = scripted(res, gamma, x)
-    out.backward(torch.ones_like(out) * 0.5)
-    got = [t.grad.clone() for t in (res, gamma, x)]
-    for t in (res, gamma, x):
-        t.grad = None
-    _layer_scale(res, gamma, x).backward(torch.ones_like(out) * 0.5)
-    for g, t in zip(got, (res, gamma, x)):
-        torch.testing.assert_close(g, t.grad)
+    assert out.grad_fn.name() in FUSED_BACKWARD
+    ref = _layer_scale(res, gamma, x)
+    assert out.stride() == ref.stride()
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (res, gamma, x), grad)
+    want = torch.autograd.grad(ref, (res, gamma, x), grad)
+    for g, w in zip(got, want):
+        assert g.stride() == w.stride() or not g.is_contiguous()
+        torch.testing.assert_close(g, w)
+
+
+def test_gradients_where_the_permute_free_group_would_change_the_layout():
+    """An outer product under a permute: eager's layout rule breaks the tie by dim order, which the permute
+    changes, so the permute-free group would give other strides: the interpreter runs the ops under autograd."""
+    def fn(a, b, c):
+        return (a * b + 1).permute(1, 0) * c
+
+    a, b, c = (t.requires_grad_() for t in (_rand(5, 1), _rand(1, 7), _rand(1)))
+    scripted = fuser.fuse(torch.jit.script(fn))
+    for _ in range(2):
+        out = scripted(a, b, c)
+    ref = fn(a, b, c)
+    assert out.stride() == ref.stride()
+    got = torch.autograd.grad(out.sum(), (a, b, c))
+    want = torch.autograd.grad(ref.sum(), (a, b, c))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
 
 
 def test_value_needed_in_two_spaces_is_not_grouped_with_both():
@@ -306,3 +331,49 @@ def test_traced_dims_become_one_constant():
     lowered = ts_ir.lower(group.g("Subgraph"))
     permute = next(n for n in lowered.nodes if n.op == views.PERMUTE)
     assert permute.args[1] == (0, 3, 1, 2)
+
+
+def test_a_dims_list_changed_before_the_permute_is_not_folded():
+    """Folding a permute's list of int constants into one constant holds only where nothing else uses the list:
+    ``dims[0] = 1`` or ``dims.reverse()`` change it before the permute reads it."""
+    def setitem(x, y):
+        dims = [0, 1]
+        dims[0] = 1
+        dims[1] = 0
+        return (x * y).permute(dims) + 1
+
+    def reverse(x, y):
+        dims = [1, 0]
+        dims.reverse()
+        return (x * y).permute(dims) + 1
+
+    x, y = _rand(3, 4), _rand(4)
+    for fn in (setitem, reverse):
+        fused = fuser.fuse(torch.jit.script(fn))
+        for _ in range(2):
+            out = fused(x, y)
+        ref = fn(x, y)
+        assert out.shape == ref.shape and out.stride() == ref.stride()
+        torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("order", ["permute_then_type_as", "type_as_then_permute"])
+def test_a_view_of_an_input_is_not_a_fresh_output(order):
+    """``x.permute(1, 0).type_as(y)`` with y of x's dtype is a view of x in eager, which users write through: such
+    an output does not leave a group as a fresh tensor."""
+    def permute_then_type_as(x, y):
+        a = x.permute(1, 0).type_as(y)
+        return a, torch.relu(a) * 2
+
+    def type_as_then_permute(x, y):
+        a = x.type_as(y).permute(1, 0)
+        return a, torch.relu(a) * 2
+
+    fn = {"permute_then_type_as": permute_then_type_as, "type_as_then_permute": type_as_then_permute}[order]
+    x, y = _rand(3, 4), _rand(1)
+    fused = fuser.fuse(torch.jit.script(fn))
+    for _ in range(2):
+        a, b = fused(x, y)
+    ra, rb = fn(x, y)
+    assert a.data_ptr() == ra.data_ptr() == x.data_ptr() and a.stride() == ra.stride()
+    torch.testing.assert_close(b, rb)
