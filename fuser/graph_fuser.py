@@ -88,11 +88,12 @@ def fusable_op(node: torch._C.Node) -> Optional[ops.OpDef]:
 
 def _constant_ints(v: torch._C.Value) -> Optional[list]:
     """The value of a constant int list, else None."""
-    if not _is_constant(v):
-        return None
-    val = v.toIValue()
-    return list(val) if isinstance(val, (list, tuple)) and all(
-        isinstance(d, int) and not isinstance(d, bool) for d in val) else None
+    val = v.toIValue() if _is_constant(v) else None
+    return list(val) if isinstance(val, (list, tuple)) and all(_is_int(d) for d in val) else None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def fold_permute_dims(graph: torch._C.Graph, block: torch._C.Block) -> int:
@@ -105,8 +106,8 @@ def fold_permute_dims(graph: torch._C.Graph, block: torch._C.Block) -> int:
         lst = node.inputsAt(1).node()
         if lst.kind() != "prim::ListConstruct" or len(lst.output().uses()) != 1:
             continue  # (a list used elsewhere may be changed before the permute reads it: dims[0] = 1)
-        items = [_constant_ints_item(v) for v in lst.inputs()]
-        if any(i is None for i in items):
+        items = [v.toIValue() if _is_constant(v) else None for v in lst.inputs()]
+        if not all(_is_int(i) for i in items):
             continue
         const = graph.insertConstant(items)
         const.node().moveBefore(node)
@@ -115,13 +116,6 @@ def fold_permute_dims(graph: torch._C.Graph, block: torch._C.Block) -> int:
             lst.destroy()
         done += 1
     return done
-
-
-def _constant_ints_item(v: torch._C.Value) -> Optional[int]:
-    if not _is_constant(v):
-        return None
-    val = v.toIValue()
-    return val if isinstance(val, int) and not isinstance(val, bool) else None
 
 
 def reduced_dims(node: torch._C.Node) -> Optional[tuple]:
@@ -336,11 +330,11 @@ class _BlockFuser:
             where[m] = chains.pop() if chains else ()
         return where
 
-    def group_inputs(self, members: list[torch._C.Node]) -> list[tuple]:
-        """The group's inputs as (outer value, chain of permutes it is read through): a value read in two spaces
-        is two inputs. Tensors first, then float scalars (the runtime op takes them as two lists)."""
+    def group_inputs(self, members: list[torch._C.Node], where: dict) -> list[tuple]:
+        """The group's inputs as (outer value, chain of permutes it is read through; ``where``: :meth:`spaces`'s): a
+        value read in two spaces is two inputs. Tensors first, then float scalars (the runtime op takes them as two
+        lists)."""
         mset = set(members)
-        where = self.spaces(members)
         seen, out = set(), []
         for m in sorted(mset, key=self.pos.__getitem__):
             chain = where[m] + ((m,) if self.ops[m] is ops.PERMUTE else ())
@@ -564,9 +558,10 @@ def fuse_block(graph: torch._C.Graph, block: torch._C.Block) -> int:
     fold_permute_dims(graph, block)
     fuser = _BlockFuser(block)
     for members in fuser.run():
-        inputs = fuser.group_inputs(members)
+        where = fuser.spaces(members)
+        inputs = fuser.group_inputs(members, where)
         outputs = fuser._outputs(members)
-        sub = build_subgraph(members, inputs, outputs, fuser.spaces(members))
+        sub = build_subgraph(members, inputs, outputs, where)
         group = graph.create("prim::FusionGroup", [v for v, _ in inputs], len(outputs))
         group.g_("Subgraph", sub)
         group.insertBefore(members[-1])
