@@ -547,6 +547,8 @@ def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None)
         _read_saved(call, shapes, full)
     if spec.random or spec.has_reduction:  # (a row kernel's backward is planned for the shapes its forward takes)
         if spec.random:
+            if rng_state is None and not rng.can_draw(device):
+                return None
             call.rng_state = rng.launch_state(device) if rng_state is None else rng_state
         with torch.no_grad():
             call.outputs = executor.run(spec, args, call.rng_state)

@@ -396,6 +396,8 @@ def run(spec: KernelSpec, args: Sequence, rng_state: Optional[list] = None) -> O
         return None
     if spec.has_reduction:
         return geo.run(tensors, scalars)
+    if geo.kernel.random and rng_state is None and not rng.can_draw(device):
+        return None
     outputs, kernel_outputs = _allocated(geo, tensors, device)
     if geo.numel == 0:
         return outputs

@@ -62,6 +62,13 @@ def state_words(seed: int, offset: int) -> list[float]:
     return _words(seed) + _words(offset)
 
 
+def can_draw(device: torch.device) -> bool:
+    """False while the current CUDA stream captures a graph: torch's generator refuses to give its offset then
+    (a replay must advance it, which a value baked into the launch cannot), so a random group falls back and
+    eager's ops, which capture, draw the numbers."""
+    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
 def launch_state(device: torch.device) -> list[float]:
     """(seed, offset) for one launch as four uint32 values (exact in the kernel's double slots), taken from
     torch's default generator of ``device``, which advances so that the next launch gets fresh numbers."""

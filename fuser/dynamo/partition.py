@@ -3,7 +3,8 @@
 Consumers pull in their producers, in graph order, as the TorchScript pass does (``fuser/graph_fuser.py``, whose
 limits it shares): a node joins when :mod:`.support` takes it and the merged region
 
-* spans no side effect (a mutation, a random op: see ``support.is_barrier``), whose order stays eager's;
+* spans no side effect (a mutation, a random op: see ``support.is_barrier``), whose order stays eager's (a
+  random op may be the region's first or last node);
 * closes no cycle: no path leaves the region and comes back (each region runs as one call, so a node that needs
   one of its values and feeds another of its nodes could run neither before nor after it);
 * keeps every output at the region's one broadcast shape (a group's kernel writes each output over the whole

@@ -3,8 +3,11 @@
 A node is taken when it calls an ATen overload of fuser's op table (``fuser/ops.py``; the table is keyed by the
 same overload names the group IR uses, ``"aten::add.Tensor"``), computes a tensor of a dtype the kernels hold on
 a CPU or CUDA device, reads only tensors of such dtypes on that device, and takes every other argument as a
-constant the group IR holds. As in the TorchScript pass: nothing that mutates, aliases or draws random numbers
-(eager's random stream stays eager's). :func:`reason` says why a node is not taken; ``fuser.explain`` shows it.
+constant the group IR holds. As in the TorchScript pass: nothing that mutates or aliases. ``rand_like`` is in the
+op table, and joins a group as it does there: the kernel draws its numbers with its own Philox generator seeded from
+torch's (``fuser/rng.py``; not the numbers eager draws, as with Inductor's default); ``native_dropout`` is not in the
+table and stays ATen, so ``nn.Dropout`` keeps eager's random stream. :func:`reason` says why a node is not taken;
+``fuser.explain`` shows it.
 
 Only dtypes and devices are read from the fake values (``node.meta["val"]``), never sizes: reading a symbolic
 size would install a guard and make Dynamo recompile per size.
@@ -41,7 +44,8 @@ def is_compute(node: torch.fx.Node) -> bool:
 def is_barrier(node: torch.fx.Node) -> bool:
     """Whether ``node`` has an effect besides its result (a mutation such as the ``copy_`` that writes an input
     back, a print) or draws random numbers: its order against every other node is kept, and no group spans it
-    (as no group crosses a side effect in the TorchScript pass)."""
+    (as no group crosses a side effect in the TorchScript pass). A random op may be a group's first or last node (the
+    group then spans no other effect), whose kernel then draws the numbers."""
     if node.op != "call_function":
         return False
     t = node.target
@@ -75,11 +79,12 @@ def full_args(node: torch.fx.Node, op: str) -> tuple:
     extra = set(node.kwargs) - {p.name for p in ps}
     if extra:
         raise TypeError(f"{op}: unknown keyword arguments {sorted(extra)}")
-    if op == "aten::_to_copy" and args:  # a cast that names the input's own layout and device: dtype alone
+    if op in ("aten::_to_copy", "aten::rand_like") and args:
+        # a cast, or rand_like, that names the input's own layout and device and no pinned memory: dtype alone
         v = fake(args[0]) if isinstance(args[0], torch.fx.Node) else None
         names = [p.name for p in ps]
         # contiguous_format of a contiguous input is its own strides: what preserve_format (None) gives
-        for name, same in (("layout", lambda a: a == torch.strided),
+        for name, same in (("layout", lambda a: a == torch.strided), ("pin_memory", lambda a: a is False),
                            ("device", lambda a: v is not None and torch.device(a) == v.device),
                            ("memory_format", lambda a: a == torch.preserve_format or (
                                a == torch.contiguous_format and v is not None and v.is_contiguous()))):
@@ -138,8 +143,6 @@ def reason(node: torch.fx.Node) -> Optional[str]:
         return f"{name} is not in fuser's op table"
     if op.concat:
         return f"{name}: cat is left to ATen by the torch.compile door"
-    if op.random:
-        return f"{name} draws random numbers (left to ATen, so the random stream is eager's)"
     out = fake(node)
     if out is None:
         return f"{name} does not compute one tensor here"
