@@ -40,8 +40,23 @@ def _door(name, fn):
     return torch.jit.script(fn)
 
 
+class _Fallbacks:
+    """Counts the groups the interpreter runs (fuser.fallback.run)."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        real = fallback.run
+
+        def counted(spec, args):
+            self.n += 1
+            return real(spec, args)
+        monkeypatch.setattr(fallback, "run", counted)
+
+
 def _check_dropout(y, x, b, r, tol):
-    """The dropped/kept split of ``y``; each element is one of the two eager values."""
+    """The dropped/kept split of ``y``; each element is one of the two values, computed in float32 from the inputs
+    (a reduced-precision group computes in float32 and rounds its result once)."""
+    y, x, b, r = y.float(), x.float(), b.float(), r.float()
     dropped = b + r
     kept = b + x * (1.0 / 0.9) + r
     is_kept = (y - kept).abs() <= (y - dropped).abs()
@@ -52,14 +67,13 @@ def _check_dropout(y, x, b, r, tol):
     return is_kept, is_kept[distinct].float().mean().item()
 
 
-def _random_specs():
-    return [s for s in STORE._specs.values() if s.random]
 
 
-_TOL = {torch.float32: dict(rtol=1.3e-6, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+# bfloat16: the result rounded once (half an ulp, 2^-9 relative) from inputs that float32 holds exactly
+_TOL = {torch.float32: dict(rtol=1.3e-6, atol=1e-5), torch.bfloat16: dict(rtol=4e-3, atol=1e-5)}
 
 
-def _dropout_through(door, device, dtype):
+def _dropout_through(door, device, dtype, monkeypatch):
     torch.manual_seed(7)
     x = torch.randn(96, 160, device=device, dtype=dtype)
     b, r = torch.randn(160, device=device, dtype=dtype), torch.randn(96, 160, device=device, dtype=dtype)
@@ -67,13 +81,14 @@ def _dropout_through(door, device, dtype):
     with torch.no_grad():
         for _ in range(3):  # past TorchScript's profiling runs
             f(x, b, r)
+        fallbacks = _Fallbacks(monkeypatch)
         torch.manual_seed(11)
         y1 = f(x, b, r)
         y2 = f(x, b, r)
         torch.manual_seed(11)
         y3 = f(x, b, r)
-    assert _random_specs(), "no group took rand_like"
-    assert all(any(k is not None for k in s.kernels().values()) for s in _random_specs()), "a random group fell back"
+    assert any(s.random for s in STORE._specs.values()), "no group took rand_like"
+    assert fallbacks.n == 0, "a random group fell back"
     for y in (y1, y2):
         assert y.dtype == dtype and y.shape == x.shape
         _, frac = _check_dropout(y, x, b, r, _TOL[dtype])
@@ -84,8 +99,8 @@ def _dropout_through(door, device, dtype):
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("door", ("compile", "script"))
-def test_rand_like_is_drawn_inside_a_group_through_both_doors(door, dtype):
-    _dropout_through(door, "cpu", dtype)
+def test_rand_like_is_drawn_inside_a_group_through_both_doors(door, dtype, monkeypatch):
+    _dropout_through(door, "cpu", dtype, monkeypatch)
 
 
 def test_the_compile_door_puts_rand_like_in_the_group_and_explains_it():
@@ -144,9 +159,9 @@ def _cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("door", ("compile", "script"))
-def test_rand_like_is_drawn_inside_a_group_through_both_doors_cuda(door, dtype):
+def test_rand_like_is_drawn_inside_a_group_through_both_doors_cuda(door, dtype, monkeypatch):
     _cuda()
-    _dropout_through(door, "cuda", dtype)
+    _dropout_through(door, "cuda", dtype, monkeypatch)
 
 
 @pytest.mark.gpu
@@ -154,19 +169,6 @@ def test_rand_like_is_drawn_inside_a_group_through_both_doors_cuda(door, dtype):
 def test_dropout_trains_with_the_forwards_mask_through_both_doors_cuda(door):
     _cuda()
     _dropout_training(door, "cuda")
-
-
-class _Fallbacks:
-    """Counts the groups the interpreter runs (fuser.fallback.run)."""
-
-    def __init__(self, monkeypatch):
-        self.n = 0
-        real = fallback.run
-
-        def counted(spec, args):
-            self.n += 1
-            return real(spec, args)
-        monkeypatch.setattr(fallback, "run", counted)
 
 
 def _captured(fn, args):
