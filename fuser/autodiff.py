@@ -475,7 +475,7 @@ def _differentiable_views(spec: KernelSpec, args: list) -> Optional[list[torch.T
         sig = executor.signature(tensors)
     except (AttributeError, RuntimeError, TypeError):
         return None
-    flat = views.registered_flat(spec)
+    flat = spec.registered_flat()
     viewed = views.apply(spec.group, spec.views, tensors)
     if isinstance(viewed, str):
         return None

@@ -63,12 +63,19 @@ class KernelSpec:
         # run as one map); the kernel computes the group without them, ``flat``
         self.views = views.spaces(g) if views.has_permute(g) else None
         self.flat = KernelSpec(self.key, views.flat(g)) if isinstance(self.views, tuple) else None
-        self.flat_key: Optional[int] = None  # ``flat`` registered in the store, for autograd (views.registered_flat)
+        self.flat_key: Optional[int] = None  # ``flat`` registered in the store (:meth:`registered_flat`)
         self.view_layouts: dict = {}  # input signature -> whether ``flat`` on the views gives eager's output layouts
 
     @property
     def n_tensor_inputs(self) -> int:
         return sum(self.input_is_tensor)
+
+    def registered_flat(self) -> "KernelSpec":
+        """``flat`` registered in the store (its own key: the caches of backward groups go by key), for autograd,
+        which differentiates the permute-free group on the views (``autodiff._differentiable_views``)."""
+        if self.flat_key is None:
+            self.flat_key = STORE.register(self.flat.group)
+        return STORE.get(self.flat_key)
 
     def kernel_for(self, arg_spec, build: Callable[[], object]):
         """The kernel for ``arg_spec``, built by ``build()`` exactly once however many threads ask.

@@ -153,12 +153,3 @@ def apply(group: ir.Group, chains: tuple, tensors: Sequence[torch.Tensor]) -> Un
             t = t.permute(dims)
         out.append(t)
     return out
-
-
-def registered_flat(spec):
-    """``spec.flat`` registered in the kernel store (its own key: the caches of backward groups go by key), for
-    autograd, which differentiates the permute-free group on the views (``autodiff._differentiable_views``)."""
-    from .kernel_cache import STORE
-    if spec.flat_key is None:
-        spec.flat_key = STORE.register(spec.flat.group)
-    return STORE.get(spec.flat_key)
