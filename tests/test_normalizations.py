@@ -243,6 +243,77 @@ def test_variance_of_rows_of_huge_equal_values_cuda():
     _check_huge_equal_rows(lambda case, n, args: executor.run(_spec(_group(case, n)), args), "cuda")
 
 
+def _constant_rows(n: int, dtype, device="cpu") -> torch.Tensor:
+    """Rows of one value each, plus a row of ordinary values: layer_norm of a constant row is exactly 0 in eager
+    (its Welford mean is exact); a float sum of the row rounds, and the rstd of the zero variance (316 for eps
+    1e-5) magnifies the mean's error (the CUDA fuzzer found a row of 71,305 elements)."""
+    x = torch.randn(4, n, dtype=torch.float64) * 3
+    x[0], x[1], x[2] = torch.pi / 4, 0.1, -1234.567
+    return x.to(dtype=dtype, device=device)
+
+
+def _check_constant_rows(run, device):
+    for n in (1000, 4096, 71305):  # rows held in registers on CUDA (1000, 4096) and one read again by each pass
+        group = _group_of(("constant_rows", n), lambda: _layer_norm_affine(n))
+        for dtype in (torch.float32, torch.bfloat16):
+            args = [_constant_rows(n, dtype, device), torch.rand(n, dtype=dtype, device=device) + 0.5]
+            out = run(group, args)
+            assert out is not None
+            want = F.layer_norm(args[0], (n,), args[1], None, 1e-5)
+            ref64 = F.layer_norm(args[0].double(), (n,), args[1].double(), None, 1e-5)
+            assert ref64[:3].eq(0).all()
+            if dtype == torch.float32 and device == "cpu":  # eager's float32 rows are exactly 0 on the CPU (not
+                assert want[:3].eq(0).all()  # its bfloat16 ones, nor CUDA's: -2e-5 for pi/4 on an H200)
+            assert out[0][:3].eq(0).all(), out[0][:3].abs().amax(-1)  # the row kernel ran: its rows are exact
+            torch.testing.assert_close(out[0][3:].cpu(), want[3:].cpu(), **({} if dtype == torch.float32 else
+                                                                            {"rtol": 1.6e-2, "atol": 1e-2}))
+            scale = ref64.abs().max().item()
+            torch.testing.assert_close(out[0].cpu().double(), ref64.cpu(), rtol=TOL[dtype], atol=TOL[dtype] * scale)
+
+
+def _layer_norm_affine(n: int) -> ir.Group:
+    b = ir.Builder()
+    x, w = b.input(), b.input()
+    return b.build([b.add("aten::layer_norm", x, (n,), w, None, 1e-5, True)])
+
+
+def _group_of(key, make) -> ir.Group:
+    if key not in _GROUPS:
+        _GROUPS[key] = make()
+    return _GROUPS[key]
+
+
+def _check_centered_with_infinities(run, device):
+    """``x - x.mean(-1)`` over rows holding inf, -inf or NaN (the CUDA fuzzer, 2026-11-27: ``[inf, 0]`` gave NaN
+    for both where eager gives NaN and -inf): the mean of a row with an inf is eager's inf, not inf - inf."""
+    b = ir.Builder()
+    x = b.input()
+    group = _group_of("centered_inf", lambda: b.build([b.call("aten::sub", x, b.add(
+        "aten::mean.dim", x, (-1,), True, None), 1)]))
+    for n in (2, 100, 5000):
+        t = torch.randn(4, n, device=device)
+        t[0, 0], t[1, n // 2], t[2, -1] = float("inf"), -float("inf"), float("nan")
+        out = run(group, [t])
+        assert out is not None
+        torch.testing.assert_close(out[0], t - t.mean(-1, keepdim=True), equal_nan=True)
+
+
+# (run, device): the CPU row kernel, the CUDA one through the host emulation, the CUDA one on a GPU
+_RUNNERS = [pytest.param(lambda g, args: fused_run(_spec(g), args), "cpu", id="cpu"),
+            pytest.param(lambda g, args: row_emulate.run(g, args), "cpu", id="emulated"),
+            pytest.param(lambda g, args: executor.run(_spec(g), args), "cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("run,device", _RUNNERS)
+def test_layer_norm_of_constant_rows(run, device):
+    _check_constant_rows(run, device)
+
+
+@pytest.mark.parametrize("run,device", _RUNNERS)
+def test_centered_rows_with_infinities(run, device):
+    _check_centered_with_infinities(run, device)
+
+
 @pytest.mark.parametrize("n", (65537, 65536))
 def test_cuda_row_kernel_emulated_on_a_long_row(emulated, n):
     """A row longer than the registers hold (each pass reads it again): 65537 elements (not a multiple of a trip:

@@ -55,6 +55,19 @@ def stores_rounded(n: ir.Node, red, nt: NodeTypes, exact: set) -> bool:
     return red.wide or n.args[0].id in exact
 
 
+def centered_means(group: ir.Group) -> frozenset:
+    """The value ids of means that the group subtracts from their own input (``x - mean(x)``: layer_norm's
+    steps). Their kernels make the mean of a row of equal values exact, as eager's Welford mean is: each CUDA
+    thread and each vector lane of the CPU's loops sums its differences from the first value it sees, then adds
+    that value times its count in double (the CPU's scalar loops sum in double). A float sum of n equal values
+    rounds: a 71,305-element row of -1234.567 gave a mean off by about 3e-4, which the rstd of the zero variance
+    (316 for eps 1e-5) magnified into outputs of up to 0.96, where eager's are 0. (The CUDA sum in double cost a
+    65,536-element float32 row 0.55 -> 0.46 of the copy floor on an H200.)"""
+    means = {n.out.id: n.args[0].id for n in group.nodes if getattr(ops.reduction(n.op), "mean", False)}
+    return frozenset(m.args[1].id for m in group.nodes if m.op.split(".")[0] == "aten::sub"
+                     and all(isinstance(a, ir.Value) for a in m.args[:2]) and means.get(m.args[1].id) == m.args[0].id)
+
+
 def input_names(group: ir.Group, inputs: Sequence[torch.dtype], target: str) -> tuple[dict, dict, dict, dict, int]:
     """The group inputs' names in a row or column kernel's source: (per value id its name, its C type, its dtype
     (None for a float), per tensor input's value id its index among the tensor inputs, the number of float
@@ -195,6 +208,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     shared = set()
     reduce_fn = f"fz_row_reduce<{{}}, {shape.tpr}>" if cuda else None
     cpass = 0  # the CPU pass being generated (kept's index)
+    centered = centered_means(group)
     for n, pos, red, nt in reductions:
         u = n.args[0]
         acc_t = accumulator_type(red, nt, target)
@@ -225,11 +239,24 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             if vector is not None:
                 vector.on = False  # no vector form of the two passes (yet): scalar loops
         elif vector is not None:
-            vector.reduction(u, red, pos, acc_t, vdtype[u.id] == nt.compute, *kept[cpass], [u])
-        if cuda:
+            vector.reduction(u, red, pos, acc_t, vdtype[u.id] == nt.compute, *kept[cpass], [u],
+                             shifted=n.out.id in centered)
+        acc_decl = f"{acc_t} acc{pos} = {ident};"
+        result = f"acc{pos} / ({acc_t})cols" if red.mean else f"acc{pos}"
+        if cuda and n.out.id in centered:  # each thread sums its differences from the first value it sees, then
+            # adds back that value times its count in double (centered_means: exact for a row of equal values); its
+            # plain sum where that is not finite (an inf in the row: inf - inf would make the mean NaN)
+            acc_decl += f" {acc_t} acs{pos} = 0; {acc_t} sh{pos} = 0; int cn{pos} = 0;"
+            accumulate = (f"{{ const {acc_t} xv = ({acc_t})({x}); if (cn{pos} == 0) sh{pos} = xv; "
+                          f"acc{pos} += xv; acs{pos} += xv - sh{pos}; ++cn{pos}; }}")
+            shared.add("double")
+            after += [f"double accd{pos} = fabs((double)acs{pos}) <= 1.7976931348623157e308 ? (double)acs{pos} + "
+                      f"(double)cn{pos} * (double)sh{pos} : (double)acc{pos};",
+                      f"accd{pos} = {reduce_fn.format(red.combine)}(accd{pos}, fz_sh_double);"]
+            result = f"accd{pos} / (double)cols"
+        elif cuda:
             shared.add(acc_t)
             after.append(f"acc{pos} = {reduce_fn.format(red.combine)}(acc{pos}, fz_sh_{acc_t});")
-        result = f"acc{pos} / ({acc_t})cols" if red.mean else f"acc{pos}"
         if red.variance:  # eager's divisor max(0, n - correction): n <= correction gives inf or NaN as eager's
             c = ops.correction(n.op, n.args)
             result = f"acc{pos} / ({acc_t})((double)cols - {c!r} > 0 ? (double)cols - {c!r} : 0.0)"
@@ -246,7 +273,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         body = element_lines([u], cpass) + [accumulate]
         cpass += 1
         if cuda:
-            phases.append(cuda_pass(f"{acc_t} acc{pos} = {ident};", [u], guarded(body), after))
+            phases.append(cuda_pass(acc_decl, [u], guarded(body), after))
             continue
         vectorized = vector is not None and vector.on
         phases.append(t.PHASE.substitute(
@@ -436,7 +463,9 @@ class _Vector:
         return cv, loads + cv.lines(COPIES) + stores
 
     def reduction(self, u, red, pos: int, acc_t: str, same_type: bool, held: frozenset, keep: frozenset,
-                  wanted) -> None:
+                  wanted, shifted: bool = False) -> None:
+        """A pass's vector loop accumulating ``u``; ``shifted``: each vector sums its differences from its first
+        trip's values (a centered mean: ``centered_means``)."""
         got = self._lines(wanted, held, keep) if self.on and same_type else None
         if got is None:
             self.on = False
@@ -446,13 +475,24 @@ class _Vector:
         if u.id not in self.tensor_index and compute_type(self.vdtype[u.id]) != self.ctype:
             self.on = False
             return
+        shift_set = shift_add = ""
+        decls = [f"      fz_v vacc{pos}_{c} = fz_v({red.identity.replace('$A', self.ctype)});" for c in range(COPIES)]
+        accumulate = [f"          vacc{pos}_{c} = {red.combine}::f(vacc{pos}_{c}, {value}_{c});" for c in range(COPIES)]
+        if shifted:  # besides the plain sums, taken where the shifted total is not finite (an inf in the row)
+            decls += [f"      fz_v vs{pos}_{c} = fz_v(0), vsa{pos}_{c} = fz_v(0);" for c in range(COPIES)]
+            shift_set = ("          if (c == 0) { " + " ".join(f"vs{pos}_{c} = {value}_{c};" for c in range(COPIES))
+                         + " }\n")
+            accumulate += [f"          vsa{pos}_{c} = vsa{pos}_{c} + ({value}_{c} - vs{pos}_{c});" for c in range(COPIES)]
+            shift_add = (f"      {{ const {acc_t} fz_trips = ({acc_t})(c0_{pos} / ({COPIES} * W)); {acc_t} fz_t = 0;\n"
+                         f"        {self.ctype} fz_hs[64], fz_ha[64];\n" + "".join(
+                             f"        vs{pos}_{c}.store(fz_hs); vsa{pos}_{c}.store(fz_ha);\n"
+                             f"        for (int64_t l = 0; l < W; ++l) fz_t += ({acc_t})fz_ha[l] + fz_trips * "
+                             f"({acc_t})fz_hs[l];\n" for c in range(COPIES))
+                         + f"        if (fz_t - fz_t == 0) acc{pos} = fz_t;\n      }}\n")
         self.parts.append(t.CPU_VECTOR_PASS.substitute(
-            pos=pos, ident=red.identity.replace("$A", acc_t),
-            decls="\n".join(f"      fz_v vacc{pos}_{c} = fz_v({red.identity.replace('$A', self.ctype)});"
-                            for c in range(COPIES)),
-            copies=COPIES, lines="\n".join("          " + ln for ln in lines),
-            accumulate="\n".join(f"          vacc{pos}_{c} = {red.combine}::f(vacc{pos}_{c}, {value}_{c});"
-                                  for c in range(COPIES)),
+            pos=pos, ident=red.identity.replace("$A", acc_t), decls="\n".join(decls), shift_set=shift_set,
+            shift_add=shift_add, copies=COPIES, lines="\n".join("          " + ln for ln in lines),
+            accumulate="\n".join(accumulate),
             combine="\n".join(f"      vacc{pos}_0 = {red.combine}::f(vacc{pos}_0, vacc{pos}_{c});"
                                for c in range(1, COPIES)),
             ctype=self.ctype, acc_t=acc_t, combine_fn=red.combine))

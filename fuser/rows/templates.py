@@ -251,6 +251,8 @@ CPU_VECTOR_TYPES = Template(r"""  typedef ${vtype} fz_v;
 
 # a pass of a reduction: trips of ${copies} vectors while the row steps by 0 or 1 in every input (vec_ok), the
 # partial results combined in a fixed order, then the scalar loop from c0_${pos} on
+# A shifted pass (a centered mean, see codegen.centered_means): each vector sums its differences from the values it
+# held in the first trip (vs<pos>_<copy>, in ${shift_set}), and ${shift_add} adds back each shift times the trips.
 CPU_VECTOR_PASS = Template(r"""    int64_t c0_${pos} = 0;
     ${acc_t} acc${pos} = ${ident};
     if (vec_ok && cols >= ${copies} * W) {
@@ -258,13 +260,13 @@ ${decls}
       for (; c0_${pos} + ${copies} * W <= cols; c0_${pos} += ${copies} * W) {
         const int64_t c = c0_${pos};
 ${lines}
-${accumulate}
+${shift_set}${accumulate}
       }
 ${combine}
       ${ctype} fz_h[64];
       vacc${pos}_0.store(fz_h);
       for (int64_t l = 0; l < W; ++l) acc${pos} = ${combine_fn}::f(acc${pos}, (${acc_t})fz_h[l]);
-    }""")
+${shift_add}    }""")
 
 # the pass that stores the element-level outputs: trips of ${copies} vectors, then the scalar loop from c0_out on
 CPU_VECTOR_STORES = Template(r"""    int64_t c0_out = 0;
