@@ -413,7 +413,7 @@ def test_random_shapes_broadcasts_and_views_match_eager(emulated):
             for o, r in zip(out, ref):
                 assert o.shape == r.shape
                 torch.testing.assert_close(o, r, rtol=1e-12, atol=1e-12)
-    assert fused >= 20
+    assert fused >= 15  # the plan took 19-40 of 40 (mean 28) over 200 seeds: 20 failed one local seed in 200
 
 
 def test_cpu_row_kernels_take_vector_loops_and_scalar_ones(monkeypatch):
