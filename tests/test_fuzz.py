@@ -193,3 +193,28 @@ def test_judge_excuses_ill_conditioned_ops(ir, value, dtype):
     x = torch.tensor([value] * 60 + [0.5, 2.0, 3.0, 0.25], dtype=dtype)
     v = fuzz.check(g, [x])
     assert v.ok, v
+
+
+def test_the_fuzzer_adds_permutes_and_keeps_the_other_programs(monkeypatch):
+    """About PERMUTE_RATE of a seed's programs without a reduction end in a permute of the last value and an add
+    that reads it through the view (their text round-trips, they run like eager); every other program is the one
+    the generator made without them."""
+    from fuser.fuzz import generator
+    seed = int(torch.randint(2 ** 31, ()))
+    with_view = [generator.build_case(seed, i) for i in range(150)]
+    monkeypatch.setattr(generator, "PERMUTE_RATE", 0.0)
+    without = [generator.build_case(seed, i) for i in range(150)]
+    hits = [k for k, g in enumerate(with_view) if any(n.schema.kind == "aten::permute" for n in g.program.nodes)]
+    assert 1 <= len(hits) <= 30, len(hits)
+    for k, (a, b) in enumerate(zip(with_view, without)):
+        if k not in hits:
+            assert fuzz.render(a.program) == fuzz.render(b.program)
+    fused = 0
+    for k in hits:
+        p = with_view[k].program
+        g = fuzz.parse_graph(fuzz.render(p))
+        assert [n.kind() for n in g.nodes() if n.kind() != "prim::Constant"] == [n.schema.kind for n in p.nodes]
+        v = fuzz.check_program(p)
+        assert v.ok, (v.kind, v.detail, fuzz.render(p))
+        fused += v.fused
+    assert fused

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 from .generator import _inputs_for_variant, build_case
 from .ir import render
 from .judge import Verdict, check_program
-from .program import CATALOG, DTYPE_NAMES, REDUCTION_CATALOG
+from .program import CATALOG, DTYPE_NAMES, REDUCTION_CATALOG, VIEW_CATALOG
 from .repro import reproducer
 from .shrinker import shrink
 from .worker import Evaluator, _worker_init
@@ -125,9 +125,9 @@ class Campaign:
             f"({100 * self.judged / max(1, self.total):.2f}%; the rest excused as near a discontinuity); "
             f"finite in eager: {100 * self.finite / max(1, self.total):.1f}%",
             f"  ops per graph (bucketed by 5): {dict(sorted(self.n_ops.items()))}",
-            f"  schemas used: {len(self.ops)} of {len(CATALOG) + len(REDUCTION_CATALOG)}"
-            + (f" (never: {sorted(set(e.id for e in CATALOG + REDUCTION_CATALOG) - set(self.ops))})"
-               if len(self.ops) < len(CATALOG) + len(REDUCTION_CATALOG) else ""),
+            f"  schemas used: {len(self.ops)} of {len(CATALOG) + len(REDUCTION_CATALOG) + len(VIEW_CATALOG)}"
+            + (f" (never: {sorted(set(e.id for e in CATALOG + REDUCTION_CATALOG + VIEW_CATALOG) - set(self.ops))})"
+               if len(self.ops) < len(CATALOG) + len(REDUCTION_CATALOG) + len(VIEW_CATALOG) else ""),
             f"  input dtypes: {dict(self.dtypes.most_common())}",
             f"  input layouts: {dict(self.layouts.most_common())}",
             f"  mismatches: {len(self.failures)}",

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .program import (_TCONST_TYPES, BY_OP, OP_NAMES, REDUCTION_CATALOG, Arg, PNode, Program, TensorInput,
-                      _broadcast)
+from .program import (_TCONST_TYPES, BY_OP, OP_NAMES, REDUCTION_CATALOG, VIEW_CATALOG, Arg, PNode, Program,
+                      TensorInput, _broadcast)
 
 
 FLOAT_POOL = (0.5, -1.5, 2.0, 3.0, 0.0, -0.0, 1.0, -1.0, 0.1, 1e-3, -0.25, 7.0, 0.3333333333333333, 1e30, -1e30,
@@ -314,7 +314,8 @@ def generate(rng: random.Random, max_numel: int = 100_000, max_ops: int = 40) ->
             break
         if error_expected:
             break
-    reduced = None  # the op after an added reduction: always an output
+    reduced = None  # the op after an added reduction or permute: always an output
+    viewed_only = False  # the op after a permute is the only output
     if nodes and not error_expected:
         # now and then a reduction or normalization over the last dim of the last value, and an op after it: drawn
         # from a generator of its own, so that the pointwise programs of a seed stay what they were
@@ -323,6 +324,13 @@ def generate(rng: random.Random, max_numel: int = 100_000, max_ops: int = 40) ->
             got = _add_reduction(side, nodes, shadow, shapes, last, full)
             if got is not None:
                 last = reduced = got
+        # or else a permute of it and an op after it, from a generator of its own too
+        view_side = random.Random(hash(rng.getstate()[1]) ^ 0x5EED)
+        if reduced is None and view_side.random() < PERMUTE_RATE:
+            reduced = _add_permute(view_side, nodes, shadow, shapes, last, full)
+            # mostly its only output: a group writes its outputs in one space (fuser/views.py), so outputs read with
+            # and without the permute fall back
+            viewed_only = reduced is not None and view_side.random() < 0.7
     if not nodes:
         # always something: neg works on every dtype but bool, abs... use add with itself
         entry = next(e for e in BY_OP["add"] if e.overload == "Tensor")
@@ -343,11 +351,34 @@ def generate(rng: random.Random, max_numel: int = 100_000, max_ops: int = 40) ->
     outs = outs[:8]
     if reduced is not None and reduced not in outs:
         outs = [reduced] + outs[:7]
+    if viewed_only:
+        outs = [reduced]
     p = Program(tensors, floats, nodes, outs).compact()
     return Generated(p, recipes, rank, error_expected)
 
 
 REDUCTION_RATE = 0.15  # of the programs that get a reduction or normalization (generate)
+PERMUTE_RATE = 0.1  # of the others: a permute of the last value (generate)
+
+
+def _add_permute(side: random.Random, nodes: list, shadow: dict, shapes: dict, last, full: tuple):
+    """Append ``permute(last, dims)`` (dims not the identity) and ``add(it, it)``, which reads the value through the
+    view (the pass moves a group's permutes: ``fuser/views.py``). Returns the add's ref (an output), or None where
+    it does not apply (rank below 2, a bool value, a value of another shape)."""
+    if last is None or len(full) < 2 or shapes.get(last) != full or shadow[last].dtype == torch.bool:
+        return None
+    dims = list(range(len(full)))
+    while dims == sorted(dims):
+        side.shuffle(dims)
+    entry = VIEW_CATALOG[0]
+    view = ("n", len(nodes))
+    nodes.append(PNode(entry, [Arg("val", last), Arg("ints", tuple(dims))]))
+    shadow[view], shapes[view] = torch.empty((0,), dtype=shadow[last].dtype), tuple(full[d] for d in dims)
+    add = next(e for e in BY_OP["add"] if e.overload == "Tensor")
+    out = ("n", len(nodes))
+    nodes.append(PNode(add, [Arg("val", view), Arg("val", view), Arg("const", 1)]))
+    shadow[out], shapes[out] = shadow[view], shapes[view]
+    return out
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _REDUCTION_ENTRIES = {e.id: e for e in REDUCTION_CATALOG}
 

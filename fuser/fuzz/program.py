@@ -61,6 +61,9 @@ def _reduction_catalog() -> list[OpSchema]:
 
 
 REDUCTION_CATALOG = _reduction_catalog()
+# the view the generator adds now and then (``generator._add_permute``), apart as the reductions are
+VIEW_CATALOG = [OpSchema(ops.PERMUTE, ops.PERMUTE.schemas[0], "aten::permute", "", [
+    (a.name, str(a.type), a.kwarg_only) for a in torch._C.parse_schema(ops.PERMUTE.schemas[0]).arguments])]
 BY_OP: dict[str, list[OpSchema]] = collections.defaultdict(list)
 for _e in CATALOG:
     BY_OP[_e.op.name].append(_e)
@@ -96,7 +99,7 @@ class PNode:
         return {"schema": self.schema.schema, "args": self.args}
 
     def __setstate__(self, st):
-        self.schema = next(e for e in CATALOG + REDUCTION_CATALOG if e.schema == st["schema"])
+        self.schema = next(e for e in CATALOG + REDUCTION_CATALOG + VIEW_CATALOG if e.schema == st["schema"])
         self.args = st["args"]
 
 
