@@ -143,10 +143,7 @@ _GROUPS: dict = {}
 
 
 def _group(case: Case, n: int) -> ir.Group:
-    key = (case.id, n)
-    if key not in _GROUPS:
-        _GROUPS[key] = case.group(n)
-    return _GROUPS[key]
+    return _group_of((case.id, n), lambda: case.group(n))
 
 
 def _spec(group: ir.Group):
@@ -271,6 +268,12 @@ def _check_constant_rows(run, device):
             torch.testing.assert_close(out[0].cpu().double(), ref64.cpu(), rtol=TOL[dtype], atol=TOL[dtype] * scale)
 
 
+def _centered() -> ir.Group:
+    b = ir.Builder()
+    x = b.input()
+    return b.build([b.call("aten::sub", x, b.add("aten::mean.dim", x, (-1,), True, None), 1)])
+
+
 def _layer_norm_affine(n: int) -> ir.Group:
     b = ir.Builder()
     x, w = b.input(), b.input()
@@ -286,10 +289,7 @@ def _group_of(key, make) -> ir.Group:
 def _check_centered_with_infinities(run, device):
     """``x - x.mean(-1)`` over rows holding inf, -inf or NaN (the CUDA fuzzer, 2026-11-27: ``[inf, 0]`` gave NaN
     for both where eager gives NaN and -inf): the mean of a row with an inf is eager's inf, not inf - inf."""
-    b = ir.Builder()
-    x = b.input()
-    group = _group_of("centered_inf", lambda: b.build([b.call("aten::sub", x, b.add(
-        "aten::mean.dim", x, (-1,), True, None), 1)]))
+    group = _group_of("centered_inf", _centered)
     for n in (2, 100, 5000):
         t = torch.randn(4, n, device=device)
         t[0, 0], t[1, n // 2], t[2, -1] = float("inf"), -float("inf"), float("nan")

@@ -333,7 +333,7 @@ def generate(rng: random.Random, max_numel: int = 100_000, max_ops: int = 40) ->
             viewed_only = reduced is not None and view_side.random() < 0.7
     if not nodes:
         # always something: neg works on every dtype but bool, abs... use add with itself
-        entry = next(e for e in BY_OP["add"] if e.overload == "Tensor")
+        entry = _ADD
         nodes.append(PNode(entry, [Arg("val", ("t", 0)), Arg("val", ("t", 0)), Arg("const", 1)]))
         shapes[("n", 0)] = shapes[("t", 0)]
     used = {a.v for n in nodes for a in n.args if a.kind == "val"}
@@ -344,7 +344,7 @@ def generate(rng: random.Random, max_numel: int = 100_000, max_ops: int = 40) ->
     if error_expected:
         outs = [("n", len(nodes) - 1)]
     if not outs:
-        entry = next(e for e in BY_OP["add"] if e.overload == "Tensor")
+        entry = _ADD
         nodes.append(PNode(entry, [Arg("val", ("n", len(nodes) - 1)), Arg("val", ("t", 0)), Arg("const", 1)]))
         outs = [("n", len(nodes) - 1)]
     rng.shuffle(outs)
@@ -360,27 +360,9 @@ def generate(rng: random.Random, max_numel: int = 100_000, max_ops: int = 40) ->
 REDUCTION_RATE = 0.15  # of the programs that get a reduction or normalization (generate)
 PERMUTE_RATE = 0.1  # of the others: a permute of the last value (generate)
 
-
-def _add_permute(side: random.Random, nodes: list, shadow: dict, shapes: dict, last, full: tuple):
-    """Append ``permute(last, dims)`` (dims not the identity) and ``add(it, it)``, which reads the value through the
-    view (the pass moves a group's permutes: ``fuser/views.py``). Returns the add's ref (an output), or None where
-    it does not apply (rank below 2, a bool value, a value of another shape)."""
-    if last is None or len(full) < 2 or shapes.get(last) != full or shadow[last].dtype == torch.bool:
-        return None
-    dims = list(range(len(full)))
-    while dims == sorted(dims):
-        side.shuffle(dims)
-    entry = VIEW_CATALOG[0]
-    view = ("n", len(nodes))
-    nodes.append(PNode(entry, [Arg("val", last), Arg("ints", tuple(dims))]))
-    shadow[view], shapes[view] = torch.empty((0,), dtype=shadow[last].dtype), tuple(full[d] for d in dims)
-    add = next(e for e in BY_OP["add"] if e.overload == "Tensor")
-    out = ("n", len(nodes))
-    nodes.append(PNode(add, [Arg("val", view), Arg("val", view), Arg("const", 1)]))
-    shadow[out], shapes[out] = shadow[view], shapes[view]
-    return out
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _REDUCTION_ENTRIES = {e.id: e for e in REDUCTION_CATALOG}
+_ADD = next(e for e in BY_OP["add"] if e.overload == "Tensor")  # add.Tensor
 
 
 def _reduction_args(kind: str, x: tuple, cols: int, side: random.Random) -> list:
@@ -430,11 +412,31 @@ def _add_reduction(side: random.Random, nodes: list, shadow: dict, shapes: dict,
         entry2 = next(e for e in BY_OP["sub"] if e.overload == "Tensor")
     else:
         epi = [Arg("val", red), Arg("val", last), Arg("const", 1)]
-        entry2 = next(e for e in BY_OP["add"] if e.overload == "Tensor")
+        entry2 = _ADD
     out = ("n", len(nodes))
     nodes.append(PNode(entry2, epi))
     shadow[out] = torch.empty((0,), dtype=torch.promote_types(res.dtype, shadow[last].dtype))
     shapes[out] = full
+    return out
+
+
+
+def _add_permute(side: random.Random, nodes: list, shadow: dict, shapes: dict, last, full: tuple):
+    """Append ``permute(last, dims)`` (dims not the identity) and ``add(it, it)``, which reads the value through the
+    view (the pass moves a group's permutes: ``fuser/views.py``). Returns the add's ref (an output), or None where
+    it does not apply (rank below 2, a bool value, a value of another shape)."""
+    if last is None or len(full) < 2 or shapes.get(last) != full or shadow[last].dtype == torch.bool:
+        return None
+    dims = list(range(len(full)))
+    while dims == sorted(dims):
+        side.shuffle(dims)
+    entry = VIEW_CATALOG[0]
+    view = ("n", len(nodes))
+    nodes.append(PNode(entry, [Arg("val", last), Arg("ints", tuple(dims))]))
+    shadow[view], shapes[view] = torch.empty((0,), dtype=shadow[last].dtype), tuple(full[d] for d in dims)
+    out = ("n", len(nodes))
+    nodes.append(PNode(_ADD, [Arg("val", view), Arg("val", view), Arg("const", 1)]))
+    shadow[out], shapes[out] = shadow[view], shapes[view]
     return out
 
 

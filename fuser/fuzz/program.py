@@ -33,15 +33,17 @@ class OpSchema:
         return f"{self.kind.split('::')[1]}.{self.overload}" if self.overload else self.kind.split("::")[1]
 
 
+def _entry(op: ops.OpDef, schema: str) -> OpSchema:
+    s = torch._C.parse_schema(schema)
+    return OpSchema(op, schema, s.name, s.overload_name, [(a.name, str(a.type), a.kwarg_only) for a in s.arguments])
+
+
 def _catalog() -> list[OpSchema]:
     out = []
     for op in ops._OPS:
         if op.random or op.concat or op.cast:  # rand_like's numbers are not eager's (tests/test_random.py checks them);
             continue  # cat takes a list, which the generator does not build (tests/test_concat.py)
-        for schema in op.schemas:
-            s = torch._C.parse_schema(schema)
-            out.append(OpSchema(op, schema, s.name, s.overload_name,
-                                [(a.name, str(a.type), a.kwarg_only) for a in s.arguments]))
+        out += [_entry(op, schema) for schema in op.schemas]
     return out
 
 
@@ -52,18 +54,12 @@ def _reduction_catalog() -> list[OpSchema]:
     """The reductions and normalizations the TorchScript pass fuses (``ops.REDUCTION_DEFS``): the generator adds
     one now and then over the last dim (``generator._add_reduction``), apart from the pointwise catalog so that
     the pointwise programs of a seed stay what they were."""
-    out = []
-    for schema, op in ops.REDUCTION_DEFS.items():
-        s = torch._C.parse_schema(schema)
-        out.append(OpSchema(op, schema, s.name, s.overload_name, [(a.name, str(a.type), a.kwarg_only)
-                                                                  for a in s.arguments]))
-    return out
+    return [_entry(op, schema) for schema, op in ops.REDUCTION_DEFS.items()]
 
 
 REDUCTION_CATALOG = _reduction_catalog()
 # the view the generator adds now and then (``generator._add_permute``), apart as the reductions are
-VIEW_CATALOG = [OpSchema(ops.PERMUTE, ops.PERMUTE.schemas[0], "aten::permute", "", [
-    (a.name, str(a.type), a.kwarg_only) for a in torch._C.parse_schema(ops.PERMUTE.schemas[0]).arguments])]
+VIEW_CATALOG = [_entry(ops.PERMUTE, ops.PERMUTE.schemas[0])]
 BY_OP: dict[str, list[OpSchema]] = collections.defaultdict(list)
 for _e in CATALOG:
     BY_OP[_e.op.name].append(_e)

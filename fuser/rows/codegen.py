@@ -61,8 +61,8 @@ def centered_means(group: ir.Group) -> frozenset:
     thread and each vector lane of the CPU's loops sums its differences from the first value it sees, then adds
     that value times its count in double (the CPU's scalar loops sum in double). A float sum of n equal values
     rounds: a 71,305-element row of -1234.567 gave a mean off by about 3e-4, which the rstd of the zero variance
-    (316 for eps 1e-5) magnified into outputs of up to 0.96, where eager's are 0. (The CUDA sum in double cost a
-    65,536-element float32 row 0.55 -> 0.46 of the copy floor on an H200.)"""
+    (316 for eps 1e-5) magnified into outputs of up to 0.96, where eager's are 0. (On an H200 this cost a
+    65,536-element float32 row 0.56 -> 0.48 of the copy floor, as a sum in double per element did.)"""
     means = {n.out.id: n.args[0].id for n in group.nodes if getattr(ops.reduction(n.op), "mean", False)}
     return frozenset(m.args[1].id for m in group.nodes if m.op.split(".")[0] == "aten::sub"
                      and all(isinstance(a, ir.Value) for a in m.args[:2]) and means.get(m.args[1].id) == m.args[0].id)
