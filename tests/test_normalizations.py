@@ -314,6 +314,35 @@ def test_centered_rows_with_infinities(run, device):
     _check_centered_with_infinities(run, device)
 
 
+def _std_rows() -> ir.Group:
+    b = ir.Builder()
+    x = b.input()
+    return b.build([b.call("aten::mul", b.add("aten::std.correction", x, (-1,), 1, False), 2.0)])
+
+
+@pytest.mark.parametrize("run,device", _RUNNERS)
+def test_std_of_rows_whose_variance_overflows_as_eager(run, device):
+    """std of rows whose squared deviations pass float's range (the CPU fuzzer: [7.1e19, 0] gave inf where eager's
+    CPU kernel, which roots its double variance, gives 5.0e19). Eager of the device: the CPU holds the variance in
+    double and roots it there; CUDA eager's Welford holds it in float, and its squared deviations (5e39 for
+    7.1e19) are inf, as the CUDA row kernel's (here, emulated, against that rule)."""
+    group = _group_of("std_rows", _std_rows)
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (2, 37, 3000):
+            x = torch.randn(3, n, dtype=torch.float64)
+            x[0, 0], x[1] = 7.1e19, 1e38
+            x[1, ::2] = -1e38
+            x = x.to(dtype=dtype, device=device)
+            out = run(group, [x])
+            assert out is not None
+            want = torch.std(x, -1) * 2
+            if run is _RUNNERS[1].values[0]:  # CUDA's rule, on the CPU: rows 0 and 1 overflow
+                want[:2] = float("inf")
+            elif device == "cpu":
+                assert want[:2].isfinite().all()  # the rows the float variance made inf
+            torch.testing.assert_close(out[0], want, rtol=TOL[dtype], atol=0)
+
+
 @pytest.mark.parametrize("n", (65537, 65536))
 def test_cuda_row_kernel_emulated_on_a_long_row(emulated, n):
     """A row longer than the registers hold (each pass reads it again): 65537 elements (not a multiple of a trip:

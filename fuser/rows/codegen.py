@@ -68,6 +68,17 @@ def centered_means(group: ir.Group) -> frozenset:
                      and all(isinstance(a, ir.Value) for a in m.args[:2]) and means.get(m.args[1].id) == m.args[0].id)
 
 
+def rooted_variances(group: ir.Group) -> dict:
+    """Per variance value id that a step of ``aten::std`` takes the square root of: that sqrt node. The CPU row
+    kernel holds such a variance in double and takes its root there, as eager's CPU kernel does (its Welford
+    accumulates in double and roots before the result is stored): a float32 variance past float's range has a
+    finite root (std of [7.1e19, 0] is 5.0e19 in eager; the CPU fuzzer found inf). CUDA eager holds it in
+    float, as the CUDA kernel does."""
+    var = {n.out.id for n in group.nodes if getattr(ops.reduction(n.op), "variance", False)}
+    return {n.args[0].id: n for n in group.nodes if n.origin == "aten::std" and n.op == "aten::sqrt"
+            and isinstance(n.args[0], ir.Value) and n.args[0].id in var}
+
+
 def input_names(group: ir.Group, inputs: Sequence[torch.dtype], target: str) -> tuple[dict, dict, dict, dict, int]:
     """The group inputs' names in a row or column kernel's source: (per value id its name, its C type, its dtype
     (None for a float), per tensor input's value id its index among the tensor inputs, the number of float
@@ -123,6 +134,11 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                                                                         vname, vtype, vdtype, exact)
         vector_args[n.out.id] = (n, op, variant, nt, consts, pos, round_to)
 
+    rooted = rooted_variances(group) if target == "cpu" else {}
+    for var_id, root in rooted.items():  # the variance in double, its root taken there (rooted_variances)
+        vtype[var_id] = "double"
+        statement[root.out.id] = (f"const {vtype[root.out.id]} {vname[root.out.id]} = "
+                                  f"({vtype[root.out.id]})(sqrt({vname[var_id]}));")
     order = {n.out.id: pos for pos, n in enumerate(group.nodes)}
 
     vector = _Vector(group, inputs, rows_v, vname, vdtype, vector_args, tensor_index, order) if (
@@ -260,7 +276,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         if red.variance:  # eager's divisor max(0, n - correction): n <= correction gives inf or NaN as eager's
             c = ops.correction(n.op, n.args)
             result = f"acc{pos} / ({acc_t})((double)cols - {c!r} > 0 ? (double)cols - {c!r} : 0.0)"
-        rtype = value_type(nt.result, target)
+        rtype = vtype[n.out.id]
         if n.out.id in exact:  # rounded as eager stores it (stores_rounded)
             result = f"fz_ld(fz_st<{storage_type(nt.result)}>((float)({result})))"
         after.append(f"const {rtype} v{pos} = ({rtype})({result});")
