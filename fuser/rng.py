@@ -1,8 +1,11 @@
 """Random numbers inside kernels: ``rand_like`` as a Philox4x32-10 counter-based generator.
 
-A counter-based generator needs no state per thread: element ``i`` of random op ``r`` of a launch gets the
-Philox block of counter ``(i, r, offset)`` under key ``seed``, so any thread computes any element, the vector
-and scalar paths agree, and the values do not depend on the inputs' layouts. ``(seed, offset)`` come from
+A counter-based generator needs no state per thread: element ``i`` of random op ``r`` of a launch gets word
+``i % 4`` of the Philox block of counter ``(i / 4, r, offset)`` under key ``seed`` (a float64 element: words
+``2 (i % 2)`` and the next of block ``i / 2``), so any thread computes any element, the vector and scalar paths
+agree, and the values do not depend on the inputs' layouts. A block's four words serve four consecutive elements:
+a CUDA thread's vector of 8 float16 elements computes two blocks, not eight (ten rounds of multiplies each, the
+float16/bfloat16 dropout's bound). ``(seed, offset)`` come from
 torch's own generator at each launch (:func:`launch_state`), so ``torch.manual_seed`` makes runs repeatable
 and two launches differ. The numbers are not the ones eager's ``rand_like`` draws (its kernels number their
 elements differently); their distribution is the same: uniform on ``[0, 1)``, on a grid the result dtype holds
@@ -11,6 +14,9 @@ exactly (2^-24 for float32, 2^-53 for float64, 2^-11 for float16, 2^-8 for bfloa
 Algorithm: Salmon, Moraes, Dror, Shaw, "Parallel random numbers: as easy as 1, 2, 3" (SC'11).
 """
 from __future__ import annotations
+
+import re
+from typing import Sequence
 
 import torch
 
@@ -27,24 +33,68 @@ FZ_FN void fz_philox(unsigned int c[4], unsigned int k0, unsigned int k1) {
     k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
   }
 }
-// element i of random op r: counter (i, r, offset); r takes the top byte of the index's high word
-FZ_FN void fz_philox_at(unsigned int c[4], const unsigned int* st, unsigned int r, unsigned long long i) {
-  c[0] = (unsigned int)i; c[1] = (unsigned int)(i >> 32) | (r << 24); c[2] = st[2]; c[3] = st[3];
+// block b of random op r: counter (b, r, offset); r takes the top byte of the block's high word
+FZ_FN void fz_philox_at(unsigned int c[4], const unsigned int* st, unsigned int r, unsigned long long b) {
+  c[0] = (unsigned int)b; c[1] = (unsigned int)(b >> 32) | (r << 24); c[2] = st[2]; c[3] = st[3];
   fz_philox(c, st[0], st[1]);
 }
-// uniform on [0, 1) with `bits` random bits (<= 24: exact in float, and in half/bfloat16 for 11/8 bits)
+FZ_FN unsigned int fz_word(const unsigned int c[4], unsigned int j) {  // c[j] by selects (no local-memory array)
+  return j == 0 ? c[0] : j == 1 ? c[1] : j == 2 ? c[2] : c[3];
+}
+// a word as uniform on [0, 1) with `bits` random bits (<= 24: exact in float, and in half/bfloat16 for 11/8 bits)
+FZ_FN float fz_bits_f(unsigned int w, int bits) { return (float)(w >> (32 - bits)) * (1.0f / (float)(1u << bits)); }
+// two words as uniform on [0, 1) in double (53 bits)
+FZ_FN double fz_bits_d(unsigned int a, unsigned int b) {
+  return (double)(((unsigned long long)a << 21) ^ (b >> 11)) * (1.0 / 9007199254740992.0);
+}
+// element i: word i % 4 of block i / 4. Consecutive elements share a block (a vector loop computes its vector's
+// blocks once: vector_words)
 FZ_FN float fz_uniform_f(const unsigned int* st, unsigned int r, unsigned long long i, int bits) {
   unsigned int c[4];
-  fz_philox_at(c, st, r, i);
-  return (float)(c[0] >> (32 - bits)) * (1.0f / (float)(1u << bits));
+  fz_philox_at(c, st, r, i >> 2);
+  return fz_bits_f(fz_word(c, (unsigned int)i & 3u), bits);
 }
+// element i in double: words 2 * (i % 2) and the next of block i / 2
 FZ_FN double fz_uniform_d(const unsigned int* st, unsigned int r, unsigned long long i) {
   unsigned int c[4];
-  fz_philox_at(c, st, r, i);
-  const unsigned long long x = ((unsigned long long)c[0] << 21) ^ (c[1] >> 11);  // 53 bits
-  return (double)x * (1.0 / 9007199254740992.0);
+  fz_philox_at(c, st, r, i >> 1);
+  const unsigned int j = ((unsigned int)i & 1u) * 2u;
+  return fz_bits_d(fz_word(c, j), fz_word(c, j + 1u));
 }
 """
+
+# a random op's call in a kernel body (the op table's rand_like template, its index still @IDX@)
+_CALL = re.compile(r"fz_uniform_([fd])\(fz_rs, (\d+), @IDX@(?:, (\d+))?\)")
+
+
+def vector_words(body: Sequence[str], vec: int, vector: str, k: str) -> tuple[list[str], list[str]]:
+    """A CUDA vector loop's random numbers drawn a block at a time: (lines that compute the Philox blocks of
+    vector ``vector`` (elements ``vector * vec`` to ``vector * vec + vec - 1``), once, into ``fz_w<r>``; ``body``
+    with each random op's call reading element ``k``'s words there). Without it, each of a vector's elements
+    computes the block that it shares with three others (the compiler does not merge them). ``body`` unchanged
+    and no lines where ``vec`` is not a whole number of blocks."""
+    calls = {}
+    for line in body:
+        for kind, r, _ in _CALL.findall(line):
+            calls[int(r)] = kind
+    per = {r: 2 if kind == "d" else 1 for r, kind in calls.items()}  # words an element
+    if not calls or any(vec * w % 4 for w in per.values()):
+        return [], list(body)
+    lines = []
+    for r, w in sorted(per.items()):
+        blocks = vec * w // 4
+        lines.append(f"unsigned int fz_w{r}[{4 * blocks}];")
+        lines += [f"fz_philox_at(fz_w{r} + {4 * q}, fz_rs, {r}u, (unsigned long long)({vector}) * {blocks}u + {q}u);"
+                  for q in range(blocks)]
+
+    def words(m: re.Match) -> str:
+        r = m.group(2)
+        if m.group(1) == "d":
+            return f"fz_bits_d(fz_w{r}[2 * {k}], fz_w{r}[2 * {k} + 1])"
+        return f"fz_bits_f(fz_w{r}[{k}], {m.group(3)})"
+
+    return lines, [_CALL.sub(words, line) for line in body]
+
 
 # bits per result dtype: the dtype's significand, so every value is exact and below 1
 BITS = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}

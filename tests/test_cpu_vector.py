@@ -174,7 +174,7 @@ def test_bitwise_eager_where_eager_computes_alike(case, dtype):
 @needs_vectors
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=str)
 def test_random_numbers_are_the_scalar_paths(dtype, monkeypatch):
-    """rand_like's Philox on vectors draws exactly the scalar loop's numbers (counter (i, r, offset))."""
+    """rand_like's Philox on vectors draws exactly the scalar loop's numbers (word i % 4 of block i // 4)."""
     x = random_tensor((1000 + 7,), dtype)
     outs = []
     for vectorize in ("1", "0"):

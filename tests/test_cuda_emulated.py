@@ -19,7 +19,7 @@ from helpers import (interpret, NAN_SELF_NE_IR, POW_MINUS_TWO_IR, DROPOUT_IR, FL
                      SIGMOID_GT_IR, assert_op_result, assert_same, assert_same_comparison, build, cases, eager,
                      expect_fused, make_args, random_tensor, sigmoid_gt_reference)
 
-from fuser import bench, executor, fallback, graph_fuser, ops
+from fuser import bench, compiler, executor, fallback, graph_fuser, ops, rng
 from fuser.cuda import emulate, templates
 from fuser.kernel_cache import STORE
 from fuser.ts_ir import lower
@@ -271,16 +271,23 @@ def test_philox_reference_matches_random123_known_answers():
 
 
 def _uniform_reference(shape, dtype, seed: int, offset: int, r: int) -> torch.Tensor:
+    """Element i: word i % 4 of the Philox block of counter (i // 4, r, offset), its top bits as the dtype's grid;
+    float64: words 2 (i % 2) and the next of block i // 2, as 53 bits."""
     n = math.prod(shape)
+    per = 2 if dtype == torch.float64 else 4
     i = np.arange(n, dtype=np.uint64)
-    counter = (i & np.uint64(_MASK), (i >> np.uint64(32)) | np.uint64(r << 24),
+    blk = i // np.uint64(per)
+    counter = (blk & np.uint64(_MASK), (blk >> np.uint64(32)) | np.uint64(r << 24),
                np.full(n, offset & _MASK, np.uint64), np.full(n, offset >> 32, np.uint64))
-    c0, c1, _, _ = philox4x32_10(counter, (seed & _MASK, seed >> 32))
+    words = np.stack(philox4x32_10(counter, (seed & _MASK, seed >> 32)))  # [4, n]
+    pick = (i % np.uint64(per)) * np.uint64(4 // per)
+    first = words[pick.astype(np.int64), np.arange(n)]
     if dtype == torch.float64:
-        bits = ((c0 << np.uint64(21)) ^ (c1 >> np.uint64(11))).astype(np.float64)
+        second = words[pick.astype(np.int64) + 1, np.arange(n)]
+        bits = ((first << np.uint64(21)) ^ (second >> np.uint64(11))).astype(np.float64)
         return torch.from_numpy(bits * 2.0 ** -53).reshape(shape)
     k = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}[dtype]
-    return torch.from_numpy((c0 >> np.uint64(32 - k)).astype(np.float64) * 2.0 ** -k).reshape(shape).to(dtype)
+    return torch.from_numpy((first >> np.uint64(32 - k)).astype(np.float64) * 2.0 ** -k).reshape(shape).to(dtype)
 
 
 RAND_LAYOUTS = {"dense": lambda d: _t(d, *SHAPE), "transposed": lambda d: _t(d, 97, 67).t()}
@@ -305,6 +312,26 @@ def test_rand_like_is_philox(layout, dtype, index32):
         assert torch.equal(a, _uniform_reference(x.shape, dtype, seed, offset, 0))
         assert torch.equal(b, _uniform_reference(x.shape, dtype, seed, offset, 1))
         assert_same(s, a + x)
+
+
+def test_vector_loops_draw_a_philox_block_per_four_elements():
+    """A vector of 8 float16 elements computes its 2 Philox blocks once, before its elements (rng.vector_words),
+    not a block per element; a vector that is no whole number of blocks keeps the per-element call (the values,
+    the same either way, are test_rand_like_is_philox's)."""
+    body = ["const float v0 = (float)(fz_uniform_f(fz_rs, 0, @IDX@, 11));",
+            "const double v1 = (double)(fz_uniform_d(fz_rs, 1, @IDX@));"]
+    lines, out = rng.vector_words(body, 8, "v", "k")
+    assert sum("fz_philox_at(fz_w0" in ln for ln in lines) == 2 and sum("fz_philox_at(fz_w1" in ln for ln in lines) == 4
+    assert out == ["const float v0 = (float)(fz_bits_f(fz_w0[k], 11));",
+                   "const double v1 = (double)(fz_bits_d(fz_w1[2 * k], fz_w1[2 * k + 1]));"]
+    assert rng.vector_words(body[:1], 2, "v", "k") == ([], body[:1])
+    assert rng.vector_words(body[1:], 2, "v", "k")[0] == [
+        "unsigned int fz_w1[4];", "fz_philox_at(fz_w1 + 0, fz_rs, 1u, (unsigned long long)(v) * 1u + 0u);"]
+    x = _t(torch.float16, *SHAPE)
+    spec = STORE.get(STORE.register(lower(torch.parse_ir(DROPOUT_IR))))
+    p = executor.plan(spec, [x, 0.3, 1 / 0.7], target="cuda")
+    source = compiler.build(spec, p.arg_spec, load=lambda *_: (None, False), probe_device="cpu").source
+    assert source.count("fz_philox_at(fz_w0 + ") == 2 and "fz_bits_f(fz_w0[k], 11)" in source
 
 
 def _register_dropout(em, dtype):

@@ -50,12 +50,13 @@ class _Gen:
         words = ", ".join(f"(unsigned int){scalars}[{self.n_scalars + w}]" for w in range(rng.N_STATE))
         return [f"const unsigned int fz_rs[{rng.N_STATE}] = {{{words}}};"]
 
-    def element_body(self, load, store, index: str = "i") -> list[str]:
+    def element_body(self, load, store, index: str = "i", body=None) -> list[str]:
+        """An element's loads, ``body`` (the kernel's, by default) with its index, and stores."""
         lines = []
         for k, d in enumerate(self.inputs):
             if d.layout != SCALAR:
                 lines.append(f"const {value_type(d.dtype, self.target)} x{k} = fz_ld({load(k, d)});")
-        lines += [ln.replace("@IDX@", f"(unsigned long long)({index})") for ln in self.body]
+        lines += [ln.replace("@IDX@", f"(unsigned long long)({index})") for ln in (self.body if body is None else body)]
         for m, (o, dt) in enumerate(zip(self.outputs, self.out_dtypes)):
             lines.append(f"{store(m)} = fz_st<{storage_type(dt)}>({o});")
         return lines
@@ -322,8 +323,11 @@ class CudaGen(_Gen):
         vdecls = [f"fz_vec<{storage_type(dt)}, {vec}> ov{m};" for m, dt in enumerate(self.out_dtypes)]
         vstores = [f"*reinterpret_cast<fz_vec<{storage_type(dt)}, {vec}>*>(o{m} + base) = ov{m};"
                    for m, dt in enumerate(self.out_dtypes)]
+        # random numbers: the vector's Philox blocks once, before its elements (rng.vector_words)
+        words, body = rng.vector_words(self.body, vec, "v", "k")
+        vloads += words
         vbody = self.element_body(lambda k, d: f"xr{k}" if d.layout == REPEAT else f"xv{k}.v[k]",
-                                  lambda m: f"ov{m}.v[k]", index="base + k")
+                                  lambda m: f"ov{m}.v[k]", index="base + k", body=body)
         return cuda_t.VECTOR_LOOP.substitute(
             vec=vec, vloads=self.block(vloads, "      "), vdecls=self.block(vdecls, "      "),
             vbody=self.block(vbody, "        "), vstores=self.block(vstores, "      "))

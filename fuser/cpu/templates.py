@@ -335,11 +335,11 @@ FZ_VFN fz_vu32 fz_vmulhi(fz_vu32 x, unsigned int k) {
 }
 #endif
 #define FZ_VU32_LANES ((int)(sizeof(fz_vu32) / 4))
-// elements i, i + 1, ... of random op r: their Philox blocks' first two words
-FZ_VFN void fz_vphilox_at(fz_vu32 c[2], const unsigned int* st, unsigned int r, unsigned long long i) {
+// blocks b, b + 1, ... of random op r (a lane each): their four Philox words, c[w] holding word w of each block
+FZ_VFN void fz_vphilox_at(fz_vu32 c[4], const unsigned int* st, unsigned int r, unsigned long long b) {
   unsigned int w0[FZ_VU32_LANES], w1[FZ_VU32_LANES];
   for (int k = 0; k < FZ_VU32_LANES; ++k) {
-    w0[k] = (unsigned int)(i + k); w1[k] = (unsigned int)((i + k) >> 32) | (r << 24);
+    w0[k] = (unsigned int)(b + k); w1[k] = (unsigned int)((b + k) >> 32) | (r << 24);
   }
   fz_vu32 c0, c1, c2 = fz_vset1(st[2]), c3 = fz_vset1(st[3]);
   memcpy(&c0, w0, sizeof(c0)); memcpy(&c1, w1, sizeof(c1));
@@ -351,26 +351,32 @@ FZ_VFN void fz_vphilox_at(fz_vu32 c[2], const unsigned int* st, unsigned int r, 
     c1 = lo1; c3 = lo0;
     k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
   }
-  c[0] = c0; c[1] = c1;
+  c[0] = c0; c[1] = c1; c[2] = c2; c[3] = c3;
 }
-// uniform on [0, 1) as fz_uniform_f / fz_uniform_d (the vector type chooses)
+// uniform on [0, 1) as fz_uniform_f / fz_uniform_d (the vector type chooses): elements i, i + 1, ... from the
+// blocks that hold them (4 elements a block, 2 in double; a vector's elements span at most a few lanes' blocks)
 FZ_VFN fz_vf fz_vuniform(const fz_vf&, const unsigned int* st, unsigned int r, unsigned long long i, int bits) {
-  fz_vu32 c[2];
-  fz_vphilox_at(c, st, r, i);
-  unsigned int w[FZ_VU32_LANES];
+  fz_vu32 c[4];
+  fz_vphilox_at(c, st, r, i >> 2);
+  unsigned int w[4][FZ_VU32_LANES];
   float u[fz_vf::size()];
-  memcpy(w, &c[0], sizeof(w));
-  for (int k = 0; k < fz_vf::size(); ++k) u[k] = (float)(w[k] >> (32 - bits)) * (1.0f / (float)(1u << bits));
+  memcpy(w, c, sizeof(w));
+  for (int k = 0; k < fz_vf::size(); ++k) {
+    const unsigned int e = (unsigned int)(i & 3u) + k;  // from the first lane's block
+    u[k] = (float)(w[e & 3u][e >> 2] >> (32 - bits)) * (1.0f / (float)(1u << bits));
+  }
   return fz_vf::loadu(u);
 }
 FZ_VFN fz_vd fz_vuniform(const fz_vd&, const unsigned int* st, unsigned int r, unsigned long long i, int) {
-  fz_vu32 c[2];
-  fz_vphilox_at(c, st, r, i);  // twice the lanes a double vector needs
-  unsigned int w0[FZ_VU32_LANES], w1[FZ_VU32_LANES];
+  fz_vu32 c[4];
+  fz_vphilox_at(c, st, r, i >> 1);
+  unsigned int w[4][FZ_VU32_LANES];
   double u[fz_vd::size()];
-  memcpy(w0, &c[0], sizeof(w0)); memcpy(w1, &c[1], sizeof(w1));
-  for (int k = 0; k < fz_vd::size(); ++k)
-    u[k] = (double)(((unsigned long long)w0[k] << 21) ^ (w1[k] >> 11)) * (1.0 / 9007199254740992.0);
+  memcpy(w, c, sizeof(w));
+  for (int k = 0; k < fz_vd::size(); ++k) {
+    const unsigned int e = (unsigned int)(i & 1u) + k, j = (e & 1u) * 2u;
+    u[k] = (double)(((unsigned long long)w[j][e >> 1] << 21) ^ (w[j + 1][e >> 1] >> 11)) * (1.0 / 9007199254740992.0);
+  }
   return fz_vd::loadu(u);
 }
 #endif
