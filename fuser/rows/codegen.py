@@ -386,7 +386,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             name=name, prelude=cuda_t.PRELUDE, row_prelude=t.ROW_PRELUDE.substitute(
                 fn="__device__ __forceinline__", row_reduce=t.ROW_REDUCE),
             max_dims=t.MAX_DIMS, n_stride_rows=max(1, n_in), n_ptrs=n_in + len(out_dtypes) + len(sums),
-            n_scalar_slots=max(1, n_scalar_slots), block=shape.block, 
+            n_scalar_slots=max(1, n_scalar_slots), block=shape.block,
+            min_blocks=f", {shape.min_blocks}" if shape.min_blocks > 1 else "",
             tpr=shape.tpr, rpb=shape.block // shape.tpr,
             items=shape.items, vec=shape.vec, params="\n".join(params),
             shared="\n".join(f"  __shared__ {a} fz_sh_{a}[{max(1, shape.block // 32)}];" for a in sorted(shared)),

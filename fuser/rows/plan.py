@@ -72,6 +72,15 @@ class CudaShape:
     def block(self) -> int:
         return max(self.tpr, 128)
 
+    @property
+    def min_blocks(self) -> int:
+        """The blocks an SM that the kernel's launch bounds ask for: 2 for a row held by 512 threads (64 registers
+        a thread; it may spill a little). H200, [16384 x 16384] layer_norm(x) * w + b in bfloat16, two runs: 76
+        registers, one block an SM, 0.52 / 0.51 of the copy floor; asking for two, 0.70 / 0.70. Softmax, rms_norm
+        and float32 rows of 16384, and rows of 4096, within the runs' noise (0.02-0.04). Asking every held row for
+        1024 threads an SM made bias + residual + layer_norm fall from 0.98 to 0.58."""
+        return 2 if self.held and self.block == 512 else 1
+
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
@@ -111,8 +120,12 @@ def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0
             if tpr * items >= cols and need <= register_items(max(tpr, 128), wide, cap):
                 return CudaShape(tpr, items, vec, True, cols == tpr * items)
             tpr *= 2
+    # twice the register estimate: a trip's loads are all that a pass of a row read again keeps, and more of them in
+    # flight is what a long row's kernel lacks (H200, one run, fraction of the copy floor, rows of 65536:
+    # layer_norm(x) * w + b float32 0.47 -> 0.57, bfloat16 0.42 -> 0.49; softmax 0.60 -> 0.63 and 0.49 -> 0.46;
+    # 50 registers a thread at most before, 64 after, one with 8 bytes spilled)
     per = register_items(MAX_TPR, wide) // width
-    items = max(vec16, 1 << (max(1, per).bit_length() - 1))
+    items = 2 * max(vec16, 1 << (max(1, per).bit_length() - 1))
     tpr = min(MAX_TPR, max(MIN_TPR, _pow2_at_least(-(-cols // items))))
     return CudaShape(tpr, items, vec16, False, cols > 0 and cols % (tpr * items) == 0)
 

@@ -150,7 +150,7 @@ struct FzArgs {
 
 // ${tpr} threads a row, ${rpb} rows a block; a thread holds ${items} elements of a row a trip, in vectors of ${vec}
 // (element i*${vec}+v of its trip: column ((i*${tpr} + lane)*${vec} + v))
-extern "C" __global__ void __launch_bounds__(${block}) ${name}(const FzArgs args) {
+extern "C" __global__ void __launch_bounds__(${block}${min_blocks}) ${name}(const FzArgs args) {
   const long long rows = args.rows;
   const int cols = (int)args.cols;  // below 2^31 (fuser.rows.plan)
   const int rank = args.rank;
