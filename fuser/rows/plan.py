@@ -97,7 +97,7 @@ def register_items(block: int, wide: bool, cap: int = REGISTER_ITEMS) -> int:
 
 
 def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0, cap: int = REGISTER_ITEMS,
-               max_tpr: int = MAX_TPR) -> CudaShape:
+               max_tpr: int = MAX_TPR, trip_factor: int = 2) -> CudaShape:
     """The :class:`CudaShape` for rows of ``cols`` elements; ``sizes``: the element sizes of the tensor inputs and
     outputs; ``width``: the most row values a pass holds per element (``pass_width``), ``first_loads``: the inputs
     the first pass loads, all before it computes (counted where a block's registers are few: 512 threads or
@@ -105,7 +105,8 @@ def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0
 
     Held where some shape fits: the fewest threads a row whose elements fit, with 16-byte vectors, else 8-byte
     ones (a wide group of 2-byte values: half the elements a thread at least). Otherwise the row is read again by
-    each pass, in trips. Never more threads a row than its vectors (a row of 512 bfloat16 elements gets no 1024
+    each pass, in trips of ``trip_factor`` times the elements the register estimate gives a thread (1 for column
+    sums, which hold a register per element of a trip for each sum). Never more threads a row than its vectors (a row of 512 bfloat16 elements gets no 1024
     threads, half of them idle: H100, a layer_norm backward took 30 ms that way)."""
     widest = max(sizes, default=4)
     width = max(1, width)
@@ -120,12 +121,12 @@ def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0
             if tpr * items >= cols and need <= register_items(max(tpr, 128), wide, cap):
                 return CudaShape(tpr, items, vec, True, cols == tpr * items)
             tpr *= 2
-    # twice the register estimate: a trip's loads are all that a pass of a row read again keeps, and more of them in
-    # flight is what a long row's kernel lacks (H200, one run, fraction of the copy floor, rows of 65536:
+    # trip_factor 2, twice the register estimate: a trip's loads are all that a pass of a row read again keeps, and
+    # more of them in flight is what a long row's kernel lacks (H200, one run, fraction of the copy floor, rows of 65536:
     # layer_norm(x) * w + b float32 0.47 -> 0.57, bfloat16 0.42 -> 0.49; softmax 0.60 -> 0.63 and 0.49 -> 0.46;
     # 50 registers a thread at most before, 64 after, one with 8 bytes spilled)
     per = register_items(MAX_TPR, wide) // width
-    items = 2 * max(vec16, 1 << (max(1, per).bit_length() - 1))
+    items = trip_factor * max(vec16, 1 << (max(1, per).bit_length() - 1))
     tpr = min(MAX_TPR, max(MIN_TPR, _pow2_at_least(-(-cols // items))))
     return CudaShape(tpr, items, vec16, False, cols > 0 and cols % (tpr * items) == 0)
 
@@ -529,7 +530,7 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
         cuda_sh = cuda_shape(cols, sizes, width + len(sums), first,  # (a column sum's registers: a held value's)
                              *((SUMS_REGISTER_ITEMS, SUMS_MAX_TPR) if sums else ()))
         if not cuda_sh.held:  # each pass loads what it reads
-            cuda_sh = cuda_shape(cols, sizes, pass_width(group, False)[0] + len(sums))
+            cuda_sh = cuda_shape(cols, sizes, pass_width(group, False)[0] + len(sums), trip_factor=1 if sums else 2)
             if sums and cols > cuda_sh.tpr * cuda_sh.items:
                 return "column sums of a CUDA row kernel of several trips along the row (a column kernel sums them)"
         vec = cuda_sh.vec
