@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 import fuser
 from helpers import fused_run, row_kernels, row_kernels_on_both
-from fuser import bench, executor, ir, rows, ts_ir
+from fuser import bench, compiler, executor, ir, rows, ts_ir
 from fuser.cuda import emulate
-from fuser.kernel_cache import STORE
+from fuser.kernel_cache import STORE, KernelStore
 from fuser.rows import decompose
 from fuser.rows import emulate as row_emulate
 
@@ -233,6 +233,40 @@ def test_variance_of_rows_of_huge_equal_values_on_the_cpu():
 
 def test_variance_of_rows_of_huge_equal_values_emulated(emulated):
     _check_huge_equal_rows(lambda case, n, args: row_emulate.run(_group(case, n), args, emulated), "cpu")
+
+
+def test_variance_of_equal_float64_rows_on_the_cpu():
+    """float64 rows of one value each: eager's Welford variance is exactly 0; a double sum of the row divided by its
+    length is off by an ulp of the value (three 1e30 values gave 3e28; the CUDA fuzzer, 2026-11-27), so the CPU
+    kernel sums differences from the row's first value."""
+    case = next(c for c in CASES if c.id == "var.correction-1-keep")
+    for n in (3, 7, 100, 1001):
+        x = torch.randn(4, n, dtype=torch.float64)
+        x[0], x[1], x[2] = 1e30, -5.3e27 + 0.1, 1234.5678901
+        got = fused_run(_spec(_group(case, n)), [x])[0]
+        want = case.eager(x)[0]
+        assert want[:3].eq(0).all() and got[:3].eq(0).all(), got[:3]
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("vectorize", (True, False), ids=("vector", "scalar"))
+def test_layer_norm_of_equal_float64_rows_on_the_cpu(vectorize, monkeypatch):
+    """layer_norm of float64 rows of one value each is exactly 0 in eager; a mean taken as count x value over the count
+    is off by an ulp of 1e30 in float64, and the rstd of the zero variance turns that into outputs of +-1, so the
+    CPU kernel's lanes and loops sum differences from the row's first value. The vector loops and the scalar ones."""
+    monkeypatch.setattr(compiler, "_cpu_vectorize", lambda: vectorize)
+    for n in (3, 100, 1001, 5000):
+        store = KernelStore()  # (kernels of this vectorize setting)
+        spec = store.get(store.register(_layer_norm_affine(n)))
+        x = torch.randn(4, n, dtype=torch.float64)
+        x[0], x[1], x[2] = 1e30, -5.3e27 + 0.1, 1234.5678901
+        w = torch.rand(n, dtype=torch.float64) + 0.5
+        got = fused_run(spec, [x, w])[0]
+        kernels = row_kernels(spec)
+        assert kernels and all(("fz_v " in k.source) == vectorize for k in kernels)
+        want = F.layer_norm(x, (n,), w, None, 1e-5)
+        assert want[:3].eq(0).all() and got[:3].eq(0).all(), got[:3].abs().amax(-1)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.gpu

@@ -58,8 +58,9 @@ def stores_rounded(n: ir.Node, red, nt: NodeTypes, exact: set) -> bool:
 def centered_means(group: ir.Group) -> frozenset:
     """The value ids of means that the group subtracts from their own input (``x - mean(x)``: layer_norm's
     steps). Their kernels make the mean of a row of equal values exact, as eager's Welford mean is: each CUDA
-    thread and each vector lane of the CPU's loops sums its differences from the first value it sees, then adds
-    that value times its count in double (the CPU's scalar loops sum in double). A float sum of n equal values
+    thread sums its differences from the first value it sees, then adds that value times its count in double (exact
+    but in float64: see the README's limitations); the CPU kernel takes the row's first value plus the mean of the
+    differences from it, which its vector lanes (each shifted by its own first value) and scalar loops sum in double. A float sum of n equal values
     rounds: a 71,305-element row of -1234.567 gave a mean off by about 3e-4, which the rstd of the zero variance
     (316 for eps 1e-5) magnified into outputs of up to 0.96, where eager's are 0. (On an H200 this cost a
     65,536-element float32 row 0.56 -> 0.48 of the copy floor, as a sum in double per element did.)"""
@@ -243,13 +244,22 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             mean_body = element_lines([u], cpass) + [f"accm{pos} += ({mean_t})({x});"]
             cpass += 1
             mean_after = [f"const {acc_t} mean{pos} = ({acc_t})(accm{pos} / (double)cols);"]
+            if not cuda:  # the row's sum of its differences from its first value, that value added after: the mean
+                # of equal values is exact (a double sum of three 1e30 float64 values, divided by 3, is not: the
+                # CUDA fuzzer found a variance of 3e28 where eager's Welford gives 0); the plain sum where the
+                # shifted one is not finite (an inf in the row)
+                mean_body[-1] = (f"{{ const double xv = (double)({x}); if (c == 0) shm{pos} = xv; "
+                                 f"accm{pos} += xv; acsm{pos} += xv - shm{pos}; }}")
+                mean_after = [f"const {acc_t} mean{pos} = ({acc_t})(fabs(acsm{pos}) <= 1.7976931348623157e308 ? "
+                              f"shm{pos} + acsm{pos} / (double)cols : accm{pos} / (double)cols);"]
             if cuda:
                 shared.add(mean_t)
                 mean_after.insert(0, f"accm{pos} = {reduce_fn.format('fz_rsum')}(accm{pos}, fz_sh_{mean_t});")
                 phases.append(cuda_pass(f"{mean_t} accm{pos} = 0.0;", [u], guarded(mean_body), mean_after))
             else:
                 phases.append(f"    const int64_t c0_{pos}m = 0;\n" + t.PHASE.substitute(
-                    acc_decl=f"{acc_t} accm{pos} = {ident};", first=f"c0_{pos}m", step="1",
+                    acc_decl=f"{acc_t} accm{pos} = {ident}; double acsm{pos} = 0, shm{pos} = 0;", first=f"c0_{pos}m",
+                    step="1",
                     body="\n".join(indent + ln for ln in mean_body),
                     after="\n".join("    " + ln for ln in mean_after)))
             if vector is not None:
@@ -273,6 +283,14 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         elif cuda:
             shared.add(acc_t)
             after.append(f"acc{pos} = {reduce_fn.format(red.combine)}(acc{pos}, fz_sh_{acc_t});")
+        centered_cpu = not cuda and n.out.id in centered
+        if centered_cpu:  # the row's differences from its first value (cref, read before the pass), summed in double
+            # by the vector lanes (_Vector.reduction) and the scalar loop; the mean is that value plus their mean, exact
+            # for a row of equal values in every dtype (count x value is not, in float64: layer_norm of a float64 row
+            # of 1e30 gave +-1 where eager gives 0); the plain sum where the shifted one is not finite (an inf)
+            accumulate = (f"{{ const {acc_t} xv = ({acc_t})({x}); acc{pos} += xv; accs{pos} += (double)xv - cref{pos}; }}")
+            result = (f"(fabs(accs{pos}) <= 1.7976931348623157e308 ? cref{pos} + accs{pos} / (double)cols : "
+                      f"acc{pos} / ({acc_t})cols)")
         if red.variance:  # eager's divisor max(0, n - correction): n <= correction gives inf or NaN as eager's
             c = ops.correction(n.op, n.args)
             result = f"acc{pos} / ({acc_t})((double)cols - {c!r} > 0 ? (double)cols - {c!r} : 0.0)"
@@ -296,6 +314,10 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             acc_decl="" if vectorized else f"{acc_t} acc{pos} = {ident};", first=f"c0_{pos}", step="1",
             body="\n".join(indent + ln for ln in body), after="\n".join("    " + ln for ln in after)))
         phases[-1] = (vector.parts[-1] if vectorized else f"    const int64_t c0_{pos} = 0;") + "\n" + phases[-1]
+        if centered_cpu:  # the row's first value of the pass's input: its element lines at column 0
+            first = "\n".join("      " + ln for ln in element_lines([u], cpass - 1))
+            phases[-1] = (f"    double cref{pos} = 0, accs{pos} = 0;\n    if (cols > 0) {{\n      const int64_t c = 0;\n"
+                          f"{first}\n      cref{pos} = (double)({x});\n    }}\n") + phases[-1]
 
     position = {n.out.id: pos for pos, n in enumerate(group.nodes)}
     elem_out = [(m, o) for m, o in enumerate(group.outputs) if o.id not in rows_v]
@@ -495,17 +517,19 @@ class _Vector:
         shift_set = shift_add = ""
         decls = [f"      fz_v vacc{pos}_{c} = fz_v({red.identity.replace('$A', self.ctype)});" for c in range(COPIES)]
         accumulate = [f"          vacc{pos}_{c} = {red.combine}::f(vacc{pos}_{c}, {value}_{c});" for c in range(COPIES)]
-        if shifted:  # besides the plain sums, taken where the shifted total is not finite (an inf in the row)
+        if shifted:  # besides the plain sums: each lane sums its differences from its first trip's value (so an
+            # outlier in column 0 shifts one lane, not all), then adds the trips times that value's difference from the
+            # row's first value (cref) in double: the differences from cref (accs, generate's loop), exactly 0 for a
+            # row of equal values in every dtype
             decls += [f"      fz_v vs{pos}_{c} = fz_v(0), vsa{pos}_{c} = fz_v(0);" for c in range(COPIES)]
             shift_set = ("          if (c == 0) { " + " ".join(f"vs{pos}_{c} = {value}_{c};" for c in range(COPIES))
                          + " }\n")
             accumulate += [f"          vsa{pos}_{c} = vsa{pos}_{c} + ({value}_{c} - vs{pos}_{c});" for c in range(COPIES)]
-            shift_add = (f"      {{ const {acc_t} fz_trips = ({acc_t})(c0_{pos} / ({COPIES} * W)); {acc_t} fz_t = 0;\n"
+            shift_add = (f"      {{ const double fz_trips = (double)(c0_{pos} / ({COPIES} * W));\n"
                          f"        {self.ctype} fz_hs[64], fz_ha[64];\n" + "".join(
                              f"        vs{pos}_{c}.store(fz_hs); vsa{pos}_{c}.store(fz_ha);\n"
-                             f"        for (int64_t l = 0; l < W; ++l) fz_t += ({acc_t})fz_ha[l] + fz_trips * "
-                             f"({acc_t})fz_hs[l];\n" for c in range(COPIES))
-                         + f"        if (fz_t - fz_t == 0) acc{pos} = fz_t;\n      }}\n")
+                             f"        for (int64_t l = 0; l < W; ++l) accs{pos} += (double)fz_ha[l] + fz_trips * "
+                             f"((double)fz_hs[l] - cref{pos});\n" for c in range(COPIES)) + "      }\n")
         self.parts.append(t.CPU_VECTOR_PASS.substitute(
             pos=pos, ident=red.identity.replace("$A", acc_t), decls="\n".join(decls), shift_set=shift_set,
             shift_add=shift_add, copies=COPIES, lines="\n".join("          " + ln for ln in lines),

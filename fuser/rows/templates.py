@@ -252,7 +252,8 @@ CPU_VECTOR_TYPES = Template(r"""  typedef ${vtype} fz_v;
 # a pass of a reduction: trips of ${copies} vectors while the row steps by 0 or 1 in every input (vec_ok), the
 # partial results combined in a fixed order, then the scalar loop from c0_${pos} on
 # A shifted pass (a centered mean, see codegen.centered_means): each vector sums its differences from the values it
-# held in the first trip (vs<pos>_<copy>, in ${shift_set}), and ${shift_add} adds back each shift times the trips.
+# held in the first trip (vs<pos>_<copy>, in ${shift_set}), and ${shift_add} adds them, and each shift's difference
+# from the row's first value times the trips, to the row's differences from that value (accs<pos>).
 CPU_VECTOR_PASS = Template(r"""    int64_t c0_${pos} = 0;
     ${acc_t} acc${pos} = ${ident};
     if (vec_ok && cols >= ${copies} * W) {
