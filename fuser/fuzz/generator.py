@@ -420,7 +420,6 @@ def _add_reduction(side: random.Random, nodes: list, shadow: dict, shapes: dict,
     return out
 
 
-
 def _add_permute(side: random.Random, nodes: list, shadow: dict, shapes: dict, last, full: tuple):
     """Append ``permute(last, dims)`` (dims not the identity) and ``add(it, it)``, which reads the value through the
     view (the pass moves a group's permutes: ``fuser/views.py``). Returns the add's ref (an output), or None where

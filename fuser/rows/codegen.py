@@ -60,10 +60,11 @@ def centered_means(group: ir.Group) -> frozenset:
     steps). Their kernels make the mean of a row of equal values exact, as eager's Welford mean is: each CUDA
     thread sums its differences from the first value it sees, then adds that value times its count in double (exact
     but in float64: see the README's limitations); the CPU kernel takes the row's first value plus the mean of the
-    differences from it, which its vector lanes (each shifted by its own first value) and scalar loops sum in double. A float sum of n equal values
-    rounds: a 71,305-element row of -1234.567 gave a mean off by about 3e-4, which the rstd of the zero variance
-    (316 for eps 1e-5) magnified into outputs of up to 0.96, where eager's are 0. (On an H200 this cost a
-    65,536-element float32 row 0.56 -> 0.48 of the copy floor, as a sum in double per element did.)"""
+    differences from it, which its vector lanes (each shifted by its own first value) and scalar loops sum in
+    double. A float sum of n equal values rounds: a 71,305-element row of -1234.567 gave a mean off by about 3e-4,
+    which the rstd of the zero variance (316 for eps 1e-5) magnified into outputs of up to 0.96, where eager's are
+    0. (On an H200 this cost a 65,536-element float32 row 0.56 -> 0.48 of the copy floor, as a sum in double per
+    element did.)"""
     means = {n.out.id: n.args[0].id for n in group.nodes if getattr(ops.reduction(n.op), "mean", False)}
     return frozenset(m.args[1].id for m in group.nodes if m.op.split(".")[0] == "aten::sub"
                      and all(isinstance(a, ir.Value) for a in m.args[:2]) and means.get(m.args[1].id) == m.args[0].id)
@@ -78,6 +79,12 @@ def rooted_variances(group: ir.Group) -> dict:
     var = {n.out.id for n in group.nodes if getattr(ops.reduction(n.op), "variance", False)}
     return {n.args[0].id: n for n in group.nodes if n.origin == "aten::std" and n.op == "aten::sqrt"
             and isinstance(n.args[0], ir.Value) and n.args[0].id in var}
+
+
+def _finite(expr: str) -> str:
+    """C: whether the double ``expr`` is finite (a shifted sum is used where it is; the plain one where an inf or a
+    NaN in the row made it inf or NaN)."""
+    return f"fabs({expr}) <= 1.7976931348623157e308"
 
 
 def input_names(group: ir.Group, inputs: Sequence[torch.dtype], target: str) -> tuple[dict, dict, dict, dict, int]:
@@ -250,7 +257,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                 # shifted one is not finite (an inf in the row)
                 mean_body[-1] = (f"{{ const double xv = (double)({x}); if (c == 0) shm{pos} = xv; "
                                  f"accm{pos} += xv; acsm{pos} += xv - shm{pos}; }}")
-                mean_after = [f"const {acc_t} mean{pos} = ({acc_t})(fabs(acsm{pos}) <= 1.7976931348623157e308 ? "
+                mean_after = [f"const {acc_t} mean{pos} = ({acc_t})({_finite(f'acsm{pos}')} ? "
                               f"shm{pos} + acsm{pos} / (double)cols : accm{pos} / (double)cols);"]
             if cuda:
                 shared.add(mean_t)
@@ -276,7 +283,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             accumulate = (f"{{ const {acc_t} xv = ({acc_t})({x}); if (cn{pos} == 0) sh{pos} = xv; "
                           f"acc{pos} += xv; acs{pos} += xv - sh{pos}; ++cn{pos}; }}")
             shared.add("double")
-            after += [f"double accd{pos} = fabs((double)acs{pos}) <= 1.7976931348623157e308 ? (double)acs{pos} + "
+            after += [f"double accd{pos} = {_finite(f'(double)acs{pos}')} ? (double)acs{pos} + "
                       f"(double)cn{pos} * (double)sh{pos} : (double)acc{pos};",
                       f"accd{pos} = {reduce_fn.format(red.combine)}(accd{pos}, fz_sh_double);"]
             result = f"accd{pos} / (double)cols"
@@ -288,9 +295,9 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             # by the vector lanes (_Vector.reduction) and the scalar loop; the mean is that value plus their mean, exact
             # for a row of equal values in every dtype (count x value is not, in float64: layer_norm of a float64 row
             # of 1e30 gave +-1 where eager gives 0); the plain sum where the shifted one is not finite (an inf)
-            accumulate = (f"{{ const {acc_t} xv = ({acc_t})({x}); acc{pos} += xv; accs{pos} += (double)xv - cref{pos}; }}")
-            result = (f"(fabs(accs{pos}) <= 1.7976931348623157e308 ? cref{pos} + accs{pos} / (double)cols : "
-                      f"acc{pos} / ({acc_t})cols)")
+            accumulate = (f"{{ const {acc_t} xv = ({acc_t})({x}); acc{pos} += xv; "
+                          f"accs{pos} += (double)xv - cref{pos}; }}")
+            result = f"({_finite(f'accs{pos}')} ? cref{pos} + accs{pos} / (double)cols : acc{pos} / ({acc_t})cols)"
         if red.variance:  # eager's divisor max(0, n - correction): n <= correction gives inf or NaN as eager's
             c = ops.correction(n.op, n.args)
             result = f"acc{pos} / ({acc_t})((double)cols - {c!r} > 0 ? (double)cols - {c!r} : 0.0)"
@@ -316,8 +323,9 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         phases[-1] = (vector.parts[-1] if vectorized else f"    const int64_t c0_{pos} = 0;") + "\n" + phases[-1]
         if centered_cpu:  # the row's first value of the pass's input: its element lines at column 0
             first = "\n".join("      " + ln for ln in element_lines([u], cpass - 1))
-            phases[-1] = (f"    double cref{pos} = 0, accs{pos} = 0;\n    if (cols > 0) {{\n      const int64_t c = 0;\n"
-                          f"{first}\n      cref{pos} = (double)({x});\n    }}\n") + phases[-1]
+            phases[-1] = (f"    double cref{pos} = 0, accs{pos} = 0;\n    if (cols > 0) {{\n"
+                          f"      const int64_t c = 0;\n{first}\n      cref{pos} = (double)({x});\n    }}\n"
+                          + phases[-1])
 
     position = {n.out.id: pos for pos, n in enumerate(group.nodes)}
     elem_out = [(m, o) for m, o in enumerate(group.outputs) if o.id not in rows_v]

@@ -106,8 +106,9 @@ def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0
     Held where some shape fits: the fewest threads a row whose elements fit, with 16-byte vectors, else 8-byte
     ones (a wide group of 2-byte values: half the elements a thread at least). Otherwise the row is read again by
     each pass, in trips of ``trip_factor`` times the elements the register estimate gives a thread (1 for column
-    sums, which hold a register per element of a trip for each sum). Never more threads a row than its vectors (a row of 512 bfloat16 elements gets no 1024
-    threads, half of them idle: H100, a layer_norm backward took 30 ms that way)."""
+    sums, which hold a register per element of a trip for each sum). Never more threads a row than its vectors (a
+    row of 512 bfloat16 elements gets no 1024 threads, half of them idle: H100, a layer_norm backward took 30 ms
+    that way)."""
     widest = max(sizes, default=4)
     width = max(1, width)
     wide = widest == 8
@@ -122,9 +123,9 @@ def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0
                 return CudaShape(tpr, items, vec, True, cols == tpr * items)
             tpr *= 2
     # trip_factor 2, twice the register estimate: a trip's loads are all that a pass of a row read again keeps, and
-    # more of them in flight is what a long row's kernel lacks (H200, one run, fraction of the copy floor, rows of 65536:
-    # layer_norm(x) * w + b float32 0.47 -> 0.57, bfloat16 0.42 -> 0.49; softmax 0.60 -> 0.63 and 0.49 -> 0.46;
-    # 50 registers a thread at most before, 64 after, one with 8 bytes spilled)
+    # more of them in flight is what a long row's kernel lacks (H200, one run, fraction of the copy floor, rows of
+    # 65536: layer_norm(x) * w + b float32 0.47 -> 0.57, bfloat16 0.42 -> 0.49; softmax 0.60 -> 0.63 and 0.49 ->
+    # 0.46; 50 registers a thread at most before, 64 after, one with 8 bytes spilled)
     per = register_items(MAX_TPR, wide) // width
     items = trip_factor * max(vec16, 1 << (max(1, per).bit_length() - 1))
     tpr = min(MAX_TPR, max(MIN_TPR, _pow2_at_least(-(-cols // items))))
