@@ -177,4 +177,5 @@ def _explain_torchscript(scripted, inputs, kwargs, records):
 def _has_fusion_groups(scripted) -> bool:
     graphs = ([scripted.graph] if isinstance(scripted, torch.jit.ScriptFunction) else
               [m.graph for m in scripted.modules() if hasattr(m, "graph")])
-    return any(n.kind() == "fuser::fusion_group" for g in graphs for n in g.findAllNodes("fuser::fusion_group"))
+    from . import graph_fuser
+    return any(g.findAllNodes(kind) for g in graphs for kind in graph_fuser.GROUP_CALLS)

@@ -162,7 +162,7 @@ def concat_list(cat: torch._C.Node) -> Optional[torch._C.Node]:
 def _has_side_effects(node: torch._C.Node) -> bool:
     kind = node.kind()
     if kind in ("prim::Constant", "prim::ListConstruct", "prim::TupleConstruct", "prim::ListUnpack",
-                "prim::TupleUnpack", "prim::FusionGroup", "fuser::fusion_group"):
+                "prim::TupleUnpack", "prim::FusionGroup", *GROUP_CALLS):
         return False
     for block in node.blocks():
         if any(_has_side_effects(n) for n in block.nodes()):
@@ -602,9 +602,18 @@ def fusion_groups(graph: torch._C.Graph) -> list[torch._C.Node]:
     return [n for n in _all_nodes(graph.block()) if n.kind() == "prim::FusionGroup"]
 
 
+# the operators a lowered group is a call of: its outputs in a list, or a group of one output's tensor alone
+GROUP_CALLS = ("fuser::fusion_group", "fuser::fusion_group1")
+
+
+def is_group_call(node: torch._C.Node) -> bool:
+    return node.kind() in GROUP_CALLS
+
+
 def lower_fusion_groups(graph: torch._C.Graph, register: Callable[[torch._C.Node], tuple[int, str, str]]) -> None:
-    """Replace each ``prim::FusionGroup`` by ``fuser::fusion_group(tensors, scalars, key, digest, ir)``;
-    ``register`` gives a group's (key, digest, ir)."""
+    """Replace each ``prim::FusionGroup`` by ``fuser::fusion_group(tensors, scalars, key, digest, ir)`` and a
+    ``prim::ListUnpack`` of its outputs, or, for a group of one output, by ``fuser::fusion_group1`` (the same
+    arguments, its tensor alone); ``register`` gives a group's (key, digest, ir)."""
     for group in fusion_groups(graph):
         key, digest, ir = register(group)
         inputs = list(group.inputs())
@@ -617,27 +626,34 @@ def lower_fusion_groups(graph: torch._C.Graph, register: Callable[[torch._C.Node
         consts = [graph.insertConstant(value) for value in (key, digest, ir)]
         for c in consts:
             c.node().moveBefore(group)
-        call = graph.create("fuser::fusion_group", [tlist.output(), slist.output(), *consts], 1)
-        call.output().setType(torch._C.ListType.ofTensors())
-        unpack = graph.create("prim::ListUnpack", [call.output()], group.outputsSize())
-        for n in (tlist, slist, call, unpack):
+        one = group.outputsSize() == 1
+        call = graph.create(GROUP_CALLS[one], [tlist.output(), slist.output(), *consts], 1)
+        made = [tlist, slist, call]
+        if not one:
+            call.output().setType(torch._C.ListType.ofTensors())
+            made.append(graph.create("prim::ListUnpack", [call.output()], group.outputsSize()))
+        for n in made:
             n.insertBefore(group)
-        for old, new in zip(group.outputs(), unpack.outputs()):
+        for old, new in zip(group.outputs(), made[-1].outputs()):
             new.setType(old.type())
             old.replaceAllUsesWith(new)
         group.destroy()
 
 
 def raise_fusion_calls(graph: torch._C.Graph, subgraph_of: Callable[[int], Optional[torch._C.Graph]]) -> None:
-    """The inverse of :func:`lower_fusion_groups`, for display: turn each ``fuser::fusion_group`` call
-    whose list inputs and unpacked outputs are still in place back into a ``prim::FusionGroup`` node."""
-    for call in [n for n in _all_nodes(graph.block()) if n.kind() == "fuser::fusion_group"]:
+    """The inverse of :func:`lower_fusion_groups`, for display: turn each group call whose list inputs (and
+    unpacked outputs) are still in place back into a ``prim::FusionGroup`` node."""
+    for call in [n for n in _all_nodes(graph.block()) if is_group_call(n)]:
         tlist, slist, kval, dval, irval = list(call.inputs())
         if tlist.node().kind() != "prim::ListConstruct" or not _is_constant(kval):
             continue
-        uses = call.output().uses()
-        if len(uses) != 1 or uses[0].user.kind() != "prim::ListUnpack":
-            continue
+        if call.kind() == GROUP_CALLS[1]:
+            results = call
+        else:
+            uses = call.output().uses()
+            if len(uses) != 1 or uses[0].user.kind() != "prim::ListUnpack":
+                continue
+            results = uses[0].user
         sub = subgraph_of(kval.toIValue())
         if sub is None:
             continue
@@ -651,14 +667,14 @@ def raise_fusion_calls(graph: torch._C.Graph, subgraph_of: Callable[[int], Optio
                 scalars.append(c)
         else:
             continue
-        unpack = uses[0].user
-        group = graph.create("prim::FusionGroup", list(tlist.node().inputs()) + scalars, unpack.outputsSize())
+        group = graph.create("prim::FusionGroup", list(tlist.node().inputs()) + scalars, results.outputsSize())
         group.g_("Subgraph", sub.copy())
         group.insertBefore(call)
-        for old, new in zip(unpack.outputs(), group.outputs()):
+        for old, new in zip(results.outputs(), group.outputs()):
             new.setType(old.type())
             old.replaceAllUsesWith(new)
-        unpack.destroy()
+        if results is not call:
+            results.destroy()
         call.destroy()
         for n in (tlist.node(), slist.node(), kval.node(), dval.node(), irval.node()):
             if n.kind() in ("prim::ListConstruct", "prim::Constant") and not n.output().uses():

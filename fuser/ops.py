@@ -315,6 +315,10 @@ _OPS: list[OpDef] = [
     OpDef("threshold", ("aten::threshold(Tensor self, Scalar threshold, Scalar value) -> Tensor",),
           {None: Exprs("($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)", "($a <= $b ? $c : $a)",
                        v="fz_vsel($a <= $b, $c, $a)")},
+          # CUDA: a NaN stays NaN through fz_isnan (ptxas took -fabsf(NaN) <= 1.f as true: threshold(-|acos(3.07)|,
+          # 1, -1) gave -1 where eager gives NaN; the CUDA fuzzer, 2026-11-27)
+          targets={"cuda": {None: Exprs("(!fz_isnan($a) && $a <= $b ? $c : $a)",
+                                        "(!fz_isnan($a) && $a <= $b ? $c : $a)", "($a <= $b ? $c : $a)")}},
           round_operands=("cuda",), discrete=True),
     OpDef("lerp", ("aten::lerp.Scalar(Tensor self, Tensor end, Scalar weight) -> Tensor",
                    "aten::lerp.Tensor(Tensor self, Tensor end, Tensor weight) -> Tensor"),

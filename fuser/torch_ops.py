@@ -1,6 +1,7 @@
 """The TorchScript operators the pass's graphs call: ``fuser::fusion_group`` (one fusion group: the kernel, the
-differentiable group, or the fallback), ``fuser::broadcasting_chunk`` (chunk motion's chunk of every input) and
-``fuser::batch_norm_params`` (the inference batch norm decomposition's per-channel vectors).
+differentiable group, or the fallback; ``fuser::fusion_group1`` for a group of one output),
+``fuser::broadcasting_chunk`` (chunk motion's chunk of every input) and ``fuser::batch_norm_params`` (the inference
+batch norm decomposition's per-channel vectors).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ _lib = torch.library.Library("fuser", "DEF")
 # key: this process's spec key (the fast path); digest and ir: the group's identity and its TorchScript graph, so that a
 # module saved with torch.jit.save and loaded in another process finds (or rebuilds) the same group
 _lib.define("fusion_group(Tensor[] inputs, float[] scalars, int key, str digest, str ir) -> Tensor[]")
+# a group of one output: its tensor alone (TorchScript then builds and unpacks no list: about 0.2 us a call)
+_lib.define("fusion_group1(Tensor[] inputs, float[] scalars, int key, str digest, str ir) -> Tensor")
 
 
 def run_key(key: int, args: list) -> list[torch.Tensor]:
@@ -84,6 +87,8 @@ _lib.impl("fusion_group", _fusion_group, "CompositeImplicitAutograd")
 # vmap: without a kernel for the batched key functorch has no rule for the op; with one, the executor sees a
 # transform in progress and the interpreter runs the group op by op, each op with its own batching rule
 _lib.impl("fusion_group", _fusion_group, "FuncTorchBatched")
+_lib.impl("fusion_group1", lambda *a: _fusion_group(*a)[0], "CompositeImplicitAutograd")
+_lib.impl("fusion_group1", lambda *a: _fusion_group(*a)[0], "FuncTorchBatched")
 # the native hot path's hand-over (fuser/native/hotpath.cpp): its kernels for CPU and CUDA take precedence over the
 # Python one above for those keys once the library is loaded
 _lib.define("fusion_group_py(Tensor[] inputs, float[] scalars, int key, str digest, str ir, bool offer) -> Tensor[]")

@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r"""
 import json, sys, time, torch, fuser
+from fuser import ts_ir
 from fuser.cpu import compiler
 from fuser.kernel_cache import STORE
 GELU = '''graph(%x : Tensor, %b : Tensor):
@@ -49,7 +50,7 @@ tc = compiler.toolchain()
 out["toolchain_s"] = time.perf_counter() - t0
 for name in sys.argv[1].split(","):
     ir, args = (GELU, [torch.randn(64, 256), torch.randn(256)]) if name == "gelu" else (SILU, [torch.randn(4096), 1.5])
-    key = STORE.register(torch.parse_ir(ir))
+    key = STORE.register(ts_ir.lower(torch.parse_ir(ir)))
     fuser.run_fusion(key, args)
     kernel = next(k for k in STORE.get(key).kernels().values() if k is not None)
     out[name] = {"build_ms": kernel.build_ms, "vector": compiler.is_vector_source(kernel.source)}

@@ -6,7 +6,7 @@ import warnings
 import torch
 
 import fuser
-from fuser import executor, torch_ops
+from fuser import executor, graph_fuser, torch_ops
 from fuser.cuda import launch
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -38,9 +38,9 @@ def main():
     ff = fuser.fuse(torch.jit.script(f))
     for _ in range(5):
         ff(a, b, c)
-    key = next(n.inputsAt(2).toIValue() for n in ff.graph.nodes() if n.kind() == "fuser::fusion_group")
+    key = next(n.inputsAt(2).toIValue() for n in ff.graph.nodes() if graph_fuser.is_group_call(n))
     spec = fuser.interface.STORE.get(key)
-    ir_text = next(n.inputsAt(4).toIValue() for n in ff.graph.nodes() if n.kind() == "fuser::fusion_group")
+    ir_text = next(n.inputsAt(4).toIValue() for n in ff.graph.nodes() if graph_fuser.is_group_call(n))
     geo = next(iter(spec.geometries.values()))
     out = [torch.empty(1024, device=dev)]
     rows = [

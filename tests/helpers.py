@@ -413,6 +413,16 @@ POW_MINUS_TWO_IR = """graph(%t0 : Tensor):
   %v2 : Tensor = aten::log10(%v1)
   %v3 : Tensor = aten::atan(%v2)
   return (%v3)"""
+# the CUDA fuzzer, 2026-11-27 (seed 1067035713, graph 1106): threshold of -|NaN| gave the value, not NaN (ptxas took
+# -fabsf(NaN) <= 1.f as true)
+NAN_THRESHOLD_IR = """graph(%t0 : Tensor):
+  %v0 : Tensor = aten::acos(%t0)
+  %v1 : Tensor = aten::abs(%v0)
+  %v2 : Tensor = aten::neg(%v1)
+  %c3_1 : int = prim::Constant[value=1]()
+  %c3_2 : int = prim::Constant[value=-1]()
+  %v3 : Tensor = aten::threshold(%v2, %c3_1, %c3_2)
+  return (%v3)"""
 NAN_SELF_NE_IR = """graph(%t0 : Tensor):
   %v0 : Tensor = aten::lt(%t0, %t0)
   %c1_1 : int = prim::Constant[value=0]()

@@ -9,6 +9,7 @@ import torch
 from helpers import assert_same
 
 import fuser
+from fuser import graph_fuser
 from fuser.errors import CompileError
 from fuser.kernel_cache import STORE
 
@@ -107,7 +108,7 @@ def test_install_and_uninstall_trace_and_nnc_switches():
     assert fuser.is_installed()
     assert not torch._C._jit_can_fuse_on_cpu() and not torch._C._jit_can_fuse_on_gpu()
     traced = torch.jit.trace(gelu_block, (torch.randn(4, 8), torch.randn(8)))
-    assert any(n.kind() == "fuser::fusion_group" for n in traced.graph.nodes())
+    assert any(graph_fuser.is_group_call(n) for n in traced.graph.nodes())
     fuser.uninstall()
     assert not fuser.is_installed()
     assert (torch._C._jit_can_fuse_on_cpu(), torch._C._jit_can_fuse_on_gpu()) == (cpu, gpu)
@@ -116,7 +117,7 @@ def test_install_and_uninstall_trace_and_nnc_switches():
         return (x * y).sin() + y
 
     stock = torch.jit.script(plain)
-    assert not any(n.kind() == "fuser::fusion_group" for n in stock.graph.nodes())
+    assert not any(graph_fuser.is_group_call(n) for n in stock.graph.nodes())
 
 
 def test_debug_launch_graph_and_kernel_code():

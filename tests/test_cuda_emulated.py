@@ -15,7 +15,7 @@ from string import Template
 import numpy as np
 import pytest
 import torch
-from helpers import (interpret, NAN_SELF_NE_IR, POW_MINUS_TWO_IR, DROPOUT_IR, FLOAT_DTYPES, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR,
+from helpers import (interpret, NAN_SELF_NE_IR, NAN_THRESHOLD_IR, POW_MINUS_TWO_IR, DROPOUT_IR, FLOAT_DTYPES, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR,
                      SIGMOID_GT_IR, assert_op_result, assert_same, assert_same_comparison, build, cases, eager,
                      expect_fused, make_args, random_tensor, sigmoid_gt_reference)
 
@@ -759,6 +759,18 @@ def test_ordered_comparisons_of_nan_are_false():
             assert torch.equal(o, r), dtype
         # hardswish's CUDA kernel multiplies by the float 1.0f / 6.0f (ops._sixth): not bitwise in float64
         torch.testing.assert_close(out[4], ref[4], equal_nan=True)
+
+
+def test_threshold_keeps_nan():
+    """threshold(-|acos(3.07)|, 1, -1) is NaN in eager; ptxas took -fabsf(NaN) <= 1.f as true and the CUDA kernel gave
+    -1 (the CUDA fuzzer): the kernel tests the NaN bits first. Every float dtype, against the interpreter."""
+    g = torch.parse_ir(NAN_THRESHOLD_IR)
+    for dtype in FLOAT_DTYPES:
+        x = torch.tensor([3.0687239, 0.5, -0.9, math.nan, 1.0] * 30).to(dtype)
+        assert "!fz_isnan(" in emulate.kernel_for(g, [x]).source
+        out, ref = emulate.run_graph(g, [x])[0], interpret(g, [x])[0]
+        assert out.isnan().equal(ref.isnan()) and ref.isnan().any(), dtype
+        torch.testing.assert_close(out, ref, equal_nan=True)
 
 
 def test_pow_by_2_3_and_minus_2_are_eagers_products():

@@ -2,7 +2,7 @@
 layouts that defeat or exercise the vector path, huge tensors, a second device, and threads."""
 import pytest
 import torch
-from helpers import (FUSED_BACKWARD, interpret, ARITH_IR, chain_tolerance, CHAIN_IR, EDGE_IRS, STEPS_IR, NAN_SELF_NE_IR, POW_MINUS_TWO_IR, FMA_OPS, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR, SIGMOID_GT_IR as IR, assert_same, assert_same_comparison, cases, check_op_against_eager,
+from helpers import (FUSED_BACKWARD, interpret, ARITH_IR, chain_tolerance, CHAIN_IR, EDGE_IRS, STEPS_IR, NAN_SELF_NE_IR, NAN_THRESHOLD_IR, POW_MINUS_TWO_IR, FMA_OPS, INT_ABS_ERFC_IR, NAN_COMPARE_IR, NARROW_COMPARE_IR, SIGMOID_GT_IR as IR, assert_same, assert_same_comparison, cases, check_op_against_eager,
                      check_fused_multiply_adds, check_scalar_rounding, random_tensor, run_in_threads,
                      sigmoid_gt_reference as reference)
 
@@ -569,6 +569,8 @@ CAMPAIGN5 = {
         torch.tensor([1e-310, 1e-300, 4.0, 0.25] * 100, dtype=torch.float64, device="cuda")]),
     "nan_of_constants_compared_with_itself": (lambda: torch.parse_ir(NAN_SELF_NE_IR), lambda: [
         torch.tensor([-0.2, 0.0, float("nan")] * 100, device="cuda")]),
+    "threshold_of_minus_abs_nan": (lambda: torch.parse_ir(NAN_THRESHOLD_IR), lambda: [
+        torch.tensor([3.0687239, 0.5, -0.9, float("nan")] * 100, device="cuda")]),
 }
 
 

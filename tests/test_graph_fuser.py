@@ -212,12 +212,41 @@ def test_fused_modules_and_traced_functions():
     m = fuser.fuse(torch.jit.script(Cell()))
     x, y = torch.randn(5, 3), torch.randn(5, 3)
     assert_same(m(x, y), Cell()(x, y))
-    assert any(n.kind() == "fuser::fusion_group" for n in m.graph.nodes())
+    assert any(graph_fuser.is_group_call(n) for n in m.graph.nodes())
 
     traced = fuser.fuse(torch.jit.trace(gelu_block, (torch.randn(4, 8), torch.randn(8))))
     x, b = torch.randn(16, 8), torch.randn(8)
     assert_same(traced(x, b), gelu_block(x, b))
-    assert any(n.kind() == "fuser::fusion_group" for n in traced.graph.nodes())
+    assert any(graph_fuser.is_group_call(n) for n in traced.graph.nodes())
+
+
+def _one_output(a, b, c):
+    return torch.tanh(a * b + c) * 2
+
+
+def _two_outputs(a, b, c):
+    d = torch.tanh(a * b + c)
+    return d * 2, d - a
+
+
+@pytest.mark.parametrize("fn,n_out", ((_one_output, 1), (_two_outputs, 2)), ids=("one", "two"))
+def test_a_group_of_one_output_returns_its_tensor(fn, n_out):
+    """A group of one output is a fuser::fusion_group1 call, its tensor returned alone (no list for TorchScript to
+    build and unpack); a group of several is fuser::fusion_group and a prim::ListUnpack. Both give eager's results,
+    through the hot path's repeated calls too, and graph_for shows each as its prim::FusionGroup."""
+    fused = fuser.fuse(torch.jit.script(fn))
+    calls = [n for n in fused.graph.nodes() if graph_fuser.is_group_call(n)]
+    assert [n.kind() for n in calls] == [graph_fuser.GROUP_CALLS[n_out == 1]]
+    users = {u.user.kind() for u in calls[0].output().uses()}
+    assert ("prim::ListUnpack" in users) == (n_out > 1)
+    for _ in range(4):  # past the profiled runs, where the native hot path serves a prepared call
+        args = [torch.randn(6, 9) for _ in range(3)]
+        got, want = _as_tuple(fused(*args)), _as_tuple(fn(*args))
+        assert len(got) == len(want) == n_out
+        for g, w in zip(got, want):
+            assert_same(g, w)
+    shown = fuser.graph_for(fused, *args)
+    assert len(_groups(shown)) == 1 and not any(graph_fuser.is_group_call(n) for n in shown.nodes())
 
 
 RESIDUAL_IR = """

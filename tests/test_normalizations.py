@@ -235,20 +235,6 @@ def test_variance_of_rows_of_huge_equal_values_emulated(emulated):
     _check_huge_equal_rows(lambda case, n, args: row_emulate.run(_group(case, n), args, emulated), "cpu")
 
 
-def test_variance_of_equal_float64_rows_on_the_cpu():
-    """float64 rows of one value each: eager's Welford variance is exactly 0; a double sum of the row divided by its
-    length is off by an ulp of the value (three 1e30 values gave 3e28; the CUDA fuzzer, 2026-11-27), so the CPU
-    kernel sums differences from the row's first value."""
-    case = next(c for c in CASES if c.id == "var.correction-1-keep")
-    for n in (3, 7, 100, 1001):
-        x = torch.randn(4, n, dtype=torch.float64)
-        x[0], x[1], x[2] = 1e30, -5.3e27 + 0.1, 1234.5678901
-        got = fused_run(_spec(_group(case, n)), [x])[0]
-        want = case.eager(x)[0]
-        assert want[:3].eq(0).all() and got[:3].eq(0).all(), got[:3]
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
-
-
 @pytest.mark.parametrize("vectorize", (True, False), ids=("vector", "scalar"))
 def test_layer_norm_of_equal_float64_rows_on_the_cpu(vectorize, monkeypatch):
     """layer_norm of float64 rows of one value each is exactly 0 in eager; a mean taken as count x value over the count
@@ -322,14 +308,37 @@ def _group_of(key, make) -> ir.Group:
 
 def _check_centered_with_infinities(run, device):
     """``x - x.mean(-1)`` over rows holding inf, -inf or NaN (the CUDA fuzzer, 2026-11-27: ``[inf, 0]`` gave NaN
-    for both where eager gives NaN and -inf): the mean of a row with an inf is eager's inf, not inf - inf."""
+    for both where eager gives NaN and -inf): the mean of a row with an inf is eager's inf, not inf - inf. float64
+    too, whose CUDA mean takes the row's first value as its reference (here inf in row 0)."""
     group = _group_of("centered_inf", _centered)
-    for n in (2, 100, 5000):
-        t = torch.randn(4, n, device=device)
-        t[0, 0], t[1, n // 2], t[2, -1] = float("inf"), -float("inf"), float("nan")
-        out = run(group, [t])
-        assert out is not None
-        torch.testing.assert_close(out[0], t - t.mean(-1, keepdim=True), equal_nan=True)
+    for dtype in (torch.float32, torch.float64):
+        for n in (2, 100, 5000):
+            t = torch.randn(4, n, device=device, dtype=dtype)
+            t[0, 0], t[1, n // 2], t[2, -1] = float("inf"), -float("inf"), float("nan")
+            out = run(group, [t])
+            assert out is not None
+            torch.testing.assert_close(out[0], t - t.mean(-1, keepdim=True), equal_nan=True)
+
+
+def _check_equal_float64_rows(run, device):
+    """float64 rows of one value each: eager's Welford gives a variance of exactly 0 and a layer_norm of exactly 0.
+    A row's sum divided by its length is off by an ulp of the value (three 1e30 gave a variance of 3e28: the CUDA
+    fuzzer, 2026-11-27), and the rstd of the zero variance turns such an error into layer_norm outputs of +-1; so
+    the kernels sum differences from the row's first value. Rows held in registers on CUDA and rows read again by
+    each pass (65537)."""
+    var = next(c for c in CASES if c.id == "var.correction-1-keep")
+    for n in (3, 100, 1001, 5000, 65537):
+        x = torch.randn(4, n, dtype=torch.float64)
+        x[0], x[1], x[2] = 1e30, -5.3e27 + 0.1, 1234.5678901
+        x, w = x.to(device), (torch.rand(n, dtype=torch.float64) + 0.5).to(device)
+        checks = [(_group(var, n), [x], var.eager(x)[0]),
+                  (_group_of(("layer_norm_w", n), lambda: _layer_norm_affine(n)), [x, w],
+                   F.layer_norm(x, (n,), w, None, 1e-5))]
+        for group, args, want in checks:
+            out = run(group, args)
+            assert out is not None
+            assert want[:3].eq(0).all() and out[0][:3].eq(0).all(), (n, out[0][:3].abs().amax(-1))
+            torch.testing.assert_close(out[0], want, rtol=1e-12, atol=1e-12)
 
 
 # (run, device): the CPU row kernel, the CUDA one through the host emulation, the CUDA one on a GPU
@@ -346,6 +355,11 @@ def test_layer_norm_of_constant_rows(run, device):
 @pytest.mark.parametrize("run,device", _RUNNERS)
 def test_centered_rows_with_infinities(run, device):
     _check_centered_with_infinities(run, device)
+
+
+@pytest.mark.parametrize("run,device", _RUNNERS)
+def test_equal_float64_rows_as_eager(run, device):
+    _check_equal_float64_rows(run, device)
 
 
 def _std_rows() -> ir.Group:

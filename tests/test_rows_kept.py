@@ -84,7 +84,7 @@ def _kernel_source(spec, dtype) -> str:
 
 def _passes(source: str) -> list[str]:
     """The kernel's loops along the row, split where each pass starts (``int64_t c0_...`` declarations)."""
-    body = source[source.index("for (int64_t row"):]
+    body = source[re.search(r"for \(int64_t row|\(int64_t row\)", source).start():]
     return re.split(r"\n\s*(?:const )?int64_t c0_", body)[1:]
 
 

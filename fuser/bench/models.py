@@ -162,7 +162,7 @@ def _n_groups(fn) -> Optional[int]:
     if graph is None:
         return None
     from .. import graph_fuser
-    return sum(1 for n in graph_fuser._all_nodes(graph.block()) if n.kind() == "fuser::fusion_group")
+    return sum(1 for n in graph_fuser._all_nodes(graph.block()) if graph_fuser.is_group_call(n))
 
 
 def _error(e: Exception) -> str:

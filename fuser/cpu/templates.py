@@ -89,6 +89,28 @@ template <> struct fz_limits<float> { static inline float lowest() { return -FZ_
 template <> struct fz_limits<double> { static inline double lowest() { return -FZ_INF_D; } static inline double highest() { return FZ_INF_D; } };
 #define FZ_LOWEST(T) fz_limits<T>::lowest()
 #define FZ_HIGHEST(T) fz_limits<T>::highest()
+
+// Loops and regions split across OpenMP threads only where `parallel`: a false omp `if` clause still enters
+// libgomp for a team of one (about 0.3 us a call, more than a small kernel's work). A body is a lambda inlined
+// into both forms (FZ_BODY).
+#define FZ_BODY __attribute__((always_inline))
+template <class F> static inline void fz_for(bool parallel, int64_t n, const F& body) {
+  if (parallel) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < n; ++t) body(t);
+  } else {
+    for (int64_t t = 0; t < n; ++t) body(t);
+  }
+}
+// a parallel region, or one thread's run of it (its orphaned `omp for` loops then run whole on that thread)
+template <class F> static inline void fz_region(bool parallel, const F& body) {
+  if (parallel) {
+#pragma omp parallel
+    body();
+  } else {
+    body();
+  }
+}
 """
 
 # appended to the prelude when a kernel draws random numbers (rand_like)
@@ -105,10 +127,9 @@ ${loop}
 """)
 
 # every input dense or a broadcast scalar: element i of the map is element i of each tensor
-LOOP_FLAT = Template(r"""#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
-  for (int64_t i = 0; i < numel; ++i) {
+LOOP_FLAT = Template(r"""  fz_for(numel >= ${parallel_threshold}, numel, [&](int64_t i) FZ_BODY {
 ${body}
-  }""")
+  });""")
 
 # the offsets of a row's first element: one divmod walk over the outer dims
 ROW_BASES = r"""    int64_t ${bases};
@@ -124,14 +145,13 @@ ${accumulate}
 
 # strided inputs: one divmod walk over the outer dims per row of the innermost dim, not per element
 LOOP_ROWS = Template(r"""  const int64_t inner = sizes[rank - 1], rows = numel / inner;
-#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
-  for (int64_t row = 0; row < rows; ++row) {
+  fz_for(numel >= ${parallel_threshold}, rows, [&](int64_t row) FZ_BODY {
 """ + ROW_BASES + r"""    for (int64_t j = 0; j < inner; ++j) {
       const int64_t i = row * inner + j;
 ${offsets}
 ${body}
     }
-  }""")
+  });""")
 
 # ------------------------------------------------------------------------------------------ the vector path
 
@@ -400,11 +420,10 @@ ${loop}
 # every input dense or a broadcast scalar: trips of ${copies} vectors split across threads, then single vectors
 # and the scalar tail
 VECTOR_LOOP_FLAT = Template(r"""  const int64_t trip = ${copies} * W, trips = numel / trip;
-#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
-  for (int64_t t = 0; t < trips; ++t) {
+  fz_for(numel >= ${parallel_threshold}, trips, [&](int64_t t) FZ_BODY {
     const int64_t i = t * trip;
 ${wide}
-  }
+  });
   int64_t i0 = trips * trip;
   for (; i0 + W <= numel; i0 += W) {
     const int64_t i = i0;
@@ -438,21 +457,19 @@ ${body}
 # next ones (a transposed tensor's next row is its next element); otherwise as VECTOR_LOOP_ROWS
 VECTOR_LOOP_TILES = Template(r"""  const int64_t inner = sizes[rank - 1], rows = numel / inner;
   const int64_t chunks = (inner + ${chunk} - 1) / ${chunk}, tiles = (rows + ${tile_rows} - 1) / ${tile_rows};
-#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
-  for (int64_t task = 0; task < tiles * chunks; ++task) {
+  fz_for(numel >= ${parallel_threshold}, tiles * chunks, [&](int64_t task) FZ_BODY {
     const int64_t tile = task / chunks, j0 = (task - tile * chunks) * ${chunk};
     const int64_t j1 = inner - j0 < ${chunk} ? inner : j0 + ${chunk};
     const int64_t row1 = rows - tile * ${tile_rows} < ${tile_rows} ? rows : (tile + 1) * ${tile_rows};
     for (int64_t row = tile * ${tile_rows}; row < row1; ++row) {
 """ + ROW_BASES + ROW_TRIPS + r"""    }
-  }""")
+  });""")
 
 # strided operands: tasks of up to ${chunk} elements of one row (rows can be few and long), each trips of
 # ${copies} vectors, then single vectors and a scalar tail; one divmod walk over the outer dims per task
 VECTOR_LOOP_ROWS = Template(r"""  const int64_t inner = sizes[rank - 1], rows = numel / inner;
   const int64_t chunks = (inner + ${chunk} - 1) / ${chunk};
-#pragma omp parallel for schedule(static) if (numel >= ${parallel_threshold})
-  for (int64_t task = 0; task < rows * chunks; ++task) {
+  fz_for(numel >= ${parallel_threshold}, rows * chunks, [&](int64_t task) FZ_BODY {
     const int64_t row = task / chunks, j0 = (task - row * chunks) * ${chunk};
     const int64_t j1 = inner - j0 < ${chunk} ? inner : j0 + ${chunk};
-""" + ROW_BASES + ROW_TRIPS + r"""  }""")
+""" + ROW_BASES + ROW_TRIPS + r"""  });""")

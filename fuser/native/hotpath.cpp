@@ -417,6 +417,15 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
   return outs;
 }
 
+// A group of one output (fuser::fusion_group1): the same call, its output returned alone, so that TorchScript
+// neither builds a list of it nor unpacks one
+at::Tensor fusion_group1(at::TensorList inputs, at::ArrayRef<double> scalars, int64_t key, c10::string_view digest,
+                         c10::string_view ir) {
+  std::vector<at::Tensor> outs = fusion_group(inputs, scalars, key, digest, ir);
+  TORCH_CHECK(outs.size() == 1, "fuser::fusion_group1: the group gave ", outs.size(), " outputs");
+  return std::move(outs[0]);
+}
+
 // ---- autograd
 
 using torch::autograd::variable_list;
@@ -1038,6 +1047,7 @@ TORCH_LIBRARY_FRAGMENT(fuser, m) {
 // registered here takes precedence over the Python CompositeImplicitAutograd one for these keys only
 #define FUSER_NATIVE_IMPLS(m)                            \
   m.impl("fusion_group", &fusion_group);                 \
+  m.impl("fusion_group1", &fusion_group1);               \
   m.impl("broadcasting_chunk", &broadcasting_chunk);     \
   m.impl("batch_norm_params", &batch_norm_params)
 TORCH_LIBRARY_IMPL(fuser, CPU, m) { FUSER_NATIVE_IMPLS(m); }

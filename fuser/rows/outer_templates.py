@@ -98,8 +98,7 @@ ${red_strides}
   // share among the threads; decided by the columns alone, as is each column's order of sums
   const int64_t cw = cols >= 8 * ${chunk} ? ${chunk} : (((cols + 7) / 8 + 15) / 16 * 16 > 64 ? ((cols + 7) / 8 + 15) / 16 * 16 : 64);
   const int64_t chunks = (cols + cw - 1) / cw;
-#pragma omp parallel for schedule(static) if (chunks > 1 && red * cols >= ${parallel_threshold})
-  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+  fz_for(chunks > 1 && red * cols >= ${parallel_threshold}, chunks, [&](int64_t chunk) FZ_BODY {
     const int64_t c0 = chunk * cw;
     const int64_t nc = cols - c0 < cw ? cols - c0 : cw;
 ${col_arrays}
@@ -132,7 +131,7 @@ ${body}
       const int64_t c = c0 + j;
 ${finish}
     }
-  }
+  });
 }
 """)
 

@@ -96,6 +96,13 @@ def register_items(block: int, wide: bool, cap: int = REGISTER_ITEMS) -> int:
     return max(4, min(cap, 1 << (regs.bit_length() - 1))) // (2 if wide else 1)
 
 
+# the most values (elements x pass width) a thread's trip along a row read again may hold when its elements are
+# doubled (cuda_shape's trip_factor): ptxas for sm_90 at 64 registers, rows of 16384 and 65536 bfloat16 elements,
+# 16 elements a thread: layer_norm(x) (width 3, 48 values) spilled 8 bytes a thread, layer_norm(x + residual)
+# (width 4, 64 values) 176 bytes, and 8 elements a thread none
+TRIP_VALUES = 48
+
+
 def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0, cap: int = REGISTER_ITEMS,
                max_tpr: int = MAX_TPR, trip_factor: int = 2) -> CudaShape:
     """The :class:`CudaShape` for rows of ``cols`` elements; ``sizes``: the element sizes of the tensor inputs and
@@ -106,7 +113,8 @@ def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0
     Held where some shape fits: the fewest threads a row whose elements fit, with 16-byte vectors, else 8-byte
     ones (a wide group of 2-byte values: half the elements a thread at least). Otherwise the row is read again by
     each pass, in trips of ``trip_factor`` times the elements the register estimate gives a thread (1 for column
-    sums, which hold a register per element of a trip for each sum). Never more threads a row than its vectors (a
+    sums, which hold a register per element of a trip for each sum), while such a trip's values (elements x
+    ``width``) stay within :data:`TRIP_VALUES`. Never more threads a row than its vectors (a
     row of 512 bfloat16 elements gets no 1024 threads, half of them idle: H100, a layer_norm backward took 30 ms
     that way)."""
     widest = max(sizes, default=4)
@@ -127,7 +135,10 @@ def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0
     # 65536: layer_norm(x) * w + b float32 0.47 -> 0.57, bfloat16 0.42 -> 0.49; softmax 0.60 -> 0.63 and 0.49 ->
     # 0.46; 50 registers a thread at most before, 64 after, one with 8 bytes spilled)
     per = register_items(MAX_TPR, wide) // width
-    items = trip_factor * max(vec16, 1 << (max(1, per).bit_length() - 1))
+    base = max(vec16, 1 << (max(1, per).bit_length() - 1))
+    if trip_factor * base * width > TRIP_VALUES:
+        trip_factor = 1
+    items = trip_factor * base
     tpr = min(MAX_TPR, max(MIN_TPR, _pow2_at_least(-(-cols // items))))
     return CudaShape(tpr, items, vec16, False, cols > 0 and cols % (tpr * items) == 0)
 

@@ -17,6 +17,7 @@ ROW_PRELUDE = Template(r"""
 struct fz_rsum { template <class A> static ${fn} A f(A a, A b) { return a + b; } };
 struct fz_rmax { template <class A> static ${fn} A f(A a, A b) { return fz_max(a, b); } };
 struct fz_rmin { template <class A> static ${fn} A f(A a, A b) { return fz_min(a, b); } };
+struct fz_rfirst { template <class A> static ${fn} A f(A a, A b) { return a; } };  // CUDA: lane 0's value, to all
 ${row_reduce}""")
 
 # CUDA: the TPR threads of a row (a power of two; TPR consecutive threads of the block) combine their partial
@@ -100,7 +101,10 @@ ${end}${parts_sum}
 }
 """)
 
-CPU_ROWS = "  for (int64_t row = 0; row < rows; ++row) {"
+# the loop over rows (or parts of rows): fz_for splits it across threads where ${cond} holds; inside a
+# parallel region (CPU_PARALLEL_SCRATCH) an omp for does
+CPU_FOR = Template("  fz_for(${cond}, ${count}, [&](int64_t ${var}) FZ_BODY {")
+CPU_OMP_FOR = Template("#pragma omp for schedule(static)\n  for (int64_t ${var} = 0; ${var} < ${count}; ++${var}) {")
 
 # column sums (fuser.rows.plan.column_sum_form): the rows in parts of consecutive rows, their number fixed by the
 # row count and the work (not by the threads, so the sums do not depend on how many there are), each part adding
@@ -109,29 +113,24 @@ CPU_ROWS = "  for (int64_t row = 0; row < rows; ++row) {"
 # column's chain of adds would wait on each), and stored
 CPU_PARTS = Template(r"""  const int64_t fz_parts = rows * cols < ${parallel_threshold} || rows < 2 * ${part_rows} ? 1 : rows / ${part_rows} < ${max_parts} ? rows / ${part_rows} : ${max_parts};
 ${alloc}""")
-CPU_PARTS_LOOP = Template(r"""  for (int64_t part = 0; part < fz_parts; ++part) {
-${zero}
+CPU_PARTS_LOOP = Template(r"""${zero}
   for (int64_t row = rows * part / fz_parts, row_end = rows * (part + 1) / fz_parts; row < row_end; ++row) {""")
-CPU_PARTS_SUM = Template(r"""#pragma omp parallel for schedule(static) if (fz_parts > 1 && fz_parts * cols >= ${parallel_threshold})
-  for (int64_t c0 = 0; c0 < cols; c0 += 256) {
-    const int64_t c1 = cols - c0 < 256 ? cols : c0 + 256;
+CPU_PARTS_SUM = Template(r"""  fz_for(fz_parts > 1 && fz_parts * cols >= ${parallel_threshold}, (cols + 255) / 256, [&](int64_t cb) FZ_BODY {
+    const int64_t c0 = cb * 256, c1 = cols - c0 < 256 ? cols : c0 + 256;
     for (int64_t q = 1; q < fz_parts; ++q) {
 ${sums}
     }
     for (int64_t c = c0; c < c1; ++c) {
 ${stores}
     }
-  }
+  });
 ${free}""")
 
-# the CPU row kernel's loop over rows: split across threads from ${parallel_threshold} elements; with scratch rows
+# the CPU row kernel's rows go across threads from ${parallel_threshold} elements; with scratch rows
 # (fuser.rows.plan.kept_values) a parallel region allocates each thread's (${scratch}) around the loop
-CPU_PARALLEL = Template(
-    "#pragma omp parallel for schedule(static) if (rows > 1 && rows * cols >= ${parallel_threshold})")
-CPU_PARALLEL_SCRATCH = Template(r"""#pragma omp parallel if (rows > 1 && rows * cols >= ${parallel_threshold})
-  {
-${scratch}
-#pragma omp for schedule(static)""")
+CPU_PARALLEL = Template("rows > 1 && rows * cols >= ${parallel_threshold}")
+CPU_PARALLEL_SCRATCH = Template(r"""  fz_region(${cond}, [&]() FZ_BODY {
+${scratch}""")
 
 CUDA_KERNEL = Template(r"""// fuser CUDA row kernel ${name}
 ${prelude}
