@@ -102,13 +102,17 @@ template <class F> static inline void fz_for(bool parallel, int64_t n, const F& 
     for (int64_t t = 0; t < n; ++t) body(t);
   }
 }
-// a parallel region, or one thread's run of it (its orphaned `omp for` loops then run whole on that thread)
+// a parallel region, body(thread, threads), or one thread's run of it, body(0, 1): the body splits its loop by
+// those numbers itself (fz_share), not by an orphaned `omp for`, which a call from inside a user's OpenMP region
+// would bind to that region's team
+extern "C" int omp_get_thread_num(void);
+extern "C" int omp_get_num_threads(void);
 template <class F> static inline void fz_region(bool parallel, const F& body) {
   if (parallel) {
 #pragma omp parallel
-    body();
+    body((int64_t)omp_get_thread_num(), (int64_t)omp_get_num_threads());
   } else {
-    body();
+    body((int64_t)0, (int64_t)1);
   }
 }
 """

@@ -81,29 +81,6 @@ def rooted_variances(group: ir.Group) -> dict:
             and isinstance(n.args[0], ir.Value) and n.args[0].id in var}
 
 
-def _cuda_shifted_mean(acc: str, acs: str, sh: str, cn: str, total: str, reduce_fn: str,
-                       double: bool) -> tuple[list, str]:
-    """CUDA: (lines after a pass, the row's mean) from each thread's plain sum ``acc``, its sum ``acs`` of the
-    differences from the first value it saw (``sh``) and its count ``cn``; ``total``: the name of the row's sum.
-    float32/bfloat16 values: each thread's sum is acs + cn x sh in double, exact for a row of equal values. float64
-    (``double``): that product rounds (a row of three 1e30 had a mean off by an ulp of 1e30: variance 3e28,
-    layer_norm +-1, where eager's Welford gives 0), so the row's threads take lane 0's first value (its column 0,
-    ``fz_rfirst``) as a common reference and sum their differences from it: the mean is that value plus their
-    mean, exact for equal values. The plain sum where a shifted one is not finite (an inf in the row: inf - inf
-    would make the mean NaN), or where the reference itself is not."""
-    if not double:
-        return [f"double {total} = {_finite(f'(double){acs}')} ? (double){acs} + (double){cn} * (double){sh} : "
-                f"(double){acc};", f"{total} = {reduce_fn.format('fz_rsum')}({total}, fz_sh_double);"], \
-            f"{total} / (double)cols"
-    ref = f"{total}_ref"
-    return [f"const double {ref} = {reduce_fn.format('fz_rfirst')}({sh}, fz_sh_double);",
-            f"const bool {ref}_finite = {_finite(ref)};",
-            f"double {total} = !{ref}_finite ? {acc} : {_finite(acs)} ? {acs} + (double){cn} * ({sh} - {ref}) : "
-            f"{acc} - (double){cn} * {ref};",
-            f"{total} = {reduce_fn.format('fz_rsum')}({total}, fz_sh_double);"], \
-        f"({ref}_finite ? {ref} + {total} / (double)cols : {total} / (double)cols)"
-
-
 def _finite(expr: str) -> str:
     """C: whether the double ``expr`` is finite (a shifted sum is used where it is; the plain one where an inf or a
     NaN in the row made it inf or NaN)."""
@@ -282,15 +259,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                                  f"accm{pos} += xv; acsm{pos} += xv - shm{pos}; }}")
                 mean_after = [f"const {acc_t} mean{pos} = ({acc_t})({_finite(f'acsm{pos}')} ? "
                               f"shm{pos} + acsm{pos} / (double)cols : accm{pos} / (double)cols);"]
-            if cuda and acc_t == "double":  # float64: differences from the row's first value (_cuda_shifted_mean)
-                shared.add(mean_t)
-                mean_body[-1] = (f"{{ const double xv = (double)({x}); if (cnm{pos} == 0) shm{pos} = xv; "
-                                 f"accm{pos} += xv; acsm{pos} += xv - shm{pos}; ++cnm{pos}; }}")
-                lines, mean = _cuda_shifted_mean(f"accm{pos}", f"acsm{pos}", f"shm{pos}", f"cnm{pos}", f"accmd{pos}",
-                                                 reduce_fn, True)
-                phases.append(cuda_pass(f"double accm{pos} = 0.0, acsm{pos} = 0.0, shm{pos} = 0.0; int cnm{pos} = 0;",
-                                        [u], guarded(mean_body), lines + [f"const double mean{pos} = {mean};"]))
-            elif cuda:
+            if cuda:
                 shared.add(mean_t)
                 mean_after.insert(0, f"accm{pos} = {reduce_fn.format('fz_rsum')}(accm{pos}, fz_sh_{mean_t});")
                 phases.append(cuda_pass(f"{mean_t} accm{pos} = 0.0;", [u], guarded(mean_body), mean_after))
@@ -307,15 +276,17 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                              shifted=n.out.id in centered)
         acc_decl = f"{acc_t} acc{pos} = {ident};"
         result = f"acc{pos} / ({acc_t})cols" if red.mean else f"acc{pos}"
-        if cuda and n.out.id in centered:  # each thread sums its differences from the first value it sees
-            # (centered_means: exact for a row of equal values; _cuda_shifted_mean)
+        if cuda and n.out.id in centered:  # each thread sums its differences from the first value it sees, then
+            # adds back that value times its count in double (centered_means: exact for a row of equal values); its
+            # plain sum where that is not finite (an inf in the row: inf - inf would make the mean NaN)
             acc_decl += f" {acc_t} acs{pos} = 0; {acc_t} sh{pos} = 0; int cn{pos} = 0;"
             accumulate = (f"{{ const {acc_t} xv = ({acc_t})({x}); if (cn{pos} == 0) sh{pos} = xv; "
                           f"acc{pos} += xv; acs{pos} += xv - sh{pos}; ++cn{pos}; }}")
             shared.add("double")
-            lines, result = _cuda_shifted_mean(f"acc{pos}", f"acs{pos}", f"sh{pos}", f"cn{pos}", f"accd{pos}",
-                                               reduce_fn, acc_t == "double")
-            after += lines
+            after += [f"double accd{pos} = {_finite(f'(double)acs{pos}')} ? (double)acs{pos} + "
+                      f"(double)cn{pos} * (double)sh{pos} : (double)acc{pos};",
+                      f"accd{pos} = {reduce_fn.format(red.combine)}(accd{pos}, fz_sh_double);"]
+            result = f"accd{pos} / (double)cols"
         elif cuda:
             shared.add(acc_t)
             after.append(f"acc{pos} = {reduce_fn.format(red.combine)}(acc{pos}, fz_sh_{acc_t});")
@@ -471,7 +442,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         parallel = t.CPU_PARALLEL_SCRATCH.substitute(cond=cond, scratch="\n".join(
             f"  {vtype[i]}* __restrict__ fz_s_{vname[i]} = new {vtype[i]}[cols > 0 ? cols : 1];" for i in scratch))
         end = "".join(f"  delete[] fz_s_{vname[i]};\n" for i in scratch) + "  });\n"
-        loop, loop_end = t.CPU_OMP_FOR.substitute(count=count, var=var), "  }"
+        loop, loop_end = t.CPU_SHARE_FOR.substitute(count=count, var=var), "  }"
     parts = parts_sum = ""
     if sums:
         part_t = {m: compute_type(out_dtypes[m]) for m in sums}

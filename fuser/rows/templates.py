@@ -17,7 +17,6 @@ ROW_PRELUDE = Template(r"""
 struct fz_rsum { template <class A> static ${fn} A f(A a, A b) { return a + b; } };
 struct fz_rmax { template <class A> static ${fn} A f(A a, A b) { return fz_max(a, b); } };
 struct fz_rmin { template <class A> static ${fn} A f(A a, A b) { return fz_min(a, b); } };
-struct fz_rfirst { template <class A> static ${fn} A f(A a, A b) { return a; } };  // CUDA: lane 0's value, to all
 ${row_reduce}""")
 
 # CUDA: the TPR threads of a row (a power of two; TPR consecutive threads of the block) combine their partial
@@ -102,9 +101,10 @@ ${end}${parts_sum}
 """)
 
 # the loop over rows (or parts of rows): fz_for splits it across threads where ${cond} holds; inside a
-# parallel region (CPU_PARALLEL_SCRATCH) an omp for does
+# parallel region (CPU_PARALLEL_SCRATCH) each thread takes its share, as a static schedule would
 CPU_FOR = Template("  fz_for(${cond}, ${count}, [&](int64_t ${var}) FZ_BODY {")
-CPU_OMP_FOR = Template("#pragma omp for schedule(static)\n  for (int64_t ${var} = 0; ${var} < ${count}; ++${var}) {")
+CPU_SHARE_FOR = Template("  for (int64_t ${var} = ${count} * fz_tid / fz_nt, fz_end = ${count} * (fz_tid + 1) / fz_nt; "
+                       "${var} < fz_end; ++${var}) {")
 
 # column sums (fuser.rows.plan.column_sum_form): the rows in parts of consecutive rows, their number fixed by the
 # row count and the work (not by the threads, so the sums do not depend on how many there are), each part adding
@@ -129,7 +129,7 @@ ${free}""")
 # the CPU row kernel's rows go across threads from ${parallel_threshold} elements; with scratch rows
 # (fuser.rows.plan.kept_values) a parallel region allocates each thread's (${scratch}) around the loop
 CPU_PARALLEL = Template("rows > 1 && rows * cols >= ${parallel_threshold}")
-CPU_PARALLEL_SCRATCH = Template(r"""  fz_region(${cond}, [&]() FZ_BODY {
+CPU_PARALLEL_SCRATCH = Template(r"""  fz_region(${cond}, [&](int64_t fz_tid, int64_t fz_nt) FZ_BODY {
 ${scratch}""")
 
 CUDA_KERNEL = Template(r"""// fuser CUDA row kernel ${name}
