@@ -65,6 +65,10 @@ def _fusion_group(inputs: list[torch.Tensor], scalars: list[float], key: int, di
     return _run_group(inputs, scalars, key, digest, ir)[2]
 
 
+def _fusion_group1(inputs: list[torch.Tensor], scalars: list[float], key: int, digest: str, ir: str) -> torch.Tensor:
+    return _fusion_group(inputs, scalars, key, digest, ir)[0]
+
+
 def _fusion_group_py(inputs: list[torch.Tensor], scalars: list[float], key: int, digest: str, ir: str,
                      offer: bool) -> list[torch.Tensor]:
     """What the native hot path (fuser/native) hands over: the group run here; with ``offer``, a plain call whose
@@ -87,8 +91,8 @@ _lib.impl("fusion_group", _fusion_group, "CompositeImplicitAutograd")
 # vmap: without a kernel for the batched key functorch has no rule for the op; with one, the executor sees a
 # transform in progress and the interpreter runs the group op by op, each op with its own batching rule
 _lib.impl("fusion_group", _fusion_group, "FuncTorchBatched")
-_lib.impl("fusion_group1", lambda *a: _fusion_group(*a)[0], "CompositeImplicitAutograd")
-_lib.impl("fusion_group1", lambda *a: _fusion_group(*a)[0], "FuncTorchBatched")
+_lib.impl("fusion_group1", _fusion_group1, "CompositeImplicitAutograd")
+_lib.impl("fusion_group1", _fusion_group1, "FuncTorchBatched")
 # the native hot path's hand-over (fuser/native/hotpath.cpp): its kernels for CPU and CUDA take precedence over the
 # Python one above for those keys once the library is loaded
 _lib.define("fusion_group_py(Tensor[] inputs, float[] scalars, int key, str digest, str ir, bool offer) -> Tensor[]")

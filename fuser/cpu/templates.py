@@ -103,8 +103,8 @@ template <class F> static inline void fz_for(bool parallel, int64_t n, const F& 
   }
 }
 // a parallel region, body(thread, threads), or one thread's run of it, body(0, 1): the body splits its loop by
-// those numbers itself (fz_share), not by an orphaned `omp for`, which a call from inside a user's OpenMP region
-// would bind to that region's team
+// those numbers itself (fuser/rows/templates.py's CPU_SHARE_FOR), not by an orphaned `omp for`, which a call from
+// inside a user's OpenMP region would bind to that region's team
 extern "C" int omp_get_thread_num(void);
 extern "C" int omp_get_num_threads(void);
 template <class F> static inline void fz_region(bool parallel, const F& body) {

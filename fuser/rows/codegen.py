@@ -432,10 +432,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             [f"(cs{kk} == 0 || cs{kk} == 1)" for kk in range(n_in)] + ["true"]) + ";"
     scratch = sorted(set().union(*(k for _, k in kept)), key=order.__getitem__)
     threshold = max(1, CPU_PARALLEL_WORK // work)
-    cond = t.CPU_PARALLEL.substitute(parallel_threshold=threshold)
-    if sums:
-        cond = cond.replace("rows > 1 &&", "fz_parts > 1 &&")
     var, count = ("part", "fz_parts") if sums else ("row", "rows")
+    cond = t.CPU_PARALLEL.substitute(count=count, parallel_threshold=threshold)
     parallel, end = "", ""
     loop, loop_end = t.CPU_FOR.substitute(cond=cond, count=count, var=var), "  });"
     if scratch:  # a row of each kept value per thread

@@ -103,8 +103,8 @@ ${end}${parts_sum}
 # the loop over rows (or parts of rows): fz_for splits it across threads where ${cond} holds; inside a
 # parallel region (CPU_PARALLEL_SCRATCH) each thread takes its share, as a static schedule would
 CPU_FOR = Template("  fz_for(${cond}, ${count}, [&](int64_t ${var}) FZ_BODY {")
-CPU_SHARE_FOR = Template("  for (int64_t ${var} = ${count} * fz_tid / fz_nt, fz_end = ${count} * (fz_tid + 1) / fz_nt; "
-                       "${var} < fz_end; ++${var}) {")
+CPU_SHARE_FOR = Template("  for (int64_t ${var} = ${count} * fz_tid / fz_nt, fz_end = ${count} * (fz_tid + 1) / fz_nt;"
+                         " ${var} < fz_end; ++${var}) {")
 
 # column sums (fuser.rows.plan.column_sum_form): the rows in parts of consecutive rows, their number fixed by the
 # row count and the work (not by the threads, so the sums do not depend on how many there are), each part adding
@@ -126,9 +126,9 @@ ${stores}
   });
 ${free}""")
 
-# the CPU row kernel's rows go across threads from ${parallel_threshold} elements; with scratch rows
-# (fuser.rows.plan.kept_values) a parallel region allocates each thread's (${scratch}) around the loop
-CPU_PARALLEL = Template("rows > 1 && rows * cols >= ${parallel_threshold}")
+# the CPU row kernel's rows (or parts: ${count}) go across threads from ${parallel_threshold} elements; with scratch
+# rows (fuser.rows.plan.kept_values) a parallel region allocates each thread's (${scratch}) around the loop
+CPU_PARALLEL = Template("${count} > 1 && rows * cols >= ${parallel_threshold}")
 CPU_PARALLEL_SCRATCH = Template(r"""  fz_region(${cond}, [&](int64_t fz_tid, int64_t fz_nt) FZ_BODY {
 ${scratch}""")
 
