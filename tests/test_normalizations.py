@@ -394,10 +394,12 @@ def test_std_of_rows_whose_variance_overflows_as_eager(run, device):
 
 
 @pytest.mark.parametrize("n", (65537, 65536))
-def test_cuda_row_kernel_emulated_on_a_long_row(emulated, n):
-    """A row longer than the registers hold (each pass reads it again): 65537 elements (not a multiple of a trip:
-    the last trip checks its columns) and 65536 (whole trips: the kernel checks none, ``CudaShape.full``)."""
+def test_cuda_row_kernel_emulated_on_a_long_row(emulated, n, monkeypatch):
+    """A row longer than the registers hold (each pass reads it again; clusters off, as on a GPU before sm_90):
+    65537 elements (not a multiple of a trip: the last trip checks its columns) and 65536 (whole trips: the kernel
+    checks none, ``CudaShape.full``)."""
     from fuser.rows.plan import cuda_shape, pass_width
+    monkeypatch.setenv("FUSER_CUDA_CLUSTERS", "0")
     case = CASES[0]
     shape = cuda_shape(n, [4], pass_width(_group(case, n), False)[0])
     assert not shape.held and shape.full == (n == 65536)
@@ -405,6 +407,82 @@ def test_cuda_row_kernel_emulated_on_a_long_row(emulated, n):
     out = row_emulate.run(_group(case, n), args, emulated)
     assert out is not None
     _check(out, case, args)
+
+
+# (case, row length, dtype, the cluster's CTAs): clusters are planned for tensors of 4 bytes or more
+_EMULATED_CLUSTERS = [("softmax", 65536, torch.float32, 8), ("softmax", 20000, torch.float64, 5),
+                      ("layer_norm_block", 20000, torch.float32, 5), ("layer_norm_2d", 20000, torch.float32, 4),
+                      ("rms_norm-1e-06", 65536, torch.float32, 4), ("var.correction-1-keep", 65537, torch.float32, 5),
+                      ("std.dim-False-drop", 32769, torch.float64, 5)]
+
+
+@pytest.mark.parametrize("case_id,n,dtype,cluster", _EMULATED_CLUSTERS, ids=str)
+def test_cuda_row_kernel_emulated_on_a_row_held_by_a_cluster(case_id, n, dtype, cluster):
+    """A row too long for a block's registers, held by the CTAs of a thread block cluster (plan.cluster_shape):
+    each CTA its segment, the reductions combined across the CTAs (var's row-level output stored once). Whole
+    segments (65536), a last CTA holding one element (65537: the others' checks), short last segments; 5 rows, so
+    that the emulated clusters (3) take a second row each, with their reduction slots taken again."""
+    case = next(c for c in CASES if c.id == case_id)
+    args = [a if a.dim() < 2 else torch.cat([a] + [a[:1] * 0.5] * (5 - a.shape[0])) for a in case.inputs(dtype, n)]
+    p = rows.plan(_spec(_group(case, n)), args, "cuda")
+    assert p.key.shape.cluster == cluster and p.key.shape.held and p.key.shape.full == (n == 65536)
+    out = row_emulate.run(_group(case, n), args)
+    assert out is not None
+    _check(out, case, args)
+
+
+def test_clusters_only_from_sm_90(monkeypatch):
+    """Cluster kernels are planned for devices of compute capability 9.0 or later (and the host emulation), not
+    for older ones or with FUSER_CUDA_CLUSTERS=0, nor for 2-byte tensors; a plan without them reads the long row
+    again per pass."""
+    import sys
+    row_plan = sys.modules["fuser.rows.plan"]  # (fuser.rows.plan is also the package's plan function)
+    for cap, want in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(row_plan, "_CLUSTER_DEVICES", {})
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, cap=cap: cap)
+        assert row_plan._clusters(torch.device("cuda", 0)) == want
+    assert row_plan._clusters(torch.device("cpu"))
+    case = CASES[0]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        p = rows.plan(_spec(_group(case, 65536)), case.inputs(dtype, 65536), "cuda")
+        assert (p.key.shape.cluster > 1) == (dtype == torch.float32)
+    monkeypatch.setenv("FUSER_CUDA_CLUSTERS", "0")
+    assert not row_plan._clusters(torch.device("cpu"))
+    p = rows.plan(_spec(_group(case, 65536)), case.inputs(torch.float32, 65536), "cuda")
+    assert p.key.shape.cluster == 1 and not p.key.shape.held
+
+
+def test_cluster_shapes_hold_the_row_in_the_fewest_ctas():
+    """A cluster shape's segments cover the row, the last one not empty; each is a held shape of at least
+    CLUSTER_MIN_TPR threads; no fewer CTAs would hold it; None past MAX_CLUSTER CTAs."""
+    from fuser.rows.plan import CLUSTER_MIN_TPR, MAX_CLUSTER, cluster_shape, cuda_shape
+    for cols in (16385, 20000, 32768, 65536, 65537, 131072, 262144):
+        for sizes in ([4, 4], [2, 2], [2, 4], [8, 8]):
+            for width in (1, 2, 3):
+                def held(n):
+                    one = cuda_shape(-(-cols // n), sizes, width)
+                    return one.held and one.tpr >= CLUSTER_MIN_TPR
+
+                sh = cluster_shape(cols, sizes, width)
+                if sh is None:
+                    assert not any(held(n) for n in range(2, MAX_CLUSTER + 1))
+                    continue
+                seg = sh.tpr * sh.items
+                assert sh.held and sh.tpr >= CLUSTER_MIN_TPR and 2 <= sh.cluster <= MAX_CLUSTER
+                assert (sh.cluster - 1) * seg < cols <= sh.cluster * seg and sh.full == (cols == sh.cluster * seg)
+                assert not any(held(n) for n in range(2, sh.cluster))
+
+
+def test_cluster_row_kernels_compile_with_nvrtc():
+    """Cluster row kernels are CUDA for sm_90: NVRTC compiles each case's at 20000 elements (float32)."""
+    from fuser.cuda import driver
+    for case in CASES:
+        for dtype in (torch.float32,):
+            spec = _spec(_group(case, 20000))
+            p = rows.plan(spec, case.inputs(dtype, 20000), "cuda")
+            assert p.key.shape.cluster > 1
+            name, source = rows.launch.source_for(spec, p)
+            driver.compile_source(source, name, driver.NvrtcOptions(90))
 
 
 @pytest.mark.parametrize("n", (4100, 8192))
@@ -459,7 +537,7 @@ def test_cuda_row_kernels_compile_with_nvrtc(arch):
 def test_cuda_row_kernel_matches_eager(case, dtype):
     # and the lengths that the CUDA shapes change at: rows held by several warps, the longest held row for
     # one value (32 x 512), one past it (a trip per pass), a length that is no whole number of vectors
-    for n in LENGTHS + (4096, 4097, 16384, 16385, 32768):
+    for n in LENGTHS + (4096, 4097, 16384, 16385, 32768, 65536, 131072):
         spec = _spec(_group(case, n))
         args = [a.cuda() for a in case.inputs(dtype, n)]
         out = executor.run(spec, args)
@@ -468,6 +546,21 @@ def test_cuda_row_kernel_matches_eager(case, dtype):
             continue
         assert out is not None, executor.plan(spec, args)
         _check([o.cpu() for o in out], case, [a.cpu() for a in args])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id,n,dtype,cluster", _EMULATED_CLUSTERS, ids=str)
+def test_cuda_cluster_rows_over_many_rows(case_id, n, dtype, cluster):
+    """The emulated cluster cases on a GPU over 1100 rows, more than a launch has clusters (each cluster takes
+    several rows, its reduction slots taken again), against eager."""
+    case = next(c for c in CASES if c.id == case_id)
+    spec = _spec(_group(case, n))
+    args = [a.cuda() if a.dim() < 2 else torch.randn(1100, *a.shape[1:], dtype=dtype, device="cuda") + a[:1].cuda()
+            for a in case.inputs(dtype, n)]
+    assert executor.plan(spec, args).key.shape.cluster == cluster
+    out = executor.run(spec, args)
+    assert out is not None
+    _check([o.cpu() for o in out], case, [a.cpu() for a in args])
 
 
 @pytest.mark.gpu

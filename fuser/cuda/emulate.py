@@ -13,18 +13,21 @@ never imports it. Data flows one way:
 * arguments: the bytes that ``launch.LaunchArgs.fill`` writes, the code that fills ``FzArgs`` before every
   ``cuLaunchKernel`` (sizes, magic/shift dividers, strides, rank, the vector flag from the pointers'
   alignment, pointers, float arguments, the Philox state);
-* host build: each source's ``templates.PRELUDE`` is swapped for ``host_prelude.PRELUDE`` (the kernel's own
-  text is untouched) and wrapped in a namespace of its own. Kernels compile in batches, one object per
+* host build: each source's ``templates.PRELUDE`` is swapped for ``host_prelude.PRELUDE``, and its
+  ``templates.CLUSTER`` (thread block clusters), where it has one, for ``host_prelude.CLUSTER`` (the kernel's
+  own text is untouched), and wrapped in a namespace of its own. Kernels compile in batches, one object per
   batch and the batches in parallel, linked with the fiber runtime and a request server into one executable:
   ``g++ -O1 -fsanitize=address,undefined -fno-sanitize-recover=all -ffp-contract=off``;
 * run: an ASan-instrumented library cannot be loaded into an uninstrumented Python, so the executable runs
-  as a subprocess serving launch requests. Per launch it gets the FzArgs bytes and the bytes of each
-  tensor's span (the memory its view may address), puts every tensor in a heap block of exactly that size
-  (both ends are redzones), points FzArgs' pointers at them (after checking the struct's size and the
-  pointers' offset against the kernel's own ``FzArgs``), runs :data:`EMU_BLOCKS` blocks of the launcher's
-  block size one after another (so grid-stride loops wrap), each thread a fiber (see ``host_prelude``),
-  checks the inputs are unchanged and returns the outputs' bytes, which are written back through the output
-  views (a cat's slices included). Output memory starts as 0xbe bytes, so an element no thread writes shows.
+  as a subprocess serving launch requests (the protocol is written above ``host_prelude.MAIN_UNIT``). Per
+  launch it gets the grid, block and cluster sizes, the FzArgs bytes and the bytes of each tensor's span (the
+  memory its view may address), puts every tensor in a heap block of exactly that size (both ends are
+  redzones), points FzArgs' pointers at them (after checking the struct's size and the pointers' offset
+  against the kernel's own ``FzArgs``), runs :data:`EMU_BLOCKS` blocks of the launcher's block size one after
+  another (so grid-stride loops wrap), each thread a fiber (see ``host_prelude``; a launch in thread block
+  clusters runs one cluster after another, its blocks taking turns between cluster barriers), checks the
+  inputs are unchanged and returns the outputs' bytes, which are written back through the output views (a
+  cat's slices included). Output memory starts as 0xbe bytes, so an element no thread writes shows.
 
 A sanitizer report, a failed harness check or a kernel running past :data:`EMU_TIMEOUT_S` raises
 :class:`EmulationError` with the report.
@@ -74,11 +77,15 @@ class EmulationError(RuntimeError):
 
 
 def host_source(source: str) -> str:
-    """The host C++ of a generated CUDA kernel: its prelude swapped for the host prelude, the rest as is."""
+    """The host C++ of a generated CUDA kernel: its prelude (and cluster primitives, where it has them) swapped
+    for the host's, the rest as is."""
     n = source.count(templates.PRELUDE)
     if n != 1:
         raise ValueError(f"expected fuser.cuda.templates.PRELUDE once in the kernel source, found it {n} times")
-    return source.replace(templates.PRELUDE, host_prelude.PRELUDE)
+    n = source.count(templates.CLUSTER)
+    if n > 1:
+        raise ValueError(f"expected fuser.cuda.templates.CLUSTER at most once in the kernel source, found it {n} times")
+    return source.replace(templates.PRELUDE, host_prelude.PRELUDE).replace(templates.CLUSTER, host_prelude.CLUSTER)
 
 
 def compiler_command() -> str:
@@ -262,8 +269,10 @@ class Emulator:
             cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
             self.compile_cpu_seconds += cpu.ru_utime + cpu.ru_stime - cpu0.ru_utime - cpu0.ru_stime
 
-    def run(self, name: str, grid: int, block: int, args: bytes, tensors: Sequence[tuple]) -> list[bytes]:
-        """Launch kernel ``name`` on ``grid`` blocks of ``block`` threads with FzArgs bytes ``args``.
+    def run(self, name: str, grid: int, block: int, args: bytes, tensors: Sequence[tuple],
+            cluster: int = 1) -> list[bytes]:
+        """Launch kernel ``name`` on ``grid`` blocks of ``block`` threads with FzArgs bytes ``args``, in
+        clusters of ``cluster`` blocks (1 to 16, dividing ``grid``; a kernel's ``__cluster_dims__`` is not read).
         ``tensors``: per pointer, (address in ``args``, span in bytes, the input's bytes or None for an output).
         Returns the outputs' bytes."""
         with self._lock:
@@ -271,8 +280,8 @@ class Emulator:
                 if name not in self._pending and not any(name in es for es in self._entries.values()):
                     raise KeyError(f"no kernel {name} registered with this emulator")
                 self.compile_pending()
-            parts = [struct.pack("<I", len(name)), name.encode(), struct.pack("<III", grid, block, len(args)), args,
-                     struct.pack("<I", len(tensors))]
+            parts = [struct.pack("<I", len(name)), name.encode(),
+                     struct.pack("<IIII", grid, block, cluster, len(args)), args, struct.pack("<I", len(tensors))]
             for address, size, data in tensors:
                 parts.append(struct.pack("<QQI", address, size, data is None))
                 if data is not None:

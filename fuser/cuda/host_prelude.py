@@ -19,6 +19,17 @@ waits, the barrier opens and the next phase runs them in the reverse order (a ke
 it lacks sees its writes in another order). A fiber that returns while others wait is an error (CUDA
 leaves it undefined). ``__shared__`` is ``static``: one copy that a block's fibers share; blocks run one
 after another, so that is one copy per block. (Dynamic ``extern __shared__`` arrays are not provided yet.)
+
+Thread block clusters (sm_90): a source's ``templates.CLUSTER`` is swapped for :data:`CLUSTER`, and a launch in
+clusters of N blocks runs one cluster after another, a fiber per thread of its N CTAs. They take turns: CTA 0 runs
+its phases until each of its threads waits at the cluster barrier (``fz_cluster_sync``) or has returned, then
+CTA 1, and so on; when every thread of the cluster waits there, the barrier opens and the round repeats. So no
+two CTAs use the static ``__shared__`` arrays at once, but an array does not keep a CTA's contents across a
+cluster barrier (the other CTAs ran in between). Distributed shared memory is a table of the runtime:
+``fz_cluster_put`` also stores its value there, under (slot address, rank), and ``fz_cluster_get`` reads it
+there. Errors: a get of a slot that CTA never put, or of a CTA that has exited (its entries go then, as its
+shared memory does on a GPU: a cluster kernel ends with a cluster barrier), a cluster barrier that waits for
+threads that returned, and a ``__syncthreads()`` that waits for threads at the cluster barrier.
 """
 from string import Template
 
@@ -41,11 +52,17 @@ HEADER = r"""// fuser: the CUDA device environment on the host (fuser/cuda/host_
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static
+#define __cluster_dims__(...)
 
 struct fz_dim3 { unsigned int x, y, z; };
 namespace fz_emu {
 extern fz_dim3 thread_idx, block_idx, block_dim, grid_dim;
 void syncthreads();
+// thread block clusters (CLUSTER below)
+unsigned cluster_rank();
+void cluster_sync();
+void cluster_put(const void* slot, const void* value, size_t size);
+void cluster_get(const void* slot, unsigned rank, void* value, size_t size);
 typedef void (*entry_fn)(const void* args);
 // what the server needs to know of one kernel: how to call it and where its FzArgs keeps the pointers
 struct KernelInfo { const char* name; entry_fn entry; size_t args_size; size_t ptrs_offset; size_t n_ptrs; };
@@ -120,6 +137,23 @@ __device__ __forceinline__ long long fz_opaque(long long x) { return x; }
 PRELUDE = templates.PRELUDE_TEMPLATE.substitute(half_load=HALF_LOAD, half_store=HALF_STORE, helpers=HELPERS,
                                                 opaque=OPAQUE)
 
+# replaces templates.CLUSTER where a kernel's source has it. ``__shared__`` is one static copy for every CTA, so
+# a put also leaves its value with the runtime, under (slot, the putting CTA's rank), and a get reads it there
+CLUSTER = r"""// fuser: thread block clusters, on the host (fuser/cuda/host_prelude.py)
+__device__ __forceinline__ unsigned fz_cluster_rank() { return fz_emu::cluster_rank(); }
+__device__ __forceinline__ void fz_cluster_sync() { fz_emu::cluster_sync(); }
+template <class A> __device__ __forceinline__ void fz_cluster_put(A* p, A v) {
+  *p = v;
+  fz_emu::cluster_put(p, &v, sizeof(A));
+}
+template <class A> __device__ __forceinline__ A fz_cluster_get(const A* p, unsigned rank) {
+  static_assert(sizeof(A) == 4 || sizeof(A) == 8, "cluster slots of 4 or 8 bytes");
+  A v;
+  fz_emu::cluster_get(p, rank, &v, sizeof(A));
+  return v;
+}
+"""
+
 # one kernel: its host source in a namespace of its own (preludes define the same names), and a
 # non-template entry the server calls with a pointer to the FzArgs bytes
 KERNEL_UNIT = Template(r"""namespace fzk_${name} {
@@ -150,13 +184,15 @@ extern const size_t fz_batch_${index}_size;""")
 
 # the fiber runtime and the server: requests on stdin, results on stdout (fuser.cuda.emulate writes and
 # reads this protocol; all numbers little-endian)
-#   request:  u32 name length, name, u32 grid, u32 block, u32 args length, FzArgs bytes, u32 tensors,
+#   request:  u32 name length, name, u32 grid, u32 block, u32 cluster (CTAs per cluster, 1 to 16, dividing
+#             grid), u32 args length, FzArgs bytes, u32 tensors,
 #             per tensor: u64 address the launcher put in FzArgs, u64 bytes, u32 is output, then an input's
 #             bytes (the span of memory its view may address)
 #   response: u32 0, then per output u64 bytes and the bytes; or u32 1, u32 length, a message
 # A sanitizer report ends the process (its log is a file the emulator reads).
 MAIN_UNIT = Template(r"""${header}
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -174,11 +210,12 @@ namespace fz_emu {
 fz_dim3 thread_idx, block_idx, block_dim, grid_dim;
 
 namespace {
-enum State { READY, AT_BARRIER, DONE };
+// AT_BARRIER: in __syncthreads(); AT_CLUSTER: in fz_cluster_sync()
+enum State { READY, AT_BARRIER, AT_CLUSTER, DONE };
 // ASan's redzones make frames several times their size
 const size_t kStackSize = 256 << 10;
 struct Fiber { ucontext_t context; char* stack; State state; };
-std::vector<Fiber> fibers;
+std::vector<Fiber> fibers;  // fiber t of a cluster: thread t % block of its CTA t / block
 ucontext_t scheduler;
 const void* scheduler_bottom = nullptr;
 size_t scheduler_size = 0;
@@ -186,6 +223,11 @@ unsigned current = 0;
 entry_fn entry = nullptr;
 const void* entry_args = nullptr;
 const char* running = "(none)";
+// the running cluster: its first block, its CTAs, the running fiber's CTA
+unsigned cluster_base = 0, cluster_ctas = 1, rank = 0;
+// what each CTA of the running cluster put, by slot address (a CTA's entries go when it exits)
+std::vector<std::unordered_map<const void*, uint64_t>> puts;
+std::vector<bool> exited;
 
 void to_scheduler(bool finished) {
   void* fake_stack = nullptr;
@@ -204,21 +246,55 @@ void fiber_main() {
 
 void resume(unsigned t) {
   current = t;
-  thread_idx = {t, 0, 0};
+  rank = t / block_dim.x;
+  thread_idx = {t % block_dim.x, 0, 0};
+  block_idx = {cluster_base + rank, 0, 0};
   void* fake_stack = nullptr;
   __sanitizer_start_switch_fiber(&fake_stack, fibers[t].stack, kStackSize);
   swapcontext(&scheduler, &fibers[t].context);
   __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
 }
 
-[[noreturn]] void fail(const char* what) {
-  fprintf(stderr, "fuser emulation: %s (kernel %s, block %u)\n", what, running, block_idx.x);
+[[noreturn]] __attribute__((format(printf, 1, 2))) void fail(const char* what, ...) {
+  fprintf(stderr, "fuser emulation: ");
+  va_list rest;
+  va_start(rest, what);
+  vfprintf(stderr, what, rest);
+  va_end(rest);
+  fprintf(stderr, " (kernel %s, block %u)\n", running, block_idx.x);
   abort();
 }
 
-void run_block(unsigned block, unsigned n_threads) {
-  block_idx = {block, 0, 0};
-  for (unsigned t = 0; t < n_threads; ++t) {
+// Runs CTA r's fibers in phases (each __syncthreads() ends one; the next runs them in the other order) until
+// every one waits at the cluster barrier or has returned. True when all have returned.
+bool run_cta(unsigned r, unsigned& phase) {
+  const unsigned n = block_dim.x, first = r * n;
+  for (;; ++phase) {
+    for (unsigned k = 0; k < n; ++k) {
+      const unsigned t = first + (phase % 2 ? n - 1 - k : k);
+      if (fibers[t].state == READY) resume(t);
+    }
+    unsigned done = 0, synced = 0;
+    for (unsigned t = first; t < first + n; ++t) {
+      done += fibers[t].state == DONE;
+      synced += fibers[t].state == AT_BARRIER;
+    }
+    if (synced == 0) {
+      ++phase;
+      return done == n;
+    }
+    if (done) fail("__syncthreads() waits for threads that have returned");
+    if (synced < n) fail("__syncthreads() waits for threads that wait at the cluster barrier");
+    for (unsigned t = first; t < first + n; ++t) fibers[t].state = READY;
+  }
+}
+
+// Cluster c: its CTAs one after another, each up to the cluster barrier (so no two use the static __shared__
+// arrays at once); when all wait there, the barrier opens and they run again, until all have returned.
+void run_cluster(unsigned c) {
+  const unsigned n = cluster_ctas * block_dim.x;
+  cluster_base = c * cluster_ctas;
+  for (unsigned t = 0; t < n; ++t) {
     Fiber& f = fibers[t];
     // the stack's top holds fiber_main's frame, which never returns: clear what ASan marked there
     __asan_unpoison_memory_region(f.stack + kStackSize - (64 << 10), 64 << 10);
@@ -229,16 +305,25 @@ void run_block(unsigned block, unsigned n_threads) {
     makecontext(&f.context, fiber_main, 0);
     f.state = READY;
   }
-  for (unsigned phase = 0;; ++phase) {
-    for (unsigned k = 0; k < n_threads; ++k) {
-      const unsigned t = phase % 2 ? n_threads - 1 - k : k;
-      if (fibers[t].state == READY) resume(t);
-    }
+  puts.assign(cluster_ctas, {});
+  exited.assign(cluster_ctas, false);
+  std::vector<unsigned> phases(cluster_ctas, 0);
+  for (;;) {
+    for (unsigned r = 0; r < cluster_ctas; ++r)
+      if (!exited[r] && run_cta(r, phases[r])) {
+        exited[r] = true;
+        puts[r].clear();
+      }
     unsigned done = 0;
-    for (unsigned t = 0; t < n_threads; ++t) done += fibers[t].state == DONE;
-    if (done == n_threads) return;
-    if (done) fail("__syncthreads() waits for threads that have returned");
-    for (unsigned t = 0; t < n_threads; ++t) fibers[t].state = READY;
+    for (unsigned t = 0; t < n; ++t) done += fibers[t].state == DONE;
+    if (done == n) return;
+    if (done) {  // name a thread that returned
+      unsigned t = 0;
+      while (fibers[t].state != DONE) ++t;
+      block_idx = {cluster_base + t / block_dim.x, 0, 0};
+      fail("fz_cluster_sync() waits for threads that have returned, among them thread %u", t % block_dim.x);
+    }
+    for (unsigned t = 0; t < n; ++t) fibers[t].state = READY;
   }
 }
 }  // namespace
@@ -248,8 +333,29 @@ void syncthreads() {
   to_scheduler(false);
 }
 
-void launch(const KernelInfo& k, const void* args, unsigned grid, unsigned block) {
-  while (fibers.size() < block) {
+unsigned cluster_rank() { return rank; }
+
+void cluster_sync() {
+  fibers[current].state = AT_CLUSTER;
+  to_scheduler(false);
+}
+
+void cluster_put(const void* slot, const void* value, size_t size) {
+  uint64_t& bits = puts[rank][slot];
+  memcpy(&bits, value, size);
+}
+
+void cluster_get(const void* slot, unsigned r, void* value, size_t size) {
+  if (r >= cluster_ctas) fail("fz_cluster_get() reads CTA %u of a cluster of %u", r, cluster_ctas);
+  if (exited[r])
+    fail("fz_cluster_get() reads the shared memory of CTA %u (block %u), which has exited", r, cluster_base + r);
+  const auto found = puts[r].find(slot);
+  if (found == puts[r].end()) fail("fz_cluster_get() reads a slot that CTA %u never put", r);
+  memcpy(value, &found->second, size);
+}
+
+void launch(const KernelInfo& k, const void* args, unsigned grid, unsigned block, unsigned cluster) {
+  while (fibers.size() < (size_t)cluster * block) {
     void* stack = mmap(nullptr, kStackSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                        -1, 0);
     if (stack == MAP_FAILED) fail("no memory for a fiber stack");
@@ -260,7 +366,8 @@ void launch(const KernelInfo& k, const void* args, unsigned grid, unsigned block
   running = k.name;
   grid_dim = {grid, 1, 1};
   block_dim = {block, 1, 1};
-  for (unsigned b = 0; b < grid; ++b) run_block(b, block);
+  cluster_ctas = cluster;
+  for (unsigned c = 0; c < grid / cluster; ++c) run_cluster(c);
   running = "(none)";
 }
 }  // namespace fz_emu
@@ -319,6 +426,7 @@ int main() {
     std::string name(name_size, '\0');
     if (!read_exact(&name[0], name_size)) return 3;
     const uint32_t grid = read_value<uint32_t>(), block = read_value<uint32_t>();
+    const uint32_t cluster = read_value<uint32_t>();
     const uint32_t args_size = read_value<uint32_t>();
     std::vector<char> args(args_size);
     if (!read_exact(args.data(), args_size)) return 3;
@@ -361,6 +469,11 @@ int main() {
                   std::to_string(n_tensors) + " tensors");
       continue;
     }
+    if (cluster < 1 || cluster > 16 || grid % cluster != 0) {
+      reply_error("kernel " + name + " launched on " + std::to_string(grid) + " blocks in clusters of " +
+                  std::to_string(cluster) + ": a cluster has 1 to 16 blocks, and the grid whole clusters");
+      continue;
+    }
     // an exact-size copy of the argument bytes, the launcher's addresses replaced by the buffers'
     void* launch_args = malloc(args_size);
     memcpy(launch_args, args.data(), args_size);
@@ -380,7 +493,7 @@ int main() {
       continue;
     }
     alarm(${timeout_s});  // a kernel that never ends is killed (SIGALRM) rather than hanging the tests
-    fz_emu::launch(info, launch_args, grid, block);
+    fz_emu::launch(info, launch_args, grid, block, cluster);
     alarm(0);
     free(launch_args);
     for (uint32_t k = 0; k < n_tensors; ++k)

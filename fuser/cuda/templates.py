@@ -402,3 +402,32 @@ ${accumulate}
         }
       }
     }""")
+
+# thread block clusters (sm_90): the primitives a kernel whose row spans the CTAs of a cluster uses, after the
+# prelude (the host emulation swaps this text too: fuser/cuda/host_prelude.py's CLUSTER). fz_cluster_put writes a
+# value into this CTA's shared slot ``p``; fz_cluster_get reads the slot at the same address in CTA ``rank`` of the
+# cluster (distributed shared memory); fz_cluster_sync is the cluster-wide barrier (every thread of every CTA;
+# release on arrival, acquire on wait: what a CTA put before it, every CTA gets after it).
+CLUSTER = r"""// fuser: thread block clusters
+__device__ __forceinline__ unsigned fz_cluster_rank() {
+  unsigned r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r;
+}
+__device__ __forceinline__ void fz_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+template <class A> __device__ __forceinline__ void fz_cluster_put(A* p, A v) { *(volatile A*)p = v; }
+template <class A> __device__ __forceinline__ A fz_cluster_get(const A* p, unsigned rank) {
+  static_assert(sizeof(A) == 4 || sizeof(A) == 8, "cluster slots of 4 or 8 bytes");
+  unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  A v;
+  if (sizeof(A) == 4) {
+    unsigned x; asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(x) : "r"(r) : "memory");
+    memcpy(&v, &x, 4);
+  } else {
+    unsigned long long x; asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(x) : "r"(r) : "memory");
+    memcpy(&v, &x, 8);
+  }
+  return v;
+}
+"""

@@ -5,8 +5,10 @@ input needs are computed again from the inputs (compute is cheap, bytes are not)
 CUDA combined across the row's threads. Then the row-level nodes whose operands are ready. A last pass computes and
 stores the element-level outputs; the row-level outputs are stored once per row. On CUDA a row that fits a
 thread's registers (``plan.CudaShape.held``) is read once: the inputs that several passes read are loaded into
-registers first, and the passes read those; a longer row is read again by each pass. Each node's statement is the pointwise codegen's
-(``codegen.body.node_statement``), so an op means the same in both kinds of kernel.
+registers first, and the passes read those; a row held by the CTAs of a cluster (``plan.CudaShape.cluster``) the
+same, each CTA its segment, its reductions combined across the CTAs; a longer row is read again by each pass.
+Each node's statement is the pointwise codegen's (``codegen.body.node_statement``), so an op means the same in
+both kinds of kernel.
 """
 from __future__ import annotations
 
@@ -230,7 +232,13 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     phases: list[str] = []
     ready = {v.id for v in group.inputs if not v.is_tensor}
     shared = set()
-    reduce_fn = f"fz_row_reduce<{{}}, {shape.tpr}>" if cuda else None
+    cl = cuda and shape.cluster > 1  # the row spans the CTAs of a cluster (plan.cluster_shape)
+    # a cluster kernel's reductions combine the CTAs' results (templates.CLUSTER_REDUCE; fz_cn counts them)
+    reduce_fn = (f"fz_cluster_reduce<{{}}, {shape.tpr}, {shape.cluster}>" if cl else
+                 f"fz_row_reduce<{{}}, {shape.tpr}>" if cuda else None)
+    red_tail = ", fz_cn" if cl else ""
+    # the row length in the reductions' divisors: a cluster CTA's cols counts only its own segment's columns
+    ncols = "fz_ncols" if cl else "cols"
     cpass = 0  # the CPU pass being generated (kept's index)
     centered = centered_means(group)
     for n, pos, red, nt in reductions:
@@ -250,7 +258,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             mean_t = "double"
             mean_body = element_lines([u], cpass) + [f"accm{pos} += ({mean_t})({x});"]
             cpass += 1
-            mean_after = [f"const {acc_t} mean{pos} = ({acc_t})(accm{pos} / (double)cols);"]
+            mean_after = [f"const {acc_t} mean{pos} = ({acc_t})(accm{pos} / (double){ncols});"]
             if not cuda:  # the row's sum of its differences from its first value, that value added after: the mean
                 # of equal values is exact (a double sum of three 1e30 float64 values, divided by 3, is not: the
                 # CUDA fuzzer found a variance of 3e28 where eager's Welford gives 0); the plain sum where the
@@ -261,7 +269,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                               f"shm{pos} + acsm{pos} / (double)cols : accm{pos} / (double)cols);"]
             if cuda:
                 shared.add(mean_t)
-                mean_after.insert(0, f"accm{pos} = {reduce_fn.format('fz_rsum')}(accm{pos}, fz_sh_{mean_t});")
+                mean_after.insert(0, f"accm{pos} = {reduce_fn.format('fz_rsum')}(accm{pos}, fz_sh_{mean_t}{red_tail});")
                 phases.append(cuda_pass(f"{mean_t} accm{pos} = 0.0;", [u], guarded(mean_body), mean_after))
             else:
                 phases.append(f"    const int64_t c0_{pos}m = 0;\n" + t.PHASE.substitute(
@@ -275,7 +283,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             vector.reduction(u, red, pos, acc_t, vdtype[u.id] == nt.compute, *kept[cpass], [u],
                              shifted=n.out.id in centered)
         acc_decl = f"{acc_t} acc{pos} = {ident};"
-        result = f"acc{pos} / ({acc_t})cols" if red.mean else f"acc{pos}"
+        result = f"acc{pos} / ({acc_t}){ncols}" if red.mean else f"acc{pos}"
         if cuda and n.out.id in centered:  # each thread sums its differences from the first value it sees, then
             # adds back that value times its count in double (centered_means: exact for a row of equal values); its
             # plain sum where that is not finite (an inf in the row: inf - inf would make the mean NaN)
@@ -285,11 +293,11 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             shared.add("double")
             after += [f"double accd{pos} = {_finite(f'(double)acs{pos}')} ? (double)acs{pos} + "
                       f"(double)cn{pos} * (double)sh{pos} : (double)acc{pos};",
-                      f"accd{pos} = {reduce_fn.format(red.combine)}(accd{pos}, fz_sh_double);"]
-            result = f"accd{pos} / (double)cols"
+                      f"accd{pos} = {reduce_fn.format(red.combine)}(accd{pos}, fz_sh_double{red_tail});"]
+            result = f"accd{pos} / (double){ncols}"
         elif cuda:
             shared.add(acc_t)
-            after.append(f"acc{pos} = {reduce_fn.format(red.combine)}(acc{pos}, fz_sh_{acc_t});")
+            after.append(f"acc{pos} = {reduce_fn.format(red.combine)}(acc{pos}, fz_sh_{acc_t}{red_tail});")
         centered_cpu = not cuda and n.out.id in centered
         if centered_cpu:  # the row's differences from its first value (cref, read before the pass), summed in double
             # by the vector lanes (_Vector.reduction) and the scalar loop; the mean is that value plus their mean, exact
@@ -300,7 +308,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             result = f"({_finite(f'accs{pos}')} ? cref{pos} + accs{pos} / (double)cols : acc{pos} / ({acc_t})cols)"
         if red.variance:  # eager's divisor max(0, n - correction): n <= correction gives inf or NaN as eager's
             c = ops.correction(n.op, n.args)
-            result = f"acc{pos} / ({acc_t})((double)cols - {c!r} > 0 ? (double)cols - {c!r} : 0.0)"
+            result = f"acc{pos} / ({acc_t})((double){ncols} - {c!r} > 0 ? (double){ncols} - {c!r} : 0.0)"
         rtype = vtype[n.out.id]
         if n.out.id in exact:  # rounded as eager stores it (stores_rounded)
             result = f"fz_ld(fz_st<{storage_type(nt.result)}>((float)({result})))"
@@ -336,6 +344,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         return f"o{m}[{at}] = fz_st<{storage_type(dt)}>({vname[o.id]});"
 
     if elem_out and cuda:  # each item's values into a vector per output, stored whole where the launch allows
+        out_row = "row * fz_ncols + fz_c0" if cl else "row * cols"
         wanted = [o for _, o in elem_out]
         kept_out = [(m, o) for m, o in elem_out if m not in sums]
         decls = [f"fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}> w{m};" for m, o in kept_out]
@@ -346,10 +355,10 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             f"({vname[o.id]});" for m, o in elem_out if m in sums])
         stores = [f"if (live{'' if shape.full else ' && cb < cols'}) {{", "  if (args.vec) {"]
         stores += [f"    *reinterpret_cast<fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}>*>("
-                   f"o{m} + row * cols + cb) = w{m};" for m, o in kept_out]
+                   f"o{m} + {out_row} + cb) = w{m};" for m, o in kept_out]
         stores += ["  } else {", "#pragma unroll", f"    for (int v = 0; v < {shape.vec}; ++v) {{",
                    f"      if ({'true' if shape.full else 'cb + v < cols'}) {{"]
-        stores += [f"        o{m}[row * cols + cb + v] = w{m}.v[v];" for m, _ in kept_out]
+        stores += [f"        o{m}[{out_row} + cb + v] = w{m}.v[v];" for m, _ in kept_out]
         stores += ["      }", "    }", "  }", "}"]
         phases.append(cuda_pass("", wanted, body, [], item_decls=decls, after_item=stores))
     elif elem_out:
@@ -367,7 +376,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     if row_out:
         stores = [store(m, o, "row") for m, o in row_out]
         if cuda:
-            phases.append("    if (live && lane == 0) {\n" + "\n".join("      " + s for s in stores) + "\n    }")
+            phases.append(f"    if (live && lane == 0{' && fz_c0 == 0' if cl else ''}) {{\n"
+                          + "\n".join("      " + s for s in stores) + "\n    }")
         else:
             phases += ["    " + s for s in stores]
 
@@ -411,16 +421,24 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                 f"  {storage_type(out_dtypes[m])}* __restrict__ o{m} = "
                 f"({storage_type(out_dtypes[m])}*)args.ptrs[{n_in + m}];\n  __shared__ {sum_t[m]} fz_sh{m}[8][32];"
                 for m in sums)) if sums else ""
+        if cl:  # the CTA's segment: its inputs' offsets start at its first column
+            offsets += "".join(f"\n    off{kk} += (long long)fz_c0 * cs{kk};" for kk in range(n_in))
+        n_sh = max(1, shape.block // 32) + (2 if cl else 0)
         return t.CUDA_KERNEL.substitute(
-            sums_decl=sums_decl, sums_store=sums_store, parts_kernel=parts_kernel,
-            name=name, prelude=cuda_t.PRELUDE, row_prelude=t.ROW_PRELUDE.substitute(
-                fn="__device__ __forceinline__", row_reduce=t.ROW_REDUCE),
+            sums_decl=sums_decl, sums_store=t.CUDA_CLUSTER_END if cl else sums_store, parts_kernel=parts_kernel,
+            name=name, prelude=cuda_t.PRELUDE + (cuda_t.CLUSTER if cl else ""),
+            row_prelude=t.ROW_PRELUDE.substitute(
+                fn="__device__ __forceinline__", row_reduce=t.ROW_REDUCE + (t.CLUSTER_REDUCE if cl else "")),
+            cluster_dims=f"__cluster_dims__({shape.cluster}, 1, 1) " if cl else "",
+            cols=t.CUDA_CLUSTER_COLS.substitute(seg=shape.tpr * shape.items) if cl else t.CUDA_COLS,
+            first_block=f"(blockIdx.x / {shape.cluster})" if cl else "blockIdx.x",
+            n_blocks=f"(gridDim.x / {shape.cluster})" if cl else "gridDim.x",
             max_dims=t.MAX_DIMS, n_stride_rows=max(1, n_in), n_ptrs=n_in + len(out_dtypes) + len(sums),
             n_scalar_slots=max(1, n_scalar_slots), block=shape.block,
             min_blocks=f", {shape.min_blocks}" if shape.min_blocks > 1 else "",
             tpr=shape.tpr, rpb=shape.block // shape.tpr,
             items=shape.items, vec=shape.vec, params="\n".join(params),
-            shared="\n".join(f"  __shared__ {a} fz_sh_{a}[{max(1, shape.block // 32)}];" for a in sorted(shared)),
+            shared="\n".join(f"  __shared__ {a} fz_sh_{a}[{n_sh}];" for a in sorted(shared)),
             offsets=offsets, cache="\n".join(cache), phases="\n".join(phases))
     if vector is not None and not vector.on:  # some pass has no vector form: scalar loops throughout
         return generate(group, inputs, node_types, target, name, n_scalar_slots, vectorize=False,

@@ -57,7 +57,7 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
     struct = launch.args_struct(len(p.tensors), len(p.tensors) + len(outputs) + len(sums), len(p.scalars))
     vec = launch.vector_ok(p.vec_ok, p.vec_align, p.tensors, outputs)
     block = p.key.shape.block
-    grid = min(emulate.EMU_BLOCKS, -(-p.rows // (block // p.key.shape.tpr)))
+    grid = launch.grid_for(p.rows, p.key.shape, emulate.EMU_BLOCKS * p.key.shape.cluster)
     # column sums: the launcher's partial rows, one wave (here the emulated blocks) of slots
     _, slots, parts = launch.part_buffers(p.rows, p.cols, p.key.shape, sums, tuple(p.out_dtypes[m] for m in sums),
                                           emulate.EMU_BLOCKS, "cpu")
@@ -65,7 +65,7 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
                             slots)
     spans = _spans(p.tensors, empty=0) + [(o.data_ptr(), max(1, o.numel()) * o.element_size(), None)
                                           for o in (*outputs, *parts)]
-    results = emulator.run(name, grid, block, bytes(args), spans)
+    results = emulator.run(name, grid, block, bytes(args), spans, cluster=p.key.shape.cluster)
     _copy_back([*outputs, *parts], results)
     if sums:  # the second kernel: reads the partial rows, writes the sums, leaves the other outputs alone
         spans = _spans(p.tensors, empty=0) + [

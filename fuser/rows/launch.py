@@ -191,7 +191,33 @@ def _load_cuda(source: str, name: str, p: RowPlan):
                          p.key.sums, second), compiled
 
 
+def grid_for(rows: int, shape, max_blocks: int) -> int:
+    """The blocks of a row kernel's launch: a block per ``block // tpr`` rows, at most ``max_blocks``; a cluster
+    kernel (``CudaShape.cluster``) a cluster of blocks per row, the grid a whole number of clusters."""
+    n = shape.cluster
+    return n * max(1, min(-(-rows // (shape.block // shape.tpr)), max_blocks // n))
+
+
 ROW_WAVES = 8  # blocks a launch holds at most, in waves of the device's resident blocks (the kernel grid-strides)
+
+
+# a cluster kernel's launch: this many times the clusters the device holds at once, each looping over its rows.
+# H200, float32 rows of 65536 (softmax, layer_norm(x) * w + b, rms_norm, softmax's training step), 1 against 8, two
+# rounds alternating: 174 / 176, 181 / 191, 155 / 161, 389 / 394 us (clusters launched anew cost more than a loop)
+CLUSTER_WAVES = 1
+
+
+def max_active_clusters(kernel, shape) -> int:
+    """The clusters of a cluster row kernel (``CudaShape.cluster``) the device runs at once
+    (``cuOccupancyMaxActiveClusters``: the CTAs of a cluster share a GPC), or 0 where the driver does not say."""
+    from cuda.bindings import driver
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = shape.cluster, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = shape.block, 1, 1
+    config.sharedMemBytes, config.numAttrs = 0, 0
+    with torch.cuda.device(kernel.device_index):
+        err, n = driver.cuOccupancyMaxActiveClusters(kernel._function, config)
+    return int(n) if err == driver.CUresult.CUDA_SUCCESS else 0  # (the caller then counts blocks an SM)
 
 
 class RowCudaKernel:
@@ -210,11 +236,15 @@ class RowCudaKernel:
                                       self.block, 0)
         sms = torch.cuda.get_device_properties(kernel.device_index).multi_processor_count
         self.max_blocks = max(1, per_sm) * sms * ROW_WAVES
+        if shape.cluster > 1:  # the clusters that fit the device at once (GPCs bound them), in CLUSTER_WAVES
+            clusters = max_active_clusters(kernel, shape)
+            if clusters:
+                self.max_blocks = clusters * shape.cluster * CLUSTER_WAVES
         self.parts_blocks = max(1, per_sm) * sms  # column sums: one wave, a partial row per slot
         self._local = threading.local()
 
     def grid(self, geo) -> int:
-        return max(1, min(-(-geo.rows // self.rows_per_block), self.max_blocks))
+        return grid_for(geo.rows, self.shape, self.max_blocks)
 
     def parts(self, geo) -> tuple[int, int, tuple]:
         """Column sums: (the row kernel's grid, its slots, the partial-row buffers' dtypes; each [slots, cols]), as

@@ -5,7 +5,8 @@ const int64_t* sizes, const int64_t* strides, void* const* ptrs, const double* s
 ``rank`` row dims, then the row length; ``strides``: per tensor input ``rank`` strides over the row dims, then its
 stride along the row. CUDA: one by-value ``FzArgs`` (mirrored by ``fuser.rows.launch.args_struct``); a row is
 shared by a power of two of consecutive threads (``fuser.rows.plan.CudaShape``), a block holds one or more rows and
-grid-strides over them. Both kernels start from their target's pointwise prelude (so the CUDA host
+grid-strides over them; or (``CudaShape.cluster``) the CTAs of a thread block cluster share a row, a segment each
+(:data:`CUDA_CLUSTER_COLS`, :data:`CLUSTER_REDUCE`), a cluster per row in turn. Both kernels start from their target's pointwise prelude (so the CUDA host
 emulation swaps it as for every CUDA kernel) and add :data:`ROW_PRELUDE`.
 """
 from string import Template
@@ -74,6 +75,27 @@ template <int NV, int V, int TPR, bool FULL, class C, class S> __device__ __forc
       }
     }
   }
+}
+"""
+
+# a row held by the N CTAs of a thread block cluster (fuser.rows.plan.cluster_shape; a block is one row, TPR its
+# threads): each CTA reduces its segment (fz_row_reduce), thread 0 puts the result into a slot of its shared
+# memory, and after the cluster barrier lanes 0..N-1 of every warp read the N CTAs' slots, combined in rank order
+# by every thread (a fixed order: every CTA gets the same value). Two slots a type, taken in turn by the kernel's
+# count of reductions (cn): a slot is written again two reductions later, after a barrier that every CTA reaches
+# only once it has read the slot, so one barrier a reduction suffices. sh holds TPR / 32 values and the two slots.
+CLUSTER_REDUCE = r"""template <class Op, int TPR, int N, class A> __device__ __forceinline__ A fz_cluster_reduce(A v, A* sh,
+                                                                                       unsigned& cn) {
+  v = fz_row_reduce<Op, TPR>(v, sh);
+  A* const slot = sh + TPR / 32 + (cn++ & 1u);
+  if (threadIdx.x == 0) fz_cluster_put(slot, v);
+  fz_cluster_sync();
+  const unsigned l = threadIdx.x & 31u;
+  const A mine = l < (unsigned)N ? fz_cluster_get(slot, l) : v;
+  A r = __shfl_sync(0xffffffffu, mine, 0);
+#pragma unroll
+  for (int k = 1; k < N; ++k) r = Op::f(r, __shfl_sync(0xffffffffu, mine, k));
+  return r;
 }
 """
 
@@ -149,15 +171,15 @@ struct FzArgs {
 
 // ${tpr} threads a row, ${rpb} rows a block; a thread holds ${items} elements of a row a trip, in vectors of ${vec}
 // (element i*${vec}+v of its trip: column ((i*${tpr} + lane)*${vec} + v))
-extern "C" __global__ void __launch_bounds__(${block}${min_blocks}) ${name}(const FzArgs args) {
+extern "C" __global__ void ${cluster_dims}__launch_bounds__(${block}${min_blocks}) ${name}(const FzArgs args) {
   const long long rows = args.rows;
-  const int cols = (int)args.cols;  // below 2^31 (fuser.rows.plan)
+${cols}
   const int rank = args.rank;
   const int lane = threadIdx.x % ${tpr};
 ${params}
 ${shared}
 ${sums_decl}
-  for (long long base = (long long)blockIdx.x * ${rpb}; base < rows; base += (long long)gridDim.x * ${rpb}) {
+  for (long long base = (long long)${first_block} * ${rpb}; base < rows; base += (long long)${n_blocks} * ${rpb}) {
     // a row past the end (the last block's) computes the last row again and stores nothing, so no element needs
     // a check of its row
     const bool live = base + threadIdx.x / ${tpr} < rows;
@@ -222,6 +244,17 @@ ${after_item}
       }
     }
 ${after}""")
+
+# the row length of a kernel (CUDA_KERNEL's ${cols}); a cluster's CTA holds the columns of its segment (SEG of
+# them from fz_c0 on; none, or fewer, for the last CTAs of a row that is not a whole number of segments): cols
+# counts them, fz_ncols is the row's length; the CTAs of a cluster take the same rows, a cluster's rows in turn
+CUDA_COLS = "  const int cols = (int)args.cols;  // below 2^31 (fuser.rows.plan)"
+CUDA_CLUSTER_COLS = Template(r"""  const int fz_ncols = (int)args.cols;  // below 2^31 (fuser.rows.plan)
+  const int fz_c0 = (int)fz_cluster_rank() * ${seg};
+  const int cols = fz_ncols - fz_c0 < ${seg} ? fz_ncols - fz_c0 : ${seg};
+  unsigned fz_cn = 0;  // the reductions so far (fz_cluster_reduce's slots)""")
+# a CTA of a cluster leaves only when every CTA has read its slots
+CUDA_CLUSTER_END = "  fz_cluster_sync();"
 
 # the offsets of a row's first element in each input: one divmod walk over the row dims per row (none for one)
 OFFSETS = Template(r"""    long long ${decls};
