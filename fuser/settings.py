@@ -29,6 +29,10 @@ cuda_column_sums: bool = os.environ.get("FUSER_CUDA_COLUMN_SUMS", "1") != "0"
 # access of the scalar form left those kernels bound by instruction issue. Read when a kernel is built (it changes
 # the source, and so every cache key); FUSER_CUDA_TILE_VEC=0 keeps the scalar form for every dtype.
 cuda_tile_vec: bool = os.environ.get("FUSER_CUDA_TILE_VEC", "1") != "0"
+# CUDA rows too long for a block's registers are held by the CTAs of a thread block cluster on sm_90 and later
+# (fuser/rows/plan.py's cluster_shape), for tensors of 4 bytes or more. On by default; FUSER_CUDA_CLUSTERS=0 turns
+# them off (each pass reads the row again). Read when a row kernel is planned.
+cuda_clusters: bool = os.environ.get("FUSER_CUDA_CLUSTERS", "1") != "0"
 # On the CPU, a group's backward reads the transcendental values the cost model picks from its forward instead of
 # recomputing them (fuser/saving.py). On by default; FUSER_CPU_SAVE=0 turns it off. Read on each forward call under
 # autograd that Python runs (the native hot path keeps what a signature was prepared with: fuser.native.clear()).

@@ -398,8 +398,9 @@ def test_cuda_row_kernel_emulated_on_a_long_row(emulated, n, monkeypatch):
     """A row longer than the registers hold (each pass reads it again; clusters off, as on a GPU before sm_90):
     65537 elements (not a multiple of a trip: the last trip checks its columns) and 65536 (whole trips: the kernel
     checks none, ``CudaShape.full``)."""
+    from fuser import settings
     from fuser.rows.plan import cuda_shape, pass_width
-    monkeypatch.setenv("FUSER_CUDA_CLUSTERS", "0")
+    monkeypatch.setattr(settings, "cuda_clusters", False)
     case = CASES[0]
     shape = cuda_shape(n, [4], pass_width(_group(case, n), False)[0])
     assert not shape.held and shape.full == (n == 65536)
@@ -431,10 +432,29 @@ def test_cuda_row_kernel_emulated_on_a_row_held_by_a_cluster(case_id, n, dtype, 
     _check(out, case, args)
 
 
+def test_cuda_row_kernel_emulated_on_strided_rows_held_by_a_cluster():
+    """A cluster's segments of rows that step by 2 (a CTA's first element fz_c0 * 2 along the row: no vectors) and
+    of a row-major view transposed back (rows step by 1 along, 20003 apart), and no rows at all."""
+    case = next(c for c in CASES if c.id == "softmax")
+    n = 20000
+    x, mask = case.inputs(torch.float32, n)
+    wide = torch.randn(5, 2 * n)
+    for args in ([wide[:, ::2], mask], [torch.randn(n + 3, 5).t()[:, :n], mask[None].expand(5, n)]):
+        p = rows.plan(_spec(_group(case, n)), args, "cuda")
+        assert p.key.shape.cluster == 3 and not p.vec_ok
+        out = row_emulate.run(_group(case, n), args)
+        assert out is not None
+        _check(out, case, args)
+    empty = [x[:0], mask]
+    assert rows.plan(_spec(_group(case, n)), empty, "cuda").key.shape.cluster == 3
+    out = row_emulate.run(_group(case, n), empty)
+    assert out is not None and out[0].shape == (0, n)
+
+
 def test_clusters_only_from_sm_90(monkeypatch):
     """Cluster kernels are planned for devices of compute capability 9.0 or later (and the host emulation), not
-    for older ones or with FUSER_CUDA_CLUSTERS=0, nor for 2-byte tensors; a plan without them reads the long row
-    again per pass."""
+    for older ones or with settings.cuda_clusters off (FUSER_CUDA_CLUSTERS=0), nor for 2-byte tensors; a plan
+    without them reads the long row again per pass."""
     import sys
     row_plan = sys.modules["fuser.rows.plan"]  # (fuser.rows.plan is also the package's plan function)
     for cap, want in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
@@ -446,7 +466,7 @@ def test_clusters_only_from_sm_90(monkeypatch):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         p = rows.plan(_spec(_group(case, 65536)), case.inputs(dtype, 65536), "cuda")
         assert (p.key.shape.cluster > 1) == (dtype == torch.float32)
-    monkeypatch.setenv("FUSER_CUDA_CLUSTERS", "0")
+    monkeypatch.setattr(fuser.settings, "cuda_clusters", False)
     assert not row_plan._clusters(torch.device("cpu"))
     p = rows.plan(_spec(_group(case, 65536)), case.inputs(torch.float32, 65536), "cuda")
     assert p.key.shape.cluster == 1 and not p.key.shape.held
@@ -561,6 +581,23 @@ def test_cuda_cluster_rows_over_many_rows(case_id, n, dtype, cluster):
     out = executor.run(spec, args)
     assert out is not None
     _check([o.cpu() for o in out], case, [a.cpu() for a in args])
+
+
+@pytest.mark.gpu
+def test_cuda_cluster_rows_fall_back_where_the_device_runs_no_cluster(monkeypatch):
+    """Where the device runs no cluster of the kernel at once (cuOccupancyMaxActiveClusters gives 0: MPS, a
+    partition), its build falls back (executor.run gives None: the caller runs eager's ops) and the device gets no
+    more cluster plans."""
+    import sys
+    row_launch, row_plan = sys.modules["fuser.rows.launch"], sys.modules["fuser.rows.plan"]
+    monkeypatch.setattr(row_launch, "max_active_clusters", lambda kernel, shape: 0)
+    monkeypatch.setattr(row_plan, "_CLUSTER_DEVICES", {})
+    case = next(c for c in CASES if c.id == "softmax")
+    spec = _spec(_group(case, 65536))
+    args = [a.cuda() for a in case.inputs(torch.float32, 65536)]
+    assert executor.plan(spec, args).key.shape.cluster == 8
+    assert executor.run(spec, args) is None
+    assert executor.plan(spec, args).key.shape.cluster == 1
 
 
 @pytest.mark.gpu

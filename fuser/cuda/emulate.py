@@ -23,11 +23,11 @@ never imports it. Data flows one way:
   launch it gets the grid, block and cluster sizes, the FzArgs bytes and the bytes of each tensor's span (the
   memory its view may address), puts every tensor in a heap block of exactly that size (both ends are
   redzones), points FzArgs' pointers at them (after checking the struct's size and the pointers' offset
-  against the kernel's own ``FzArgs``), runs :data:`EMU_BLOCKS` blocks of the launcher's block size one after
-  another (so grid-stride loops wrap), each thread a fiber (see ``host_prelude``; a launch in thread block
-  clusters runs one cluster after another, its blocks taking turns between cluster barriers), checks the
-  inputs are unchanged and returns the outputs' bytes, which are written back through the output views (a
-  cat's slices included). Output memory starts as 0xbe bytes, so an element no thread writes shows.
+  against the kernel's own ``FzArgs``), runs :data:`EMU_BLOCKS` blocks (clusters, for a cluster kernel) of the
+  launcher's block size one after another (so grid-stride loops wrap), each thread a fiber (see
+  ``host_prelude``; a cluster's blocks take turns between cluster barriers), checks the inputs are unchanged and
+  returns the outputs' bytes, which are written back through the output views (a cat's slices included).
+  Output memory starts as 0xbe bytes, so an element no thread writes shows.
 
 A sanitizer report, a failed harness check or a kernel running past :data:`EMU_TIMEOUT_S` raises
 :class:`EmulationError` with the report.

@@ -23,7 +23,9 @@ after another, so that is one copy per block. (Dynamic ``extern __shared__`` arr
 Thread block clusters (sm_90): a source's ``templates.CLUSTER`` is swapped for :data:`CLUSTER`, and a launch in
 clusters of N blocks runs one cluster after another, a fiber per thread of its N CTAs. They take turns: CTA 0 runs
 its phases until each of its threads waits at the cluster barrier (``fz_cluster_sync``) or has returned, then
-CTA 1, and so on; when every thread of the cluster waits there, the barrier opens and the round repeats. So no
+CTA 1, and so on (the next round in the reverse order, so that a get lacking its barrier reads a stale or
+missing slot whichever CTA it reads); when every thread of the cluster waits there, the barrier opens and the round
+repeats. So no
 two CTAs use the static ``__shared__`` arrays at once, but an array does not keep a CTA's contents across a
 cluster barrier (the other CTAs ran in between). Distributed shared memory is a table of the runtime:
 ``fz_cluster_put`` also stores its value there, under (slot address, rank), and ``fz_cluster_get`` reads it
@@ -290,7 +292,8 @@ bool run_cta(unsigned r, unsigned& phase) {
 }
 
 // Cluster c: its CTAs one after another, each up to the cluster barrier (so no two use the static __shared__
-// arrays at once); when all wait there, the barrier opens and they run again, until all have returned.
+// arrays at once), in rank order and the reverse in turn (a get that lacks its barrier sees the other CTAs' puts
+// of one round or the next); when all wait there, the barrier opens and they run again, until all have returned.
 void run_cluster(unsigned c) {
   const unsigned n = cluster_ctas * block_dim.x;
   cluster_base = c * cluster_ctas;
@@ -308,12 +311,14 @@ void run_cluster(unsigned c) {
   puts.assign(cluster_ctas, {});
   exited.assign(cluster_ctas, false);
   std::vector<unsigned> phases(cluster_ctas, 0);
-  for (;;) {
-    for (unsigned r = 0; r < cluster_ctas; ++r)
+  for (unsigned round = 0;; ++round) {
+    for (unsigned k = 0; k < cluster_ctas; ++k) {
+      const unsigned r = round % 2 ? cluster_ctas - 1 - k : k;  // the other order each round
       if (!exited[r] && run_cta(r, phases[r])) {
         exited[r] = true;
         puts[r].clear();
       }
+    }
     unsigned done = 0;
     for (unsigned t = 0; t < n; ++t) done += fibers[t].state == DONE;
     if (done == n) return;

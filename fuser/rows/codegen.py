@@ -421,6 +421,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                 f"  {storage_type(out_dtypes[m])}* __restrict__ o{m} = "
                 f"({storage_type(out_dtypes[m])}*)args.ptrs[{n_in + m}];\n  __shared__ {sum_t[m]} fz_sh{m}[8][32];"
                 for m in sums)) if sums else ""
+        assert not (cl and sums), "a cluster kernel has no column sums (plan.py)"
         if cl:  # the CTA's segment: its inputs' offsets start at its first column
             offsets += "".join(f"\n    off{kk} += (long long)fz_c0 * cs{kk};" for kk in range(n_in))
         n_sh = max(1, shape.block // 32) + (2 if cl else 0)

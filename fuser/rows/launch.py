@@ -74,7 +74,10 @@ def build_kernel(spec, p, source: Callable, load_cuda: Callable, kernel: type):
         from ..cpu import compiler as cpu_compiler
         backend, compiled = cpu_compiler.compile_kernel(text, name)
     else:
-        backend, compiled = load_cuda(text, name, p)
+        try:
+            backend, compiled = load_cuda(text, name, p)
+        except ClustersUnavailable:
+            return None
     if compiled:
         compiler._count_compile()
     limits = compiler._scalar_limits(_Steps(kernel_group(spec, p)), p.types)
@@ -209,7 +212,8 @@ CLUSTER_WAVES = 1
 
 def max_active_clusters(kernel, shape) -> int:
     """The clusters of a cluster row kernel (``CudaShape.cluster``) the device runs at once
-    (``cuOccupancyMaxActiveClusters``: the CTAs of a cluster share a GPC), or 0 where the driver does not say."""
+    (``cuOccupancyMaxActiveClusters``: the CTAs of a cluster share a GPC), or -1 where the driver does not say
+    (the grid then counts blocks an SM)."""
     from cuda.bindings import driver
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = shape.cluster, 1, 1
@@ -217,13 +221,18 @@ def max_active_clusters(kernel, shape) -> int:
     config.sharedMemBytes, config.numAttrs = 0, 0
     with torch.cuda.device(kernel.device_index):
         err, n = driver.cuOccupancyMaxActiveClusters(kernel._function, config)
-    return int(n) if err == driver.CUresult.CUDA_SUCCESS else 0  # (the caller then counts blocks an SM)
+    return int(n) if err == driver.CUresult.CUDA_SUCCESS else -1
+
+
+class ClustersUnavailable(RuntimeError):
+    """The device runs no cluster of a cluster row kernel at once (it would fail to launch): the build falls back."""
 
 
 class RowCudaKernel:
     """A loaded row kernel: the pointwise kernel's loading (``fuser.cuda.launch.CudaKernel``), with the row
     kernel's arguments, block (``plan.CudaShape.block``) and grid (a block per ``block // tpr`` rows, at most
-    :data:`ROW_WAVES` waves of resident blocks)."""
+    :data:`ROW_WAVES` waves of resident blocks; a cluster kernel :data:`CLUSTER_WAVES` waves of the clusters the
+    device holds at once)."""
 
     def __init__(self, kernel, struct, shape, sums: tuple = (), second=None):
         from cuda.bindings import driver
@@ -238,7 +247,11 @@ class RowCudaKernel:
         self.max_blocks = max(1, per_sm) * sms * ROW_WAVES
         if shape.cluster > 1:  # the clusters that fit the device at once (GPCs bound them), in CLUSTER_WAVES
             clusters = max_active_clusters(kernel, shape)
-            if clusters:
+            if clusters == 0:  # none fits: no more cluster plans for this device, and this build falls back
+                sys.modules["fuser.rows.plan"].no_clusters(kernel.device_index)
+                raise ClustersUnavailable(f"CUDA device {kernel.device_index} runs no cluster of {shape.cluster} "
+                                          f"blocks of {shape.block} threads of row kernel {kernel.name}")
+            if clusters > 0:
                 self.max_blocks = clusters * shape.cluster * CLUSTER_WAVES
         self.parts_blocks = max(1, per_sm) * sms  # column sums: one wave, a partial row per slot
         self._local = threading.local()

@@ -15,13 +15,12 @@ of a thread's elements).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from .. import codegen, executor, ir, ops
+from .. import codegen, executor, ir, ops, settings
 from ..codegen import REDUCED
 from ..descs import DTYPES
 from ..fallback import evaluate
@@ -63,7 +62,7 @@ class CudaShape:
     ``full``: the row length is a whole number of trips (``tpr * items`` elements), so no element of a trip is past
     the row's end and the kernel checks none (the row length is part of the kernel's key through its shape).
     ``cluster``: the CTAs of a thread block cluster (sm_90) that share a row too long for one block's registers;
-    each holds a segment of ``tpr * items`` consecutive columns (the last may be short or empty), and the row's
+    each holds a segment of ``tpr * items`` consecutive columns (the last may be short, never empty), and the row's
     reductions combine the CTAs' results through distributed shared memory (:func:`cluster_shape`)."""
 
     tpr: int
@@ -94,8 +93,9 @@ _CLUSTER_DEVICES: dict = {}
 
 def _clusters(device: torch.device) -> bool:
     """Whether row kernels for ``device`` may be cluster kernels (``CudaShape.cluster``): a CUDA device of compute
-    capability 9.0 or later, or the host emulation's CPU (``FUSER_CUDA_CLUSTERS=0`` turns them off)."""
-    if os.environ.get("FUSER_CUDA_CLUSTERS", "1") == "0":
+    capability 9.0 or later that has not refused one (``no_clusters``), or the host emulation's CPU
+    (``settings.cuda_clusters`` off: none)."""
+    if not settings.cuda_clusters:
         return False
     if device.type != "cuda":
         return True
@@ -104,6 +104,12 @@ def _clusters(device: torch.device) -> bool:
     if got is None:
         got = _CLUSTER_DEVICES[index] = torch.cuda.get_device_capability(index) >= (9, 0)
     return got
+
+
+def no_clusters(index: int) -> None:
+    """Plan no more cluster kernels for CUDA device ``index``: it runs none at once (``rows.launch``: MPS or a
+    partition leaving a GPC too few SMs)."""
+    _CLUSTER_DEVICES[index] = False
 
 
 def _pow2_at_least(n: int) -> int:

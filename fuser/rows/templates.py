@@ -246,7 +246,7 @@ ${after_item}
 ${after}""")
 
 # the row length of a kernel (CUDA_KERNEL's ${cols}); a cluster's CTA holds the columns of its segment (SEG of
-# them from fz_c0 on; none, or fewer, for the last CTAs of a row that is not a whole number of segments): cols
+# them from fz_c0 on; fewer for the last CTA of a row that is not a whole number of segments): cols
 # counts them, fz_ncols is the row's length; the CTAs of a cluster take the same rows, a cluster's rows in turn
 CUDA_COLS = "  const int cols = (int)args.cols;  // below 2^31 (fuser.rows.plan)"
 CUDA_CLUSTER_COLS = Template(r"""  const int fz_ncols = (int)args.cols;  // below 2^31 (fuser.rows.plan)
