@@ -33,6 +33,9 @@ cuda_tile_vec: bool = os.environ.get("FUSER_CUDA_TILE_VEC", "1") != "0"
 # (fuser/rows/plan.py's cluster_shape), for tensors of 4 bytes or more. On by default; FUSER_CUDA_CLUSTERS=0 turns
 # them off (each pass reads the row again). Read when a row kernel is planned.
 cuda_clusters: bool = os.environ.get("FUSER_CUDA_CLUSTERS", "1") != "0"
+# CUDA devices that ran no cluster of a cluster row kernel at once (fuser/rows/launch.py found it at load: MPS, a
+# partition leaving a GPC too few SMs): the row plan gives them no more cluster kernels
+cuda_no_clusters: set = set()
 # On the CPU, a group's backward reads the transcendental values the cost model picks from its forward instead of
 # recomputing them (fuser/saving.py). On by default; FUSER_CPU_SAVE=0 turns it off. Read on each forward call under
 # autograd that Python runs (the native hot path keeps what a signature was prepared with: fuser.native.clear()).

@@ -592,6 +592,7 @@ def test_cuda_cluster_rows_fall_back_where_the_device_runs_no_cluster(monkeypatc
     row_launch, row_plan = sys.modules["fuser.rows.launch"], sys.modules["fuser.rows.plan"]
     monkeypatch.setattr(row_launch, "max_active_clusters", lambda kernel, shape: 0)
     monkeypatch.setattr(row_plan, "_CLUSTER_DEVICES", {})
+    monkeypatch.setattr(fuser.settings, "cuda_no_clusters", set())
     case = next(c for c in CASES if c.id == "softmax")
     spec = _spec(_group(case, 65536))
     args = [a.cuda() for a in case.inputs(torch.float32, 65536)]

@@ -248,7 +248,7 @@ class RowCudaKernel:
         if shape.cluster > 1:  # the clusters that fit the device at once (GPCs bound them), in CLUSTER_WAVES
             clusters = max_active_clusters(kernel, shape)
             if clusters == 0:  # none fits: no more cluster plans for this device, and this build falls back
-                sys.modules["fuser.rows.plan"].no_clusters(kernel.device_index)
+                settings.cuda_no_clusters.add(kernel.device_index)
                 raise ClustersUnavailable(f"CUDA device {kernel.device_index} runs no cluster of {shape.cluster} "
                                           f"blocks of {shape.block} threads of row kernel {kernel.name}")
             if clusters > 0:

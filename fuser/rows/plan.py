@@ -93,23 +93,19 @@ _CLUSTER_DEVICES: dict = {}
 
 def _clusters(device: torch.device) -> bool:
     """Whether row kernels for ``device`` may be cluster kernels (``CudaShape.cluster``): a CUDA device of compute
-    capability 9.0 or later that has not refused one (``no_clusters``), or the host emulation's CPU
+    capability 9.0 or later that has not refused one (``settings.cuda_no_clusters``), or the host emulation's CPU
     (``settings.cuda_clusters`` off: none)."""
     if not settings.cuda_clusters:
         return False
     if device.type != "cuda":
         return True
     index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in settings.cuda_no_clusters:
+        return False
     got = _CLUSTER_DEVICES.get(index)
     if got is None:
         got = _CLUSTER_DEVICES[index] = torch.cuda.get_device_capability(index) >= (9, 0)
     return got
-
-
-def no_clusters(index: int) -> None:
-    """Plan no more cluster kernels for CUDA device ``index``: it runs none at once (``rows.launch``: MPS or a
-    partition leaving a GPC too few SMs)."""
-    _CLUSTER_DEVICES[index] = False
 
 
 def _pow2_at_least(n: int) -> int:
