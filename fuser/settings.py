@@ -36,6 +36,13 @@ cuda_clusters: bool = os.environ.get("FUSER_CUDA_CLUSTERS", "1") != "0"
 # CUDA devices that ran no cluster of a cluster row kernel at once (fuser/rows/launch.py found it at load: MPS, a
 # partition leaving a GPC too few SMs): the row plan gives them no more cluster kernels
 cuda_no_clusters: set = set()
+# A CUDA row kernel whose inputs all step by 1 or 0 along the row, in a signature that allows whole vectors, takes
+# only the vector path: its loads and stores have no runtime choice of form, where the choice made ptxas keep a
+# pass's loaded values in registers on both sides (H200, bias + residual + layer_norm of [16384 x 4096] in bfloat16,
+# 128 registers a thread with the choice, 66 without; 0.67 of the copy floor against 0.95). A launch whose pointers
+# are not aligned for vectors runs the row kernel with the choice, built then (fuser/rows/launch.py). On by default;
+# FUSER_CUDA_VECTOR_ROWS=0 turns it off. Read when a row kernel is planned.
+cuda_vector_rows: bool = os.environ.get("FUSER_CUDA_VECTOR_ROWS", "1") != "0"
 # On the CPU, a group's backward reads the transcendental values the cost model picks from its forward instead of
 # recomputing them (fuser/saving.py). On by default; FUSER_CPU_SAVE=0 turns it off. Read on each forward call under
 # autograd that Python runs (the native hot path keeps what a signature was prepared with: fuser.native.clear()).

@@ -594,7 +594,8 @@ def test_cuda_cluster_rows_fall_back_where_the_device_runs_no_cluster(monkeypatc
     monkeypatch.setattr(row_plan, "_CLUSTER_DEVICES", {})
     monkeypatch.setattr(fuser.settings, "cuda_no_clusters", set())
     case = next(c for c in CASES if c.id == "softmax")
-    spec = _spec(_group(case, 65536))
+    store = KernelStore()  # (a table of its own: the GPU tests before built this kernel into STORE's)
+    spec = store.get(store.register(_group(case, 65536)))
     args = [a.cuda() for a in case.inputs(torch.float32, 65536)]
     assert executor.plan(spec, args).key.shape.cluster == 8
     assert executor.run(spec, args) is None

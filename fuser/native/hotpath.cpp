@@ -99,7 +99,7 @@ struct Launch {
   // CUDA: the by-value argument struct with everything but pointers, the vector flag and float arguments
   std::vector<uint8_t> args;
   int64_t ptrs_off = 0, vec_off = 0, scalars_off = 0, block = 0, grid_vec = 0, grid_scalar = 0;
-  bool vec_shape = false;
+  int64_t vec_shape = 0;  // 0: no vectors; 1: where the pointers are aligned; 2: vectors only (else Python's)
   void* ctx = nullptr;
   std::vector<int64_t> align;  // per pointer (inputs, outputs): bytes the vector path needs, 0: any
   int64_t form = kPlainForm;  // a row kernel with column sums, a column kernel: counted (stats)
@@ -227,12 +227,13 @@ Call classify(at::TensorList inputs) {
   return requires_grad && c10::GradMode::is_enabled() ? kGrad : kPlain;
 }
 
-void launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> scalars,
+// false, launching nothing, where the kernel takes vectors only and a pointer is not aligned for them
+bool launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> scalars,
                  const std::vector<at::Tensor>& outs) {
   thread_local std::vector<uint8_t> buf;
   buf.assign(l.args.begin(), l.args.end());
   uint8_t* base = buf.data();
-  bool vec = l.vec_shape;
+  bool vec = l.vec_shape != 0;
   size_t k = 0;
   auto put = [&](const void* p) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);
@@ -243,6 +244,7 @@ void launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sc
   for (const at::Tensor& t : inputs) put(t.data_ptr());
   for (size_t j = 0; j < outs.size(); ++j)
     for (int64_t p = 0; p < l.outs[j].pieces; ++p) put(static_cast<char*>(outs[j].data_ptr()) + p * l.outs[j].step);
+  if (!vec && l.vec_shape == 2) return false;
   // the buffers: on the current device (fusion_group checked it is l.device), from the caching allocator on its
   // current stream, the stream the kernels go on; freed when this returns, after the launches are queued
   std::vector<at::Tensor> temps;
@@ -274,6 +276,7 @@ void launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sc
   }
   if (l.form == kRowSums) n_cuda_row_sums.fetch_add(1, std::memory_order_relaxed);
   if (l.form == kColumns) n_cuda_column_kernels.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 void launch_cpu(const Launch& l, at::TensorList inputs, at::ArrayRef<double> scalars,
@@ -404,15 +407,15 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
     const auto options = at::TensorOptions().device(l.device);
     for (const Out& o : l.outs) outs.push_back(at::empty_strided(o.sizes, o.strides, options.dtype(o.dtype)));
   }
-  n_hits.fetch_add(1, std::memory_order_relaxed);
   if (l.numel != 0) {
-    if (l.kind == kCuda)
-      launch_cuda(l, inputs, scalars, outs);
-    else if (l.random)
+    if (l.kind == kCuda) {
+      if (!launch_cuda(l, inputs, scalars, outs)) return hand_over(inputs, scalars, key, digest, ir, false);
+    } else if (l.random)
       launch_cpu(l, inputs, with_launch_state(scalars), outs);
     else
       launch_cpu(l, inputs, scalars, outs);
   }
+  n_hits.fetch_add(1, std::memory_order_relaxed);
   if (grad) return record_call(std::move(found), inputs, scalars, std::move(outs), sources);
   return outs;
 }
@@ -855,7 +858,8 @@ std::shared_ptr<Launch> parse(const std::vector<int64_t>& sig, const std::vector
       l->block = r.next();
       l->grid_vec = r.next();
       l->grid_scalar = r.next();
-      l->vec_shape = r.next() != 0;
+      l->vec_shape = r.next();
+      TORCH_CHECK(0 <= l->vec_shape && l->vec_shape <= 2, "fuser native record: vector form");
       l->ctx = reinterpret_cast<void*>(r.next());
       l->ptrs_off = r.next();
       l->vec_off = r.next();

@@ -100,6 +100,10 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     return rec, floats, backend
 
 
+# a CUDA record's vector field: 0 no vectors, 1 vectors where the pointers are aligned, VECTORS_ONLY the kernel
+# takes nothing else (fuser.rows.plan.RowKey.steps): hotpath.cpp hands a call whose pointers are not aligned to
+# Python, which launches the kernel with the run-time choice (fuser.rows.launch.AnyLaunch)
+VECTORS_ONLY = 2
 FORM_PLAIN, FORM_ROW_SUMS, FORM_COLUMNS = 0, 1, 2  # a CUDA launch: one kernel, a row kernel with column sums, a
 # column kernel (hotpath.cpp counts the last two)
 
@@ -132,6 +136,8 @@ def _row_or_column_cuda(geo, rows: bool, tensors, scalars, outputs, rec: list, f
         args = row_launch.fill_args(struct, geo.rows, geo.cols, geo.lead, geo.strides, tensors, scalars, outputs,
                                     parts=(_Null,) * len(temps), slots=slots)
         block, vec_shape, align = backend.block, bool(geo.vec_ok), tuple(geo.vec_align)
+        if backend.any_launch is not None:  # a vectors-only kernel: a launch without vectors is Python's
+            vec_shape = VECTORS_ONLY
     else:
         from ..rows import outer_launch
         kernel, struct = backend.kernel, backend.struct

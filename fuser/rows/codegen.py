@@ -111,7 +111,7 @@ def input_names(group: ir.Group, inputs: Sequence[torch.dtype], target: str) -> 
 
 def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
              name: str, n_scalar_slots: int, vectorize: bool = False, round_reduced: bool = False,
-             shape: CudaShape = None, sums: tuple[int, ...] = ()) -> str:
+             shape: CudaShape = None, sums: tuple[int, ...] = (), steps: Optional[tuple[int, ...]] = None) -> str:
     """Source of the row kernel ``name``; ``inputs``: the tensor inputs' dtypes. Raises NotFusable where an op
     has no expression for its types (the executor falls back). ``vectorize``: the CPU kernel's passes get
     at::vec loops (see :class:`_Vector`) where every node has a vector form. ``round_reduced``: as
@@ -119,7 +119,9 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     always: once per row, it costs nothing). ``shape``: the CUDA kernel's (``plan.cuda_shape``). ``sums``: the
     outputs that are column sums (``plan.column_sum_form``: ``group`` is the form's, those outputs the values
     summed): on the CPU added into a partial row per part of the rows, on CUDA (a row of one trip) into each
-    thread's registers over its rows, then written as its slot's partial row; a second stage adds the partial rows."""
+    thread's registers over its rows, then written as its slot's partial row; a second stage adds the partial rows.
+    ``steps``: CUDA, per tensor input its step along the row (``plan.RowKey.steps``) in a kernel that takes whole
+    vectors only (``fz_row_vec``; no launch's ``args.vec`` checked); None: loads and stores check it."""
     rows_v = row_level(group)
     vname, vtype, vdtype, tensor_index, j = input_names(group, inputs, target)
 
@@ -205,9 +207,14 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         need = _needed(group, wanted, held)
         per_item = shape.held and npass[0] > 0
         n, at = (1, f"tb + i * {shape.tpr * shape.vec}") if per_item else (shape.items // shape.vec, "tb")
-        loads = [f"{vtype[v.id]} xl{tensor_index[v.id]}[{n * shape.vec}];\n"
-                 f"fz_row_trip<{n}, {shape.vec}, {shape.tpr}, {str(shape.full).lower()}>(xl{tensor_index[v.id]}, t{tensor_index[v.id]}, "
-                 f"off{tensor_index[v.id]}, cs{tensor_index[v.id]}, {at}, lane, cols, args.vec);"
+        full = str(shape.full).lower()
+
+        def load(k: int) -> str:
+            if steps is not None:
+                return (f"fz_row_vec<{n}, {shape.vec}, {shape.tpr}, {full}, {steps[k]}>(xl{k}, t{k}, off{k}, {at}, "
+                        f"lane, cols);")
+            return f"fz_row_trip<{n}, {shape.vec}, {shape.tpr}, {full}>(xl{k}, t{k}, off{k}, cs{k}, {at}, lane, cols, args.vec);"
+        loads = [f"{vtype[v.id]} xl{tensor_index[v.id]}[{n * shape.vec}];\n" + load(tensor_index[v.id])
                  for v in group.inputs if v.is_tensor and v.id in need and v.id not in held]
         return ([], loads) if per_item else (loads, [])
 
@@ -353,13 +360,16 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                                                 for m, o in kept_out] + [
             f"if (live) fz_a{m}[i * {shape.vec} + v] += ({accumulator_type(_SUM, node_types[position[o.id]], target)})"
             f"({vname[o.id]});" for m, o in elem_out if m in sums])
-        stores = [f"if (live{'' if shape.full else ' && cb < cols'}) {{", "  if (args.vec) {"]
+        stores = [f"if (live{'' if shape.full else ' && cb < cols'}) {{"]
+        stores += ["  if (args.vec) {"] if steps is None else []
         stores += [f"    *reinterpret_cast<fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}>*>("
                    f"o{m} + {out_row} + cb) = w{m};" for m, o in kept_out]
-        stores += ["  } else {", "#pragma unroll", f"    for (int v = 0; v < {shape.vec}; ++v) {{",
-                   f"      if ({'true' if shape.full else 'cb + v < cols'}) {{"]
-        stores += [f"        o{m}[{out_row} + cb + v] = w{m}.v[v];" for m, _ in kept_out]
-        stores += ["      }", "    }", "  }", "}"]
+        if steps is None:
+            stores += ["  } else {", "#pragma unroll", f"    for (int v = 0; v < {shape.vec}; ++v) {{",
+                       f"      if ({'true' if shape.full else 'cb + v < cols'}) {{"]
+            stores += [f"        o{m}[{out_row} + cb + v] = w{m}.v[v];" for m, _ in kept_out]
+            stores += ["      }", "    }", "  }"]
+        stores += ["}"]
         phases.append(cuda_pass("", wanted, body, [], item_decls=decls, after_item=stores))
     elif elem_out:
         body = element_lines([o for _, o in elem_out], cpass) + [

@@ -13,7 +13,7 @@ from ..cuda import emulate
 from ..kernel_cache import STORE
 from . import decompose, launch, outer_launch, outer_templates
 from .outer import OuterPlan, column_level
-from .plan import plan
+from .plan import RowPlan, plan
 
 N_SM = 132  # the column kernels' split is planned as for an H100's multiprocessors (fuser.rows.outer_launch)
 
@@ -21,12 +21,18 @@ N_SM = 132  # the column kernels' split is planned as for an H100's multiprocess
 def kernel_for(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] = None) -> Optional[str]:
     """Register the CUDA row kernel of ``group`` for ``inputs`` with the emulator (it compiles with the next
     batch); its name, or None where a GPU would fall back."""
-    emulator = emulator or emulate.default()
     spec = STORE.get(STORE.register(group))
+    p = _plan(spec, inputs)
+    return None if isinstance(p, str) else _add(emulator or emulate.default(), spec, p)
+
+
+def _plan(spec, inputs: Sequence):
     with torch.no_grad():
-        p = plan(spec, list(inputs), target="cuda")
-    if isinstance(p, str):
-        return None
+        return plan(spec, list(inputs), target="cuda")
+
+
+def _add(emulator: emulate.Emulator, spec, p) -> Optional[str]:
+    """Register the kernel of plan ``p``; its name, or None where it has no source (a GPU falls back)."""
     try:
         name, source = (outer_launch.source_for if isinstance(p, OuterPlan) else launch.source_for)(spec, p)
     except codegen.NotFusable:
@@ -39,15 +45,20 @@ def kernel_for(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emu
 def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] = None
         ) -> Optional[list[torch.Tensor]]:
     """The outputs of ``group`` on CPU ``inputs`` through its CUDA row kernel, emulated; None where a GPU would
-    fall back (the plan says why: ``fuser.rows.plan``)."""
+    fall back (the plan says why: ``fuser.rows.plan``). A vectors-only kernel's launch whose pointers are not
+    aligned runs the kernel with the run-time choice, as ``launch.RowCudaKernel`` does."""
     emulator = emulator or emulate.default()
-    name = kernel_for(group, inputs, emulator)
+    spec = STORE.get(STORE.register(group))
+    p = _plan(spec, inputs)
+    if isinstance(p, str):
+        return None
+    outputs = [torch.empty(s, dtype=dt) for s, dt in zip(p.out_shapes, p.out_dtypes)]
+    vec = isinstance(p, RowPlan) and launch.vector_ok(p.vec_ok, p.vec_align, p.tensors, outputs)
+    if isinstance(p, RowPlan) and p.key.steps is not None and not vec:
+        p = launch.AnyLaunch(spec, p).plan
+    name = _add(emulator, spec, p)
     if name is None:
         return None
-    spec = STORE.get(STORE.register(group))
-    with torch.no_grad():
-        p = plan(spec, list(inputs), target="cuda")
-    outputs = [torch.empty(s, dtype=dt) for s, dt in zip(p.out_shapes, p.out_dtypes)]
     if isinstance(p, OuterPlan):
         _run_columns(emulator, name, spec, p, outputs)
         return outputs
@@ -55,7 +66,6 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
         return outputs
     sums = p.key.sums
     struct = launch.args_struct(len(p.tensors), len(p.tensors) + len(outputs) + len(sums), len(p.scalars))
-    vec = launch.vector_ok(p.vec_ok, p.vec_align, p.tensors, outputs)
     block = p.key.shape.block
     grid = launch.grid_for(p.rows, p.key.shape, emulate.EMU_BLOCKS * p.key.shape.cluster)
     # column sums: the launcher's partial rows, one wave (here the emulated blocks) of slots

@@ -3,6 +3,7 @@ the driver through ``fuser.cuda``), or through the CUDA host emulation (``fuser.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import os
 import sys
@@ -48,15 +49,36 @@ def source_for(spec, p: RowPlan) -> tuple[str, str]:
     from .. import compiler
     source = row_codegen.generate(kernel_group(spec, p), [dt for dt, _ in p.key.inputs], p.types, p.key.target,
                                   name, len(p.scalars), vectorize=p.key.target == "cpu" and compiler._cpu_vectorize(),
-                                  round_reduced=settings.round_reduced, shape=p.key.shape, sums=p.key.sums)
+                                  round_reduced=settings.round_reduced, shape=p.key.shape, sums=p.key.sums,
+                                  steps=p.key.steps)
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: row kernel {name} for {p.key}\n{source}", file=sys.stderr)
     return name, source
 
 
 def build(spec, p: RowPlan) -> Optional[RowKernel]:
-    """Compile the row kernel for ``p`` on its device; None where it cannot be generated (the caller falls back)."""
-    return build_kernel(spec, p, source_for, _load_cuda, RowKernel)
+    """Compile the row kernel for ``p`` on its device; None where it cannot be generated (the caller falls back).
+    A kernel that takes whole vectors only (``RowKey.steps``) gets the plan's kernel with the run-time choice, built
+    on the first launch whose pointers are not aligned for vectors (:class:`AnyLaunch`)."""
+    kernel = build_kernel(spec, p, source_for, _load_cuda, RowKernel)
+    if kernel is not None and p.key.steps is not None and p.key.target == "cuda":
+        kernel.backend.any_launch = AnyLaunch(spec, p)
+    return kernel
+
+
+class AnyLaunch:
+    """The row kernel of a plan with the launch's ``args.vec`` checked (``RowKey.steps`` None), for the launches
+    of a vectors-only kernel whose pointers are not aligned for vectors: built once, on the first such launch,
+    through the spec's kernel table like any other (one compile however many threads ask)."""
+
+    def __init__(self, spec, p: RowPlan):
+        self.spec, self.plan = spec, dataclasses.replace(p, key=dataclasses.replace(p.key, steps=None))
+
+    def __call__(self) -> "RowCudaKernel":
+        kernel = self.spec.kernel_for(self.plan.key, lambda: build(self.spec, self.plan))
+        if kernel is None:  # (the same group as the vectors-only kernel: it generates, so this does too)
+            raise RuntimeError(f"fuser: no row kernel with any strides for {self.plan.key}")
+        return kernel.backend
 
 
 def build_kernel(spec, p, source: Callable, load_cuda: Callable, kernel: type):
@@ -255,6 +277,7 @@ class RowCudaKernel:
                 self.max_blocks = clusters * shape.cluster * CLUSTER_WAVES
         self.parts_blocks = max(1, per_sm) * sms  # column sums: one wave, a partial row per slot
         self._local = threading.local()
+        self.any_launch = None  # a vectors-only kernel's: the kernel for launches without vectors (AnyLaunch)
 
     def grid(self, geo) -> int:
         return grid_for(geo.rows, self.shape, self.max_blocks)
@@ -267,6 +290,9 @@ class RowCudaKernel:
 
     def launch(self, geo, tensors, scalars, outputs) -> None:
         vec = vector_ok(geo.vec_ok, geo.vec_align, tensors, outputs)
+        if not vec and self.any_launch is not None:
+            self.any_launch().launch(geo, tensors, scalars, outputs)
+            return
         if self.sums:
             self._launch_sums(geo, tensors, scalars, outputs, vec)
             return

@@ -306,6 +306,10 @@ class RowKey:
     inputs: tuple[tuple[torch.dtype, bool], ...]
     shape: Optional[CudaShape] = None
     sums: tuple[int, ...] = ()  # the outputs that are column sums (:func:`column_sum_form`)
+    # CUDA: per tensor input its step along the row (1, or 0: one value a row) where the kernel takes whole vectors
+    # only (``settings.cuda_vector_rows``: the signature allows them, ``RowPlan.vec_ok``); None: the kernel checks
+    # the launch's ``args.vec`` and any strides
+    steps: Optional[tuple[int, ...]] = None
 
 
 @dataclass
@@ -616,6 +620,7 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
                 f"from {CPU_MAX_SUMMED})")
     for m, (s, dt) in sum_shapes.items():
         out_shapes[m], out_dtypes[m] = s, dt
-    key = RowKey(target, device.index, tuple((t.dtype, t.dim() == 0) for t in tensors), cuda_sh, sums)
+    steps = tuple(st[-1] for st in strides) if vec_ok and settings.cuda_vector_rows else None
+    key = RowKey(target, device.index, tuple((t.dtype, t.dim() == 0) for t in tensors), cuda_sh, sums, steps)
     return RowPlan(key, tensors, scalars, rows, cols, lead, strides, out_shapes, out_dtypes, types, vec_ok,
                    vec_align)

@@ -76,6 +76,26 @@ template <int NV, int V, int TPR, bool FULL, class C, class S> __device__ __forc
     }
   }
 }
+// the same trip in a kernel that takes whole vectors only (fuser.rows.plan.RowKey.steps): STEP, the tensor's step
+// along the row, 1 (vectors) or 0 (the row's one value); no choice made at run time
+template <int NV, int V, int TPR, bool FULL, int STEP, class C, class S> __device__ __forceinline__ void fz_row_vec(
+    C* dst, const S* __restrict__ p, long long off, int tb, int lane, int cols) {
+  if (!FULL && cols <= 0) return;
+  if (STEP == 0) {
+    const C x = (C)fz_ld(p[off]);
+#pragma unroll
+    for (int k = 0; k < NV * V; ++k) dst[k] = x;
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    int cb = tb + (i * TPR + lane) * V;
+    if (!FULL) cb = cb < cols ? cb : cols - V;
+    const fz_vec<S, V> w = *reinterpret_cast<const fz_vec<S, V>*>(p + off + cb);
+#pragma unroll
+    for (int v = 0; v < V; ++v) dst[i * V + v] = (C)fz_ld(w.v[v]);
+  }
+}
 """
 
 # a row held by the N CTAs of a thread block cluster (fuser.rows.plan.cluster_shape; a block is one row, TPR its
