@@ -172,6 +172,9 @@ def uncertainty(steps, ref_steps, device, weak: Optional[dict] = None, spreads: 
             mk = masks.get(v.unique())
             if mk is not None:
                 mask = mk if mask is None else (mask | mk)
+        if mask is not None and n.kind() == "aten::permute" and isinstance(ins[0], torch.Tensor):
+            # a permute moves its input's uncertain elements with the rest (the generator's view after a group)
+            mask = torch.broadcast_to(mask, ins[0].shape).permute(list(ins[1]))
         op = ops.lookup(n.schema())
         name = op.name if op is not None else ""
         if isinstance(val, torch.Tensor) and name in _EDGE_OPS:
