@@ -600,11 +600,13 @@ def test_native_fused_backward_follows_shapes_dtypes_and_requires_grad(monkeypat
 
 
 def test_native_fused_backward_where_its_kernel_does_not_serve(monkeypatch):
-    """float32 rows past fuser.rows.plan.CPU_MAX_SUMMED elements (the fused row kernel falls back there): the native
-    backward runs the split Python's backward would (the row group, then the column group), with eager's gradients;
-    an output gradient of another layout (stride 0) than the one prepared runs the fused group from Python once,
-    then natively, eager's gradients."""
-    from fuser.rows.plan import CPU_MAX_SUMMED
+    """float32 rows past fuser.rows.plan.CPU_MAX_SUMMED elements, set here (the fused row kernel falls back there):
+    the native backward runs the split Python's backward would (the row group, then the column group), with eager's
+    gradients; an output gradient of another layout (stride 0) than the one prepared runs the fused group from
+    Python once, then natively, eager's gradients."""
+    import sys
+    CPU_MAX_SUMMED = 1 << 18
+    monkeypatch.setattr(sys.modules["fuser.rows.plan"], "CPU_MAX_SUMMED", CPU_MAX_SUMMED)
     ff = fuser.fuse(torch.jit.script(_ln_affine))
     handed = _python_backwards(monkeypatch)
     rows = CPU_MAX_SUMMED // 48 + 1
@@ -968,6 +970,11 @@ def test_cuda_records_of_row_sums_and_column_kernels(monkeypatch):
     a = backend.struct.from_buffer_copy(raw)
     assert (a.rows, a.cols, a.slots) == (300, 40, slots) and list(a.ptrs[n_in + n_out:]) == [None, None]
     assert head[6] == backend.struct.ptrs.offset and head[6] + 8 * (len(align) + len(temps)) <= len(raw)
+    # a vectors-only kernel (fuser.rows.plan.RowKey.steps, with its kernel for launches without vectors): the vector
+    # field says so, and hotpath.cpp hands a call whose pointers are not aligned to Python
+    backend.any_launch = launch.AnyLaunch(fused.spec, p)
+    rec, _, _ = record._row_or_column_cuda(geo, True, p.tensors, p.scalars, outputs, [], [])
+    assert _cuda_record_tail(rec)[0][4] == record.VECTORS_ONLY == 2
 
     b = ir.Builder()
     x, y = b.input(), b.input()

@@ -5,8 +5,8 @@ layer_norm with weight and bias, with a weight only, rms_norm with a weight; row
 lengths 1, 31, 32, 1024 and 65537 (some combinations); float32 and float64 against eager's float64 gradients,
 bfloat16 within twice eager's own error of float64; each asserted to take the fused form (it ran, no column kernel,
 no sum_to_size). The same sums for one and two threads (the parts are fixed by the row count); the forms that
-keep the column kernel (a mask summed over some row dims only; float32 past CPU_MAX_SUMMED elements; a CUDA row of
-several trips) asserted to keep it; through the TorchScript pass and the native hot path; the CUDA kernels (a
+keep the column kernel (a mask summed over some row dims only; float32 past CPU_MAX_SUMMED elements where that is
+set; a CUDA row of several trips) asserted to keep it; through the TorchScript pass and the native hot path; the CUDA kernels (a
 thread's columns summed in registers, the slots' partial rows added by a second kernel) under the host
 emulation."""
 from __future__ import annotations
@@ -56,7 +56,7 @@ CASES = [
     Case("rms_norm", _rms_norm, 1, lambda x, w: torch.rms_norm(x, x.shape[-1:], w, 1e-6)),
 ]
 # (rows..., n): rows of 3, 7, 250, 1000, 4097 (and [1, 7], a row dim of size 1) by lengths 1, 31, 32, 1024, 65537, up
-# to fuser.rows.plan.CPU_MAX_SUMMED elements (float32 and float64 take the split beyond). (One row is not summed: the
+# to 2^18 elements (where fuser.rows.plan.CPU_MAX_SUMMED is set, float32 and float64 take the split beyond). (One row is not summed: the
 # weight's gradient is the row's, reshaped; test_one_row_through_the_fused_kernel runs it.)
 SHAPES = [(7, 31), (3, 65537), (1000, 32), (250, 1024), (4097, 31), (4097, 1), (1, 7, 32)]
 SHAPES_SHORT = [(7, 1024), (1000, 32), (4097, 1)]
@@ -158,15 +158,30 @@ def test_the_sums_do_not_depend_on_the_threads():
             assert torch.equal(g, h)
 
 
-def test_float32_past_the_bound_takes_the_split(watch):
-    """float32 over more than CPU_MAX_SUMMED elements: a row kernel then a column kernel (faster there on the CPU:
-    fuser/rows/plan.py), eager's gradients."""
+def _large_float32(watch, rows: int, took: tuple) -> None:
+    """layer_norm's gradients over [rows, 1024] float32: the forms ``watch`` saw (fused, columns, sum_to_size), and
+    eager's float64 gradients within float32's tolerance."""
     case = CASES[0]
-    args = _inputs(case, (600, 1024), torch.float32)
-    gy = torch.randn(600, 1024, dtype=torch.float64)
+    args = _inputs(case, (rows, 1024), torch.float32)
+    gy = torch.randn(rows, 1024, dtype=torch.float64)
     got = _grads(case, args, gy.float(), watch)
-    assert watch.took() == (0, 1, 0), watch.took()
+    assert watch.took() == took, watch.took()
     _assert_close(got, _eager(case, [a.double() for a in args], gy), torch.float32)
+
+
+def test_float32_past_the_bound_takes_the_split(watch, monkeypatch):
+    """float32 over more than CPU_MAX_SUMMED elements, where that is set (none by default: fuser/rows/plan.py): a
+    row kernel then a column kernel, eager's gradients."""
+    import sys
+    monkeypatch.setattr(sys.modules["fuser.rows.plan"], "CPU_MAX_SUMMED", 1 << 18)
+    _large_float32(watch, 600, (0, 1, 0))
+
+
+def test_float32_of_any_size_takes_the_fused_form_by_default(watch):
+    """No bound by default (fuser.rows.plan.CPU_MAX_SUMMED None: the split measured slower at every size of the CPU
+    benchmark's): float32 over 2^19 elements sums in the row kernel, eager's gradients. (Rows of their own: a
+    signature whose fused plan fell back keeps the split.)"""
+    _large_float32(watch, 520, (1, 0, 0))
 
 
 def test_the_plan_takes_sums_over_the_row_dims_only(watch):

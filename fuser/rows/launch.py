@@ -256,6 +256,8 @@ class RowCudaKernel:
     :data:`ROW_WAVES` waves of resident blocks; a cluster kernel :data:`CLUSTER_WAVES` waves of the clusters the
     device holds at once)."""
 
+    any_launch = None  # a vectors-only kernel's: the kernel for launches without vectors (AnyLaunch)
+
     def __init__(self, kernel, struct, shape, sums: tuple = (), second=None):
         from cuda.bindings import driver
         from ..cuda import launch as cuda_launch
@@ -277,7 +279,6 @@ class RowCudaKernel:
                 self.max_blocks = clusters * shape.cluster * CLUSTER_WAVES
         self.parts_blocks = max(1, per_sm) * sms  # column sums: one wave, a partial row per slot
         self._local = threading.local()
-        self.any_launch = None  # a vectors-only kernel's: the kernel for launches without vectors (AnyLaunch)
 
     def grid(self, geo) -> int:
         return grid_for(geo.rows, self.shape, self.max_blocks)

@@ -45,11 +45,17 @@ SUMS_REGISTER_ITEMS = 128
 SUMS_MAX_TPR = 256
 # Column sums in a CPU row kernel add each row's values into a partial row in memory, a vector store per vector of
 # each sum on top of the row's own stores, where a column kernel keeps its sums in registers and reads x and dy
-# again from the cache. Measured (2-core EPYC, one thread, layer_norm(x) * w + b backward, medians): [8 x 4096] 36
-# us against 47, [64 x 1024] 38-58 against 47-68, [256 x 1024] even, [1024 x 1024] 850-950 against 740-800, [2048
-# x 1024] 2.8-3.0 ms against 2.1-2.5. So the split from this many elements; float16/bfloat16 keep the column sums
-# at any size (the split would pass their statistics through memory rounded: eager's sum_to_size instead)
-CPU_MAX_SUMMED = 1 << 18
+# again from the cache. Measured first (2-core EPYC, one thread, layer_norm(x) * w + b backward, medians): [8 x 4096]
+# 36 us against 47, [64 x 1024] 38-58 against 47-68, [256 x 1024] even, [1024 x 1024] 850-950 against 740-800,
+# [2048 x 1024] 2.8-3.0 ms against 2.1-2.5, so float32 and float64 took the split (a row kernel, then a column
+# kernel) past 2^18 elements. Since the row kernels' at::vec loops, the split lost at every size of the benchmark's:
+# python -m fuser.bench --device cpu, 2 threads, training steps of 4M float32 elements, split / sums in the row
+# kernel, two rounds alternating (2026-11-27): layer_norm(x) * w + b over rows of 4096 9.9, 7.7 / 7.2, 5.8 ms, of 512
+# 9.6, 11.5 / 6.0, 4.9 ms, of 16384 6.2, 6.6 / 7.7, 6.3 ms; rms_norm(x) * w over rows of 4096 6.7, 5.2 / 5.9, 4.1 ms,
+# of 512 6.0, 5.2 / 2.7, 4.4 ms (the column kernel splits its work by columns: rows of 512 gave it one thread). So no
+# bound (None); an int brings the split back past that many elements (float16/bfloat16 keep the column sums at any
+# size: the split would pass their statistics through memory rounded, eager's sum_to_size instead)
+CPU_MAX_SUMMED: Optional[int] = None
 MAX_CUDA_COLS = 2 ** 31 - 2 ** 16  # a CUDA row kernel's column index is an int, with room for a trip past the end
 
 
@@ -615,7 +621,8 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
     out_shapes = [shape[v.id] for v in group.outputs]
     if sums and rows == 0:
         return "column sums over no rows (zeros: eager's sum gives them)"
-    if sums and target == "cpu" and rows * cols > CPU_MAX_SUMMED and not any(t.dtype in REDUCED for t in tensors):
+    if (sums and target == "cpu" and CPU_MAX_SUMMED is not None and rows * cols > CPU_MAX_SUMMED
+            and not any(t.dtype in REDUCED for t in tensors)):
         return (f"column sums over {rows * cols} elements on the CPU (a row kernel, then a column kernel, is faster "
                 f"from {CPU_MAX_SUMMED})")
     for m, (s, dt) in sum_shapes.items():
