@@ -19,8 +19,8 @@ the row plan takes as column sums (``fuser.rows.plan.column_sum_form``): the row
 adds the weight's and the bias's per-element gradients into partial rows and a second stage adds those, so x and
 dy are read once (eager's and Inductor's layer_norm backward sum per block, then reduce the blocks, the same way).
 Where that kernel does not run for a signature (its plan fell back: a CUDA row of several trips, float32 on the
-CPU past ``fuser.rows.plan.CPU_MAX_SUMMED`` elements where that is set, sums over some of the row dims only), that call and the later
-ones of that signature take the split. Where a pattern does not split (dims that are not leading, a random or cat
+CPU past ``fuser.rows.plan.CPU_MAX_SUMMED`` elements where that is set, sums over some of the row dims only), that
+call and the later ones of that signature take the split. Where a pattern does not split (dims that are not leading, a random or cat
 group, float16/bfloat16 statistics that would be rounded in memory, an empty shape, autograd recording the
 backward), or where a column kernel did not run for a signature (its plan fell back: that call and the later ones of
 that signature, so that a backward run twice gives the same values), the caller keeps the old path: the whole

@@ -12,7 +12,7 @@ both kinds of kernel.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -213,7 +213,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             if steps is not None:
                 return (f"fz_row_vec<{n}, {shape.vec}, {shape.tpr}, {full}, {steps[k]}>(xl{k}, t{k}, off{k}, {at}, "
                         f"lane, cols);")
-            return f"fz_row_trip<{n}, {shape.vec}, {shape.tpr}, {full}>(xl{k}, t{k}, off{k}, cs{k}, {at}, lane, cols, args.vec);"
+            return (f"fz_row_trip<{n}, {shape.vec}, {shape.tpr}, {full}>(xl{k}, t{k}, off{k}, cs{k}, {at}, lane, cols, "
+                    f"args.vec);")
         loads = [f"{vtype[v.id]} xl{tensor_index[v.id]}[{n * shape.vec}];\n" + load(tensor_index[v.id])
                  for v in group.inputs if v.is_tensor and v.id in need and v.id not in held]
         return ([], loads) if per_item else (loads, [])
