@@ -178,6 +178,11 @@ def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0
 MAX_CLUSTER = 8  # CTAs a cluster (the portable limit)
 # a cluster row's CTAs hold at least this many threads each: a block is one row (CUDA_KERNEL's cluster loop)
 CLUSTER_MIN_TPR = 128
+# clusters only for rows whose tensors all have at least this many bytes an element: in bfloat16 a cluster was slower
+# than reading the row again (H200, r64k rows: see README, "Where fuser is behind"), with the vectors-only kernels too
+# (2 / 4, fraction of the copy floor, two rounds: softmax 0.39 / 0.50, layer_norm 0.40 / 0.56, rms_norm 0.46 / 0.72,
+# softmax's training step 0.44 / 0.62-0.64; docs/bench_h200_bf16_clusters_ab_s18.json)
+CLUSTER_MIN_BYTES = 4
 
 
 def cluster_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0) -> Optional[CudaShape]:
@@ -605,7 +610,7 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
         width, first = pass_width(group, True)
         cuda_sh = cuda_shape(cols, sizes, width + len(sums), first,  # (a column sum's registers: a held value's)
                              *((SUMS_REGISTER_ITEMS, SUMS_MAX_TPR) if sums else ()))
-        if not cuda_sh.held and not sums and min(sizes) >= 4 and _clusters(device):  # held by a cluster of CTAs
+        if not cuda_sh.held and not sums and min(sizes) >= CLUSTER_MIN_BYTES and _clusters(device):  # a cluster's
             cuda_sh = cluster_shape(cols, sizes, width, first) or cuda_sh
         if not cuda_sh.held:  # each pass loads what it reads
             cuda_sh = cuda_shape(cols, sizes, pass_width(group, False)[0] + len(sums), trip_factor=1 if sums else 2)
