@@ -55,7 +55,7 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
     outputs = [torch.empty(s, dtype=dt) for s, dt in zip(p.out_shapes, p.out_dtypes)]
     vec = isinstance(p, RowPlan) and launch.vector_ok(p.vec_ok, p.vec_align, p.tensors, outputs)
     if isinstance(p, RowPlan) and p.key.steps is not None and not vec:
-        p = launch.AnyLaunch(spec, p).plan
+        p = launch.any_plan(p)
     name = _add(emulator, spec, p)
     if name is None:
         return None

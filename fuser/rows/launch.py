@@ -66,13 +66,19 @@ def build(spec, p: RowPlan) -> Optional[RowKernel]:
     return kernel
 
 
+def any_plan(p: RowPlan) -> RowPlan:
+    """The plan of a vectors-only kernel (``RowKey.steps``) for the kernel with the launch's ``args.vec`` checked."""
+    return dataclasses.replace(p, key=dataclasses.replace(p.key, steps=None))
+
+
 class AnyLaunch:
     """The row kernel of a plan with the launch's ``args.vec`` checked (``RowKey.steps`` None), for the launches
     of a vectors-only kernel whose pointers are not aligned for vectors: built once, on the first such launch,
-    through the spec's kernel table like any other (one compile however many threads ask)."""
+    through the spec's kernel table like any other (one compile however many threads ask). It keeps the plan
+    without the tensors of the call that planned it (the kernel lives as long as its spec: they would too)."""
 
     def __init__(self, spec, p: RowPlan):
-        self.spec, self.plan = spec, dataclasses.replace(p, key=dataclasses.replace(p.key, steps=None))
+        self.spec, self.plan = spec, dataclasses.replace(any_plan(p), tensors=[])
 
     def __call__(self) -> "RowCudaKernel":
         kernel = self.spec.kernel_for(self.plan.key, lambda: build(self.spec, self.plan))

@@ -310,7 +310,8 @@ def pass_width(group: ir.Group, held: bool) -> tuple[int, int]:
 class RowKey:
     """What a row kernel's source depends on: the target, the device, per tensor input its dtype and whether it
     is 0-dim (type promotion treats those apart), and on CUDA the row's :class:`CudaShape` (chosen from the row
-    length). Strides and the other sizes are launch arguments."""
+    length) and, for a kernel that takes whole vectors only, each input's step along the row (``steps``). The
+    other strides and sizes are launch arguments."""
 
     target: str
     device_index: Optional[int]
