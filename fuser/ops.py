@@ -64,9 +64,10 @@ class OpDef:
     fast: per variant, a CUDA float expression used when the result is float16/bfloat16. Such a result keeps
     at most 11 significant bits, so an approximation with relative error near 2^-20 (``__expf``) cannot
     change it beyond a rare last-bit tie, and it costs a fraction of the instructions: those kernels are
-    otherwise bound by arithmetic, not memory. (``__expf`` flushes results below 2^-126 to zero; ``__fdividef``
-    returns 0 for divisors above 2^126, which ``fz_fdividef`` scales around, because a bfloat16 result of 6e-39
-    and one of 0 differ without bound downstream: lgamma of them is 88 or inf.)
+    otherwise bound by arithmetic, not memory. (``__expf`` flushes results below 2^-126 to zero. The sigmoid
+    forms divide by 1 + e^x through ``fz_div_ge1``, which keeps quotients below 2^-126, because a bfloat16 result
+    of 6e-39 and one of 0 differ without bound downstream: lgamma of them is 88 or inf. See
+    ``fuser/cuda/templates.py`` for the one-instruction ``.ftz`` exponential and reciprocal they use.)
     cast: the op converts its first argument to the result dtype (``aten::_to_copy`` with only ``dtype`` given).
     random: the op draws random numbers (``rand_like``, see ``fuser/rng.py``): ``$r`` is its ordinal among
     the group's random ops, ``$bits`` the random bits its result dtype holds, ``@IDX@`` the element's index in
@@ -171,7 +172,7 @@ _OPS: list[OpDef] = [
     _unary("round", "nearbyintf($a)", "nearbyint($a)", "$a", discrete=True),
     _unary("rsqrt", "(1.f / sqrtf($a))", "(1.0 / sqrt($a))"),
     _unary("sigmoid", "(1.f / (1.f + expf(-$a)))", "(1.0 / (1.0 + exp(-$a)))",
-           fast="fz_fdividef(1.f, 1.f + __expf(-$a))"),
+           fast="fz_div_ge1(1.f, 1.f + fz_exp_1p(-$a))"),
     _unary("sin", "sinf($a)", "sin($a)"),
     _unary("sinh", "sinhf($a)", "sinh($a)"),
     _unary("sqrt", "sqrtf($a)", "sqrt($a)"),
@@ -179,7 +180,7 @@ _OPS: list[OpDef] = [
     _unary("tanh", "tanhf($a)", "tanh($a)", fast="fz_tanh_fast($a)"),
     _unary("trunc", "truncf($a)", "trunc($a)", "$a", discrete=True),
     _unary("silu", "($a / (1.f + expf(-$a)))", "($a / (1.0 + exp(-$a)))",
-           fast="fz_fdividef($a, 1.f + __expf(-$a))"),
+           fast="fz_div_ge1($a, 1.f + fz_exp_1p(-$a))"),
     OpDef(
         "gelu",
         ('aten::gelu(Tensor self, *, str approximate="none") -> Tensor',),
@@ -201,7 +202,7 @@ _OPS: list[OpDef] = [
         # still leave a bfloat16-sized 1e-8 * x
         fast={"tanh": "(0.79788456080286535f * ($a + 0.044715f * ($a * $a * $a)) < -9.f ? "
                       "0.5f * $a * (1.f + tanhf(0.79788456080286535f * ($a + 0.044715f * ($a * $a * $a)))) : "
-                      "fz_fdividef($a, 1.f + __expf(-1.5957691216057308f * ($a + 0.044715f * $a * $a * $a))))"},
+                      "fz_div_ge1($a, 1.f + fz_exp_1p(-1.5957691216057308f * ($a + 0.044715f * $a * $a * $a))))"},
     ),
     OpDef("hardtanh", ("aten::hardtanh(Tensor self, Scalar min_val=-1, Scalar max_val=1) -> Tensor",),
           {None: Exprs("fz_min(fz_max($a, $b), $c)", "fz_min(fz_max($a, $b), $c)")},

@@ -517,6 +517,20 @@ extern "C" __global__ void __launch_bounds__(256) fz_test_intrinsics(const FzArg
   }
 }
 """,
+    # the .ftz exponential and reciprocal of the fast expressions, and the helpers built on them
+    "fz_test_ftz": r"""
+extern "C" __global__ void __launch_bounds__(256) fz_test_ftz(const FzArgs args) {
+  const float* in = (const float*)args.ptrs[0];
+  float* out = (float*)args.ptrs[1];
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < args.n) {
+    out[4 * i] = fz_ex2_ftz(in[2 * i]);
+    out[4 * i + 1] = fz_rcp_ftz(in[2 * i + 1]);
+    out[4 * i + 2] = fz_div_ge1(in[2 * i], in[2 * i + 1]);
+    out[4 * i + 3] = fz_exp_1p(in[2 * i]);
+  }
+}
+""",
 }
 
 
@@ -537,7 +551,7 @@ def _run_raw(name: str, x: torch.Tensor, n_out: int, grid: int = 3, extra_args: 
     with an output of ``n_out`` elements of x's dtype; fake addresses stand for the tensors."""
     em = _emulator()
     _register_raw(em, name)
-    n = x.numel() // 2 if name == "fz_test_intrinsics" else x.numel()
+    n = x.numel() // 2 if name in ("fz_test_intrinsics", "fz_test_ftz") else x.numel()
     args = _RawArgs(n, (ctypes.c_void_p * 2)(0x10000, 0x90000))
     size = x.element_size()
     data = x.contiguous().view(torch.uint8).numpy().tobytes()
@@ -603,6 +617,29 @@ def test_fast_intrinsics_at_their_documented_edges():
     assert exp[7] == 0.0  # exp(-100) = 3.7e-44: subnormal, flushed
     torch.testing.assert_close(exp[[6, 8, 9]], torch.exp(x.view(-1, 2)[[6, 8, 9], 0]), rtol=1e-5, atol=0)
     assert exp[10] == math.inf and math.isnan(exp[11])
+
+
+def test_ftz_exponential_and_reciprocal_at_their_edges():
+    """ex2.approx.ftz and rcp.approx.ftz give zeros where a result or an operand is subnormal; fz_div_ge1 keeps a
+    quotient below 2^-126 (the reciprocal of any finite divisor >= 1 stays normal after its scaling)."""
+    inf = math.inf
+    pairs = [(-126.0, 2.0 ** 126), (-127.0, 2.0 ** 127), (1.0, 2.0 ** 127), (-150.0, 3e38), (3.0, 2.0 ** -127),
+             (130.0, inf), (0.5, 4.0), (math.nan, math.nan)]
+    x = torch.tensor(pairs, dtype=torch.float32).flatten()
+    out = _run_raw("fz_test_ftz", x, len(pairs) * 4).view(-1, 4)
+    ex2, rcp, quotient, exp = out[:, 0], out[:, 1], out[:, 2], out[:, 3]
+    assert ex2[:6].tolist() == [2.0 ** -126, 0.0, 2.0, 0.0, 8.0, inf]
+    torch.testing.assert_close(ex2[6], torch.tensor(2.0 ** 0.5), rtol=1e-6, atol=0)
+    assert rcp[:7].tolist() == [2.0 ** -126, 0.0, 0.0, 0.0, inf, 0.0, 0.25]
+    # a / d for d >= 1: 1 / 2^127 = 2^-127 is subnormal and kept
+    assert quotient[0].item() == -126.0 * 2.0 ** -126 and quotient[1].item() == -127.0 * 2.0 ** -127
+    assert quotient[2].item() == 2.0 ** -127
+    torch.testing.assert_close(quotient[3], torch.tensor(-150.0 / 3e38), rtol=1e-6, atol=0)
+    assert quotient[5].item() == 0.0 and quotient[6].item() == 0.125
+    # e^x: e^-126 and e^-150 are below 2^-126 and flushed (only 1 + e^x reads them); e^0.5 is e^0.5
+    assert exp[0].item() == 0.0 and exp[3].item() == 0.0 and exp[1].item() == 0.0
+    torch.testing.assert_close(exp[6], torch.exp(torch.tensor(0.5)), rtol=1e-6, atol=0)
+    assert all(math.isnan(v) for v in out[7].tolist())
 
 
 @pytest.mark.parametrize("arch", (80, 90))

@@ -135,9 +135,16 @@ OPAQUE = r"""__device__ __forceinline__ int fz_opaque(int x) { return x; }
 __device__ __forceinline__ long long fz_opaque(long long x) { return x; }
 """
 
+# ex2.approx.ftz.f32 and rcp.approx.ftz.f32: a subnormal operand is a zero of its sign, and so is a subnormal
+# result (the approximation error is not modelled)
+FAST_MATH = r"""static inline float fz_emu_flush(float x) { return fabsf(x) < 0x1p-126f ? copysignf(0.f, x) : x; }
+__device__ __forceinline__ float fz_ex2_ftz(float x) { return fz_emu_flush(exp2f(fz_emu_flush(x))); }
+__device__ __forceinline__ float fz_rcp_ftz(float x) { return fz_emu_flush(1.f / fz_emu_flush(x)); }
+"""
+
 # replaces templates.PRELUDE in each kernel's source
 PRELUDE = templates.PRELUDE_TEMPLATE.substitute(half_load=HALF_LOAD, half_store=HALF_STORE, helpers=HELPERS,
-                                                opaque=OPAQUE)
+                                                opaque=OPAQUE, fast_math=FAST_MATH)
 
 # replaces templates.CLUSTER where a kernel's source has it. ``__shared__`` is one static copy for every CTA, so
 # a put also leaves its value with the runtime, under (slot, the putting CTA's rank), and a get reads it there

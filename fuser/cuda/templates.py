@@ -48,6 +48,7 @@ ${half_store}template <> __device__ __forceinline__ fz_bf16 fz_st<fz_bf16, float
   return h;
 }
 
+${fast_math}
 ${helpers}// CUDA eager's max/min of floats (clamp, relu, hardtanh too): of two zeros, max is +0 and min is -0, whatever
 // their order (CPU eager keeps the first); NaN propagates
 // (every case computed, then selected: no branches in a row kernel's accumulation)
@@ -74,19 +75,21 @@ template <class T> __device__ __forceinline__ T fz_clamp_scalar(T x, T lo, T hi,
   if (has_hi && hi == hi) x = fz_min(x, hi);
   return x;
 }
-// __fdividef(a, b), also for |b| in (2^126, 2^128], where __fdividef gives 0: sigmoid(-88) is 6e-39, which
-// bfloat16 holds, and lgamma of it is 88, not inf (the CUDA fuzzer). Both operands are scaled by a selected
-// factor (1 is exact) so that one division is issued and no branch: the two-division form compiled to a branch
-// per element around two MUFU reciprocals
-__device__ __forceinline__ float fz_fdividef(float a, float b) {
-  const float s = fabsf(b) > 8.507059e37f ? 0.0625f : 1.f;
-  return __fdividef(a * s, b * s);
-}
+// e^x where the result only meets 1 + e^x (the fast sigmoid, silu, tanh and GELU): x * log2(e) rounded as
+// __expf rounds it, then one MUFU instruction (fz_ex2_ftz); a result below 2^-126 flushes to 0, which 1 + e^x
+// cannot tell from its value
+__device__ __forceinline__ float fz_exp_1p(float x) { return fz_ex2_ftz(x * 1.44269502f); }
+// a / d for d >= 1 (or inf, NaN): both scaled by 1/16, so that the reciprocal of any finite d is a normal float
+// and a quotient below 2^-126 keeps its value (sigmoid(-88) is 6e-39, which bfloat16 holds, and lgamma of it is
+// 88, not inf: the CUDA fuzzer). Three instructions, no select: __fdividef's non-ftz form wraps its reciprocal
+// in checks for subnormals, and gives 0 for divisors above 2^126
+__device__ __forceinline__ float fz_div_ge1(float a, float d) { return (a * 0.0625f) * fz_rcp_ftz(d * 0.0625f); }
 // tanh for results stored as float16/bfloat16: branch-free (a branch diverges on mixed-sign data), absolute
 // error near 1e-7 like tanhf's, so 1 + tanh(x) keeps its accuracy where it cancels (GELU's negative tail)
 __device__ __forceinline__ float fz_tanh_fast(float x) {
   const float ax = fabsf(x);
-  const float big = 1.f - __fdividef(2.f, __expf(2.f * ax) + 1.f);  // exp overflow gives 1; NaN stays NaN
+  // e >= 1; an overflow gives 1, and a reciprocal flushed below 2^-126 leaves 1 too; NaN stays NaN
+  const float big = 1.f - 2.f * fz_rcp_ftz(fz_exp_1p(2.f * ax) + 1.f);
   const float small = ax * (1.f - 0.333333333f * ax * ax);          // |x| < 1/16: relative error < 3e-6
   return copysignf(ax < 0.0625f ? small : big, x);
 }
@@ -159,7 +162,18 @@ HALF_STORE = r"""template <> __device__ __forceinline__ fz_half fz_st<fz_half, f
 OPAQUE = r"""__device__ __forceinline__ int fz_opaque(int x) { asm("" : "+r"(x)); return x; }
 __device__ __forceinline__ long long fz_opaque(long long x) { asm("" : "+l"(x)); return x; }
 """
-PRELUDE = PRELUDE_TEMPLATE.substitute(half_load=HALF_LOAD, half_store=HALF_STORE, helpers=HELPERS, opaque=OPAQUE)
+# 2^x and 1/x as one MUFU instruction each (.ftz: subnormal operands and results are zeros). NVRTC's default
+# (no -ftz) makes ptxas wrap ex2.approx and rcp.approx in a range check and two fixups each; the fast
+# expressions only call them where a subnormal cannot change the result (fz_exp_1p, fz_div_ge1)
+FAST_MATH = r"""__device__ __forceinline__ float fz_ex2_ftz(float x) {
+  float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
+}
+__device__ __forceinline__ float fz_rcp_ftz(float x) {
+  float y; asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
+}
+"""
+PRELUDE = PRELUDE_TEMPLATE.substitute(half_load=HALF_LOAD, half_store=HALF_STORE, helpers=HELPERS, opaque=OPAQUE,
+                                      fast_math=FAST_MATH)
 
 # appended to the prelude when a kernel draws random numbers (rand_like)
 RNG = "\n#define FZ_MULHI(a, b) __umulhi(a, b)\n" + PHILOX
