@@ -29,6 +29,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes and few iterations (smoke test)")
     p.add_argument("--only", default="", help="run only workloads whose name contains this substring; a comma list "
                    "of them, each a substring or, after '=', an exact name (--only =softmax_scale,=sum0_mul)")
+    p.add_argument("--sizes", default=",".join(SIZES), help=f"comma list from {','.join(SIZES)}")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list from {','.join(SYSTEMS)}")
     p.add_argument("--json", default="bench_results.json", help="where to write all raw numbers")
     p.add_argument("--png", default="bench_results.png", help="where to draw the chart (needs matplotlib)")
@@ -39,6 +40,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="with --models: the models' dtype")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if set(args.sizes) - set(SIZES) or not args.sizes:
+        p.error(f"unknown sizes {sorted(set(args.sizes) - set(SIZES))}; choose from {','.join(SIZES)}")
     systems = SYSTEMS
     if args.models:
         from . import models
@@ -74,7 +78,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     rows = []
     for wl in workloads:
-        for size in SIZES:
+        for size in [s for s in SIZES if s in args.sizes]:
             for dtype in [d for d in wl.dtypes if device.type != "cpu" or d in CPU_DTYPES]:
                 t0 = time.perf_counter()
                 rows.append(run_row(wl, dtype, size, args.systems, device, cfg, args.quick, copy_rate))
