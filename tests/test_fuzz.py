@@ -87,6 +87,38 @@ def test_check_catches_wrong_dtype_shape_and_missing_error(monkeypatch):
     assert fuzz.check(g, [torch.ones(4, dtype=torch.bool)]).kind == "no_raise"
 
 
+def _oom(spec, a):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 111.75 GiB.")
+
+
+def test_an_out_of_memory_fused_run_is_a_failure_where_eager_leaves_room(monkeypatch):
+    g = torch.parse_ir("""graph(%x : Tensor):
+  %r : Tensor = aten::neg(%x)
+  return (%r)
+""")
+    monkeypatch.setattr(executor, "run", _oom)
+    verdict = fuzz.check(g, [torch.randn(4)])
+    assert not verdict.ok and verdict.kind == "fused_raises"
+
+
+@pytest.mark.gpu
+def test_an_out_of_memory_fused_run_beside_eager_outputs_of_half_the_device_is_excused(monkeypatch):
+    """(the CUDA fuzzer's graph 1862 of seed 1167626128: an int64 output of [122467, 122467], 112 GiB, which eager
+    made on an H200 and the fused run then had no room for)"""
+    g = torch.parse_ir("""graph(%x : Tensor):
+  %r : Tensor = aten::neg(%x)
+  return (%r)
+""")
+    x = torch.randn(1000, device="cuda")
+    monkeypatch.setattr(executor, "run", _oom)
+    assert not fuzz.check(g, [x]).ok  # 4 kB of eager's output leave room: a failure
+    real = torch.cuda.get_device_properties
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: type("P", (), {"total_memory": 8000})() if d == x.device else real(d))
+    verdict = fuzz.check(g, [x])
+    assert verdict.ok and verdict.kind == "oom" and not verdict.fused
+
+
 def test_excused_elements_are_only_near_discontinuities():
     """floor of a computed float16 value: eager rounds the intermediate to half, fusion keeps it in float, so
     floor may differ exactly where the intermediate is within rounding of an integer, and nowhere else."""

@@ -25,6 +25,7 @@ TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2), torch.floa
 class Verdict:
     ok: bool
     kind: str  # ok | raises | count | dtype | shape | device | value | no_raise | raise_type | fused_raises | crash
+    # | oom (the fused run found no room beside eager's outputs)
     detail: str = ""
     fused: bool = False
     reason: str = ""  # why it fell back
@@ -139,6 +140,19 @@ def _fallback_reason(spec, args) -> str:
     return "codegen: not fusable (no integer expression)"
 
 
+def _no_room(exc: BaseException, e_outs: list) -> bool:
+    """The fused run ran out of CUDA memory where eager's outputs, which the judge still holds, take half the
+    device or more (a broadcast in a generated graph can make an output of 10^10 elements): eager's own run would
+    find no room beside them either."""
+    if not isinstance(exc, torch.OutOfMemoryError):
+        return False
+    held = [E for E in e_outs or () if isinstance(E, torch.Tensor) and E.is_cuda]
+    if not held:
+        return False
+    total = torch.cuda.get_device_properties(held[0].device).total_memory
+    return 2 * sum(E.numel() * E.element_size() for E in held) >= total
+
+
 def check(graph: torch._C.Graph, args: list, device=None) -> Verdict:
     """Run ``graph`` as one fusion group on ``args`` and judge it against eager PyTorch."""
     e_exc = steps = e_outs = None
@@ -164,6 +178,8 @@ def check(graph: torch._C.Graph, args: list, device=None) -> Verdict:
             return Verdict(False, "raise_type", f"eager raised {type(e_exc).__name__}: {str(e_exc)[:300]}; "
                            f"fused raised {type(f_exc).__name__}: {str(f_exc)[:300]}", fused, reason)
         return Verdict(True, "raises", type(e_exc).__name__, fused, reason or "eager raises")
+    if f_exc is not None and _no_room(f_exc, e_outs):
+        return Verdict(True, "oom", str(f_exc)[:300], fused, reason or "out of device memory beside eager's outputs")
     if f_exc is not None:
         return Verdict(False, "fused_raises", "".join(traceback.format_exception_only(type(f_exc), f_exc))[-3000:],
                        fused, reason)
