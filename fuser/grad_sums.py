@@ -37,7 +37,7 @@ import torch
 
 from . import executor, fallback, ir, settings
 from .kernel_cache import STORE, KernelSpec
-from .rows.plan import row_level
+from .rows.plan import SUMS_IN_KERNEL_ONLY, row_level
 
 SUM = "aten::sum.dim_IntList"
 REDUCED = (torch.float16, torch.bfloat16)
@@ -221,6 +221,7 @@ def _build_fused(g: ir.Group, dims: tuple) -> Fused:
             next_id += 1
     spec = STORE.get(STORE.register(ir.Group(g.inputs, g.nodes + tuple(sums), tuple(outputs)).pruned()))
     fused_keys.add(spec.key)
+    SUMS_IN_KERNEL_ONLY.add(spec.key)  # where the row kernel cannot sum, the split below does (not the plan's apart)
     _backward_keys.add(spec.key)
     return Fused(spec, tuple(whole), tuple(summed))
 

@@ -369,3 +369,73 @@ def test_the_sums_in_the_row_kernel_on_the_gpu(case, shape, dtype, in_row, watch
         return
     want = _eager(case, args, gy.to(dtype))
     _assert_as_close_as_eagers(got, want, want64, shape)
+
+
+def _apart_group() -> ir.Group:
+    """A row reduction and, beside it, a column sum of a value it makes (the torch.compile door's layer_norm
+    backward has this form: its weight's gradient): outputs sum(dy * (x - mean(x)), dim 0, keepdim) and
+    (x - mean(x)) * dy * w."""
+    b = ir.Builder()
+    x, dy, w = b.input(), b.input(), b.input()
+    centered = b.call("aten::sub", x, b.add("aten::mean.dim", x, (-1,), True, None), 1)
+    g = b.call("aten::mul", dy, centered)
+    return b.build([b.add("aten::sum.dim_IntList", g, (0,), True, None), b.call("aten::mul", g, w)])
+
+
+def _apart_inputs(rows: int, n: int, dtype=torch.float32):
+    return [torch.randn(rows, n, dtype=dtype), torch.randn(rows, n, dtype=dtype), torch.randn(n, dtype=dtype)]
+
+
+def _check_apart(got, args):
+    from fuser import fallback
+    want = fallback.evaluate(_apart_group(), [a.double() for a in args])
+    assert [tuple(o.shape) for o in got] == [tuple(r.shape) for r in want]
+    for o, r in zip(got, want):
+        assert o.dtype == args[0].dtype
+        scale = max(1.0, r.abs().max().item()) if r.numel() else 1.0
+        torch.testing.assert_close(o.double(), r, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_column_sums_the_kernel_cannot_take_are_summed_after_it(monkeypatch):
+    """Where a row kernel cannot sum its column sums (float32 past CPU_MAX_SUMMED elements where that is set, a
+    CUDA row of several trips), the plan keeps them apart (RowKey.apart): the kernel writes the summed values
+    whole and eager's sum adds them up after it, rather than the whole group falling back to the interpreter. Run
+    three times through run_fusion (the native hot path hands such calls to Python) against eager's ops in
+    float64. A spec in SUMS_IN_KERNEL_ONLY (grad_sums' fused backwards, which split their own way) is refused."""
+    import sys
+    plan_module = sys.modules["fuser.rows.plan"]  # (fuser.rows.plan is also the function's name there)
+    spec = STORE.get(STORE.register(_apart_group()))
+    args = _apart_inputs(70, 48)
+    with torch.no_grad():
+        p = row_plan(spec, args)
+        assert isinstance(p, RowPlan) and p.key.sums == (0,) and not p.key.apart, p
+    monkeypatch.setattr(plan_module, "CPU_MAX_SUMMED", 16)
+    with torch.no_grad():
+        p = row_plan(spec, args)
+        assert isinstance(p, RowPlan) and p.key.sums == () and p.key.apart == (0,), p
+        assert p.apart == ((0, (0,), True),) and p.out_shapes[0] == (70, 48)
+    for _ in range(3):
+        _check_apart(fuser.run_fusion(spec.key, args), args)
+    monkeypatch.setattr(plan_module, "SUMS_IN_KERNEL_ONLY", {spec.key})
+    with torch.no_grad():
+        why = row_plan(spec, args)
+    assert isinstance(why, str) and "a column kernel sums them" in why, why
+
+
+@pytest.mark.parametrize("rows,n", [(5, 65537), (3, 40), (0, 65537)])
+def test_column_sums_apart_in_the_cuda_emulation(rows, n):
+    """The same group's CUDA row kernel under the host emulation: a row of 65,537 float32 elements takes several
+    trips, so the column sum is kept apart (and over no rows it is zeros, eager's); a row of 40 sums it in the
+    kernel."""
+    from fuser.rows import decompose, emulate as row_emulate
+    from fuser.rows.plan import cuda_sums_in_one_trip
+    spec = STORE.get(STORE.register(_apart_group()))
+    args = _apart_inputs(rows, n)
+    with torch.no_grad():
+        p = row_plan(spec, args, target="cuda")
+    assert isinstance(p, RowPlan), p
+    assert p.key.apart == ((0,) if n > 40 else ()) and p.key.sums == (() if n > 40 else (0,)), p.key
+    # what the torch.compile door's partition asks before any call: the plan's choice
+    sizes = [a.element_size() for a in args] + [4, 4]
+    assert cuda_sums_in_one_trip(decompose.expand(spec.group), (0,), n, sizes) == (not p.key.apart)
+    _check_apart(row_emulate.run(spec.group, args), args)

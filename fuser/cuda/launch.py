@@ -24,9 +24,9 @@ BLOCK_SIZE = 256
 # floor, against 1.02 at 4 waves); kernels with strided inputs, whose trips start with an index walk, with 8
 # waves. H200 (2026-11-27), fuser alone, two runs each, fraction of the copy floor at 4 / 8 / 16 waves:
 # lstm_cell 0.95-0.98 / 0.96-1.00 / 0.99-1.02, gelu_bias float32 0.92-0.93 / 0.94-0.96 / 0.96-0.98, outer_affine
-# float32 0.93-0.95 / 0.96 / 0.97-0.98, reduced_plus_float_bias 0.89-0.90 / 0.90-0.92 / 0.93-0.94, but gelu_bias float16 and bfloat16
-# (bound by arithmetic) 0.80-0.84 / 0.81-0.84 / 0.78-0.82; one trip per thread gave those two 0.70-0.76 on
-# another H200 that day.
+# float32 0.93-0.95 / 0.96 / 0.97-0.98, reduced_plus_float_bias 0.89-0.90 / 0.90-0.92 / 0.93-0.94, but gelu_bias
+# float16 and bfloat16 (bound by arithmetic) 0.80-0.84 / 0.81-0.84 / 0.78-0.82; one trip per thread gave those two
+# 0.70-0.76 on another H200 that day.
 GRID_WAVES = int(os.environ.get("FUSER_GRID_WAVES_STRIDED", "8"))
 GRID_WAVES_DENSE = int(os.environ.get("FUSER_GRID_WAVES_DENSE", "0"))
 # The launch itself: "cuda-python" uses the binding with a prebuilt parameter array; "ctypes" calls libcuda's

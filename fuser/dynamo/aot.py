@@ -125,6 +125,17 @@ def compiler(kind: str, label: str = "") -> Callable:
     return compile_graph
 
 
+def partition_joint(joint_module: torch.fx.GraphModule, joint_inputs, **kwargs):
+    """AOTAutograd's partition function: Inductor's min-cut rematerializing partitioner (the backward recomputes
+    pointwise values from fewer saved tensors rather than the forward writing every intermediate it needs: a fused
+    group recomputes them for free), after training layer norms are split into their steps
+    (``norms.split_training_layer_norms``), so that their normalized rows are recomputed too."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    if norms.split_training_layer_norms(joint_module.graph):
+        joint_module.recompile()
+    return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
+
+
 def backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs) -> Callable:
     """The ``fuser`` Dynamo backend (``torch.compile(fn, backend="fuser")``); ``mode``/``options`` are ignored."""
     global _n_graphs
@@ -132,12 +143,9 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs) -> Callabl
     label = f"graph {_n_graphs}"
     try:
         from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-        # the partitioner Inductor uses: the backward recomputes pointwise values from fewer saved tensors rather
-        # than the forward writing every intermediate it needs (a fused group recomputes them for free)
         return aot_autograd(fw_compiler=compiler("forward", label), bw_compiler=compiler("backward", label),
                             inference_compiler=compiler("inference", label), decompositions=decompositions(),
-                            partition_fn=min_cut_rematerialization_partition,
+                            partition_fn=partition_joint,
                             keep_inference_input_mutations=True)(gm, example_inputs)
     except Exception as e:
         if settings.strict_pass:

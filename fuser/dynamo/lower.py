@@ -21,9 +21,9 @@ from typing import Callable, Optional
 import torch
 import torch.fx
 
-from .. import autodiff, ir, native, torch_ops  # noqa: F401 (torch_ops defines fuser::fusion_group)
+from .. import autodiff, ir, native, ops, torch_ops  # noqa: F401 (torch_ops defines fuser::fusion_group)
 from ..kernel_cache import STORE, KernelSpec
-from .partition import Region
+from .partition import Region, column_sums
 from .support import constant, full_args, is_barrier, overload_name, tensor_constant
 
 # fuser.explain sets this while it runs: called with (spec, args) on each group call, to see run-time fallbacks
@@ -40,6 +40,10 @@ def _origin(node: torch.fx.Node, op: str) -> str:
 def lower(region: Region) -> ir.Group:
     b = ir.Builder()
     env = {n: b.input() for n in region.inputs}
+    # a column sum of a region input beside reductions along the row (a bias's gradient, dy summed over the rows, in
+    # a norm's backward): the row kernel sums values it computes, so it sums a copy of the input (_to_copy, no dtype)
+    copied = {n for n in column_sums(region.nodes, [m for m in region.nodes if ops.reduction(
+        overload_name(m) or "") is not None]) if n.args[0] in env}
     for n in region.nodes:
         op = overload_name(n)
         args = []
@@ -48,6 +52,8 @@ def lower(region: Region) -> ir.Group:
                 args.append(env[a] if a in env else tensor_constant(a))
             else:
                 args.append(constant(a))
+        if n in copied:
+            args[0] = b.add("aten::_to_copy", args[0], None, None, None, None, False, None)
         with b.steps_of(_origin(n, op)):
             env[n] = b.add(op, *args)
     return b.build([env[o] for o in region.outputs])

@@ -56,6 +56,22 @@ def rewrite(graph: torch.fx.Graph) -> int:
     return done
 
 
+def split_training_layer_norms(graph: torch.fx.Graph) -> int:
+    """Each ``native_layer_norm`` whose mean or rstd is read, as its steps (in place; the nodes rewritten). Run on
+    AOTAutograd's joint graph before it is cut into forward and backward: the min-cut partitioner then saves the
+    input and the row statistics and recomputes the normalized rows in the backward (pointwise from those), where
+    the op whole made it save the normalized rows, a tensor the size of the input, written by the forward and read
+    back by the backward."""
+    done = 0
+    for n in list(graph.nodes):
+        if n.op == "call_function" and not n.kwargs and n.target is aten.native_layer_norm.default and \
+                len(n.args) == 5:
+            users = list(n.users)
+            if users and all(u.target is operator.getitem for u in users) and any(u.args[1] != 0 for u in users):
+                done += _layer_norm_steps(graph, n, users)
+    return done
+
+
 def _fake_mode(node: torch.fx.Node):
     v = node.meta.get("val")
     return getattr(v, "fake_mode", None)

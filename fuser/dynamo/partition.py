@@ -23,6 +23,7 @@ shapes are compared as symbols, never made concrete (that would install a guard 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -33,6 +34,7 @@ from ..graph_fuser import MAX_GROUP_ARGS, MIN_GROUP_KERNELS
 from .. import layout, ops
 from .support import Support, fake, is_barrier, overload_name, reduced_dims, tensor_constant
 
+SUM = "aten::sum.dim_IntList"
 MAX_MERGE_ROUNDS = 4  # passes over the graph's edges until a pass merges nothing
 
 
@@ -250,6 +252,37 @@ class _Partitioner:
             return "a cycle: a node outside the group both needs a group value and feeds the group"
         return None
 
+    def _merge(self, g: _Group, other: _Group) -> None:
+        g.members |= other.members
+        for m in other.members:
+            self.group_of[m] = g
+        self.spans.pop(id(other), None)
+        positions = [self.pos[m] for m in g.members]
+        self.spans[id(g)] = (min(positions), max(positions), g)
+
+    def _merge_column_sums(self) -> None:
+        """Groups holding a sum over the leading dims joined to a group of row reductions that reads an input of
+        theirs, where the merged group is one row kernel (``_row_refusal``): no edge joins them (a norm's backward,
+        whose weight's gradient sums dy times the normalized rows, recomputed from x apart from x's gradient), and
+        as one kernel they read x and dy once."""
+        groups = list({id(g): g for g in self.group_of.values() if len(g.members) > 1}.values())
+        sums = [g for g in groups if any(_leading_reduction(m) for m in g.members)] + [
+            self.group(n) for n in self.nodes  # a sum of a graph input alone (a bias's gradient, dy summed)
+            if _leading_reduction(n) and self.support.takes(n) and len(self.group(n).members) == 1]
+        for a in sums:
+            for b in list(groups):
+                if a is b or self.group_of.get(next(iter(b.members))) is not b or \
+                        self.group_of.get(next(iter(a.members))) is not a:
+                    continue
+                if not any(_leading_reduction(m) is False and ops.reduction(overload_name(m) or "") is not None
+                           for m in b.members):
+                    continue
+                if not set(self.inputs(list(a.members))) & set(self.inputs(list(b.members))):
+                    continue
+                # (no edge joins them: a path may run either way through nodes outside both)
+                if self.refusal(b, a) is None and not self._closes_cycle(a, b, a.members | b.members):
+                    self._merge(b, a)
+
     def run(self) -> Partition:
         takes = self.support.takes
         # reductions over leading dims (a column kernel's) join last: the row reductions and pointwise ops of a
@@ -269,12 +302,7 @@ class _Partitioner:
                     continue
                 why = self.refusal(g, other)
                 if why is None:
-                    g.members |= other.members
-                    for m in other.members:
-                        self.group_of[m] = g
-                    self.spans.pop(id(other), None)
-                    positions = [self.pos[m] for m in g.members]
-                    self.spans[id(g)] = (min(positions), max(positions), g)
+                    self._merge(g, other)
                     self.refused.pop(n, None)
                     self.refused.pop(p, None)
                     merged = True
@@ -282,6 +310,7 @@ class _Partitioner:
                     self.refused[n] = self.refused[p] = why
             if not merged:
                 break
+        self._merge_column_sums()
         regions, left_out, seen = [], {}, set()
         for n in self.nodes:
             why = self.support.reason(n)
@@ -323,6 +352,8 @@ def _row_refusal(ordered: list, inputs: list, outs: list) -> Optional[str]:
     reds = [n for n in ordered if ops.reduction(overload_name(n) or "") is not None]
     if not reds:
         return None
+    sums = column_sums(ordered, reds)
+    reds = [n for n in reds if n not in sums]
     dims = {reduced_dims(n) for n in reds}
     fulls = {_shape(n.args[0]) for n in reds}
     if len(dims) > 1 or len(fulls) > 1 or None in dims or None in fulls:
@@ -331,11 +362,27 @@ def _row_refusal(ordered: list, inputs: list, outs: list) -> Optional[str]:
     k = len(dims)
     leading = dims[0] == 0  # a column kernel's (fuser/rows/outer.py): a row here is a column, one value each
     rows = ((1,) * k + full[k:], full[k:]) if leading else (full[:len(full) - k] + (1,) * k, full[:len(full) - k])
+    if sums:
+        lead = len(full) - k
+        columns = ((1,) * lead + full[lead:], full[lead:])
+        for n in sums:
+            if leading or _shape(n.args[0]) != full or reduced_dims(n) != tuple(range(lead)) or \
+                    _shape(n) not in columns:
+                return (f"{n.name}, a sum over the leading dims, beside reductions along the row that are not of its "
+                        f"value's shape {_pretty(_shape(n.args[0]) or ())} (one row kernel each)")
+        why = _cuda_sums_refusal(ordered, inputs, outs, sums, full[lead:])
+        if why:
+            return why
     for n in ordered:
         s = _shape(n)
+        if n in sums:
+            continue
         if s is None or (s not in rows and broadcast([s, full]) != full):
-            return f"{n.name} of shape {_pretty(s or ())} is neither the rows' elements {_pretty(full)} nor a row's value"
+            return (f"{n.name} of shape {_pretty(s or ())} is neither the rows' elements {_pretty(full)} nor a row's "
+                    "value")
     for o in outs:
+        if o in sums:
+            continue
         if _shape(o) != full and _shape(o) not in rows:
             return f"its value {o.name} of shape {_pretty(_shape(o))} is needed outside, and is no row kernel's output"
         if not _contiguous(o):
@@ -347,10 +394,43 @@ def _row_refusal(ordered: list, inputs: list, outs: list) -> Optional[str]:
         group = lower(Region(ordered, inputs, outs))
         level = (column_level if leading else row_level)(group)
         for o, v in zip(outs, group.outputs):
-            if _shape(o) != full and v.id not in level:
+            if _shape(o) != full and v.id not in level and o not in sums:
                 return (f"its value {o.name} of shape {_pretty(_shape(o))} is needed outside, and a row kernel's "
                         f"outputs have the rows' elements' shape {_pretty(full)} unless computed from a reduction")
     return ""
+
+
+def _cuda_sums_refusal(ordered: list, inputs: list, outs: list, sums: set, row: tuple) -> str:
+    """Why a CUDA row kernel would not sum the column sums ``sums`` of this region itself (a row of several trips:
+    it would write the summed values whole for eager's sum, where a column kernel of their own reads the inputs
+    again, fewer bytes), or "" (the CPU's kernels always do)."""
+    if fake(ordered[0]).device.type != "cuda":
+        return ""
+    if not all(type(d) is int for d in row):
+        return "column sums beside reductions along a row of a symbolic length (a column kernel of their own)"
+    from ..rows import decompose
+    from ..rows.plan import cuda_sums_in_one_trip
+    from .lower import lower  # lower.py imports this module
+    group = decompose.expand(lower(Region(ordered, inputs, outs)))
+    sizes = [fake(a).element_size() for a in inputs if fake(a) is not None] + [fake(o).element_size() for o in outs]
+    cols = math.prod(row)
+    if cuda_sums_in_one_trip(group, tuple(m for m, o in enumerate(outs) if o in sums), cols, sizes):
+        return ""
+    return (f"column sums beside reductions along rows of {cols} elements, which a CUDA row kernel takes in several "
+            "trips (a column kernel of their own sums them)")
+
+
+def column_sums(ordered: list, reds: list) -> set:
+    """The column sums among a region's reductions ``reds``, where it also holds reductions along the row (a norm's
+    backward summing its weight's and bias's gradients; ``fuser.rows.plan``'s column sums): plain sums over
+    leading dims, read by no node of the region (of a region input too: :func:`.lower.lower` gives the row kernel
+    a copy of it to sum)."""
+    members = set(ordered)
+    sums = {n for n in reds if overload_name(n) == SUM and (reduced_dims(n) or (1,))[0] == 0
+            and isinstance(n.args[0], torch.fx.Node) and n.kwargs.get("dtype") is None
+            and not any(u in members for u in n.users)}
+    others = [n for n in reds if n not in sums]
+    return sums if others and all((reduced_dims(n) or (0,))[0] != 0 for n in others) else set()
 
 
 def _pretty(shape) -> str:

@@ -29,7 +29,7 @@ class RowGeometry:
     ``executor.run`` asks of a geometry (``kernel.scalar_limits``, ``requires_grad``, ``device``)."""
 
     __slots__ = ("kernel", "rows", "cols", "lead", "strides", "out_shapes", "out_dtypes", "device", "cpu_args",
-                 "requires_grad", "vec_ok", "vec_align")
+                 "requires_grad", "vec_ok", "vec_align", "apart", "hot_path")
 
     def __init__(self, p: RowPlan, kernel: launch.RowKernel):
         self.kernel, self.rows, self.cols, self.lead, self.strides = kernel, p.rows, p.cols, p.lead, p.strides
@@ -38,6 +38,8 @@ class RowGeometry:
         self.device = p.tensors[0].device
         self.requires_grad = any(t.requires_grad for t in p.tensors)
         self.cpu_args = launch.CpuArgs(p) if kernel.target == "cpu" else None
+        self.apart = p.apart  # column sums written whole, summed here after the kernel (RowKey.apart)
+        self.hot_path = not p.apart  # the native hot path launches the kernel alone: these calls stay in Python
 
     def new_outputs(self) -> list[torch.Tensor]:
         """The outputs a launch writes, allocated."""
@@ -47,11 +49,13 @@ class RowGeometry:
         """Allocate the outputs and launch (the executor checked everything else)."""
         outputs = self.new_outputs()
         if self.rows == 0:
-            return outputs
-        if self.cpu_args is not None:
+            pass
+        elif self.cpu_args is not None:
             launch.launch_cpu(self.kernel, self.cpu_args, tensors, scalars, outputs)
         else:
             self.kernel.backend.launch(self, tensors, scalars, outputs)
+        for m, dims, keepdim in self.apart:
+            outputs[m] = outputs[m].sum(dims, keepdim=keepdim)
         return outputs
 
 

@@ -63,7 +63,7 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
         _run_columns(emulator, name, spec, p, outputs)
         return outputs
     if p.rows == 0:
-        return outputs
+        return _summed_apart(p, outputs)
     sums = p.key.sums
     struct = launch.args_struct(len(p.tensors), len(p.tensors) + len(outputs) + len(sums), len(p.scalars))
     block = p.key.shape.block
@@ -84,6 +84,13 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
         results = emulator.run(name + "_sum", min(emulate.EMU_BLOCKS, launch.parts_grid(p.cols)), launch.PARTS_BLOCK,
                                bytes(args), spans)
         _copy_back([outputs[m] for m in sums], results)
+    return _summed_apart(p, outputs)
+
+
+def _summed_apart(p: RowPlan, outputs: list) -> list:
+    """The column sums the kernel wrote whole (``RowKey.apart``) summed, as ``RowGeometry.run`` sums them."""
+    for m, dims, keepdim in p.apart:
+        outputs[m] = outputs[m].sum(dims, keepdim=keepdim)
     return outputs
 
 

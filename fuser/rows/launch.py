@@ -39,8 +39,9 @@ def kernel_name(spec_text: str, key) -> str:
 
 def kernel_group(spec, p) -> ir.Group:
     """The group whose nodes a row or column kernel of ``spec`` computes (``p.types``' nodes): its composite ops'
-    steps, less a row plan's column sums (``plan.column_sum_form``)."""
-    return column_sum_form(decompose.expand(spec.group), getattr(p.key, "sums", ()))
+    steps, less a row plan's column sums (``plan.column_sum_form``), those it sums and those it writes whole."""
+    return column_sum_form(decompose.expand(spec.group),
+                           tuple(sorted(getattr(p.key, "sums", ()) + getattr(p.key, "apart", ()))))
 
 
 def source_for(spec, p: RowPlan) -> tuple[str, str]:

@@ -10,7 +10,10 @@ leading dims (with the reduced dims kept as 1, or dropped); a row-level value re
 its dims (otherwise broadcasting would align it with F's trailing dims, not its rows). An output that sums an
 element-level value of shape F over F's leading dims (a weight's gradient in a norm's backward) is a column sum
 (:func:`column_sum_form`): the kernel adds it up across the rows as it goes (on CUDA where the row takes one trip
-of a thread's elements).
+of a thread's elements). Where the kernel cannot (a CUDA row of several trips), the plan keeps such sums apart
+(``RowKey.apart``): the kernel writes the summed values whole and eager's ``sum`` adds them up after it, unless the
+group's spec is in :data:`SUMS_IN_KERNEL_ONLY` (``fuser/grad_sums.py``'s fused backwards, which have a split of their
+own: a column kernel that recomputes the summed values from the inputs).
 """
 from __future__ import annotations
 
@@ -56,6 +59,9 @@ SUMS_MAX_TPR = 256
 # bound (None); an int brings the split back past that many elements (float16/bfloat16 keep the column sums at any
 # size: the split would pass their statistics through memory rounded, eager's sum_to_size instead)
 CPU_MAX_SUMMED: Optional[int] = None
+# spec keys of groups whose column sums run in the row kernel or not at all (no RowKey.apart): the caller has a better
+# way (fuser/grad_sums.py registers its fused backwards here)
+SUMS_IN_KERNEL_ONLY: set = set()
 MAX_CUDA_COLS = 2 ** 31 - 2 ** 16  # a CUDA row kernel's column index is an int, with room for a trip past the end
 
 
@@ -322,6 +328,8 @@ class RowKey:
     # only (``settings.cuda_vector_rows``: the signature allows them, ``RowPlan.vec_ok``); None: the kernel checks
     # the launch's ``args.vec`` and any strides
     steps: Optional[tuple[int, ...]] = None
+    # the outputs that are column sums the kernel writes whole, summed after it by eager's sum (RowPlan.apart)
+    apart: tuple[int, ...] = ()
 
 
 @dataclass
@@ -338,6 +346,7 @@ class RowPlan:
     types: list  # codegen.NodeTypes per node
     vec_ok: bool = False  # CUDA: sizes and strides allow whole vectors (the pointers are checked per launch)
     vec_align: tuple = ()  # CUDA, per pointer (inputs, outputs): bytes it must be aligned to for vectors (0: any)
+    apart: tuple = ()  # (output, dims, keepdim) per column sum kept apart (RowKey.apart): summed after the kernel
 
 
 def row_level(group: ir.Group) -> frozenset:
@@ -489,9 +498,10 @@ def _types(group: ir.Group, args: Sequence, metas_list: list, values: list) -> l
     return types
 
 
-def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Union[RowPlan, str]:
+def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: bool = False) -> Union[RowPlan, str]:
     """A :class:`RowPlan` for ``args``, or the reason to fall back. ``target``: as for ``executor.plan`` (the
-    CUDA emulator plans "cuda" kernels for CPU tensors)."""
+    CUDA emulator plans "cuda" kernels for CPU tensors). ``apart``: column sums kept apart (``RowKey.apart``); the
+    plan asks for it itself where the kernel cannot sum them."""
     checked = executor.check_inputs(spec, args, target)
     if isinstance(checked, str):
         return checked
@@ -534,6 +544,7 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
         return "a value of an unsupported dtype"
     sums: tuple[int, ...] = ()
     sum_shapes: dict = {}
+    kept_apart: tuple = ()
     chosen = _column_sums(group, shape)
     if chosen:  # column sums: the row kernel runs the group without them, and sums their values per column
         sums = tuple(m for m, v in enumerate(group.outputs) if v.id in chosen)
@@ -541,8 +552,13 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
         if any(dtype[i] not in FLOATING or dtype[producer[i].args[0].id] != dtype[i] for i in chosen):
             return "a column sum that converts its values' dtype (floating sums of their own dtype only)"
         sum_shapes = {m: (shape[group.outputs[m].id], dtype[group.outputs[m].id]) for m in sums}
+        summed = [producer[group.outputs[m].id] for m in sums]
         group = column_sum_form(group, sums)
         values = evaluate(group, meta_args, every_value=True)[len(group.outputs):]
+        if apart:  # the kernel writes the summed values whole (element-level outputs of the full shape)
+            kept_apart = tuple((m, tuple(_dims(n, len(shape[n.args[0].id]))), bool(n.args[2]))
+                               for m, n in zip(sums, summed))
+            sums, sum_shapes = (), {}
     rows_v = row_level(group)
 
     full, dims = None, None
@@ -608,15 +624,14 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
             return f"a row of {cols} elements (CUDA row kernels index a row with 32 bits)"
         dts = [t.dtype for t in tensors] + out_dtypes
         sizes = [torch.empty((), dtype=dt).element_size() for dt in dts]
-        width, first = pass_width(group, True)
-        cuda_sh = cuda_shape(cols, sizes, width + len(sums), first,  # (a column sum's registers: a held value's)
-                             *((SUMS_REGISTER_ITEMS, SUMS_MAX_TPR) if sums else ()))
+        cuda_sh = _cuda_row_shape(group, cols, sizes, len(sums))
         if not cuda_sh.held and not sums and min(sizes) >= CLUSTER_MIN_BYTES and _clusters(device):  # a cluster's
-            cuda_sh = cluster_shape(cols, sizes, width, first) or cuda_sh
+            cuda_sh = cluster_shape(cols, sizes, *pass_width(group, True)) or cuda_sh
         if not cuda_sh.held:  # each pass loads what it reads
-            cuda_sh = cuda_shape(cols, sizes, pass_width(group, False)[0] + len(sums), trip_factor=1 if sums else 2)
+            cuda_sh = _cuda_row_shape(group, cols, sizes, len(sums), held=False)
             if sums and cols > cuda_sh.tpr * cuda_sh.items:
-                return "column sums of a CUDA row kernel of several trips along the row (a column kernel sums them)"
+                return _sums_apart(spec, args, target,
+                                   "column sums of a CUDA row kernel of several trips along the row")
         vec = cuda_sh.vec
         vec_ok = cols > 0 and cols % vec == 0 and all(st[-1] in (0, 1) and (st[-1] == 0 or all(x % vec == 0 for x in st[:-1]))
                                          for st in strides)
@@ -626,14 +641,47 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None) -> Unio
             for m, (v, dt) in enumerate(zip(group.outputs, out_dtypes)))
     out_shapes = [shape[v.id] for v in group.outputs]
     if sums and rows == 0:
-        return "column sums over no rows (zeros: eager's sum gives them)"
+        return _sums_apart(spec, args, target, "column sums over no rows (zeros: eager's sum gives them)")
     if (sums and target == "cpu" and CPU_MAX_SUMMED is not None and rows * cols > CPU_MAX_SUMMED
             and not any(t.dtype in REDUCED for t in tensors)):
-        return (f"column sums over {rows * cols} elements on the CPU (a row kernel, then a column kernel, is faster "
-                f"from {CPU_MAX_SUMMED})")
+        return _sums_apart(spec, args, target, f"column sums over {rows * cols} elements on the CPU (a row kernel, "
+                           f"then a column kernel, is faster from {CPU_MAX_SUMMED})")
     for m, (s, dt) in sum_shapes.items():
         out_shapes[m], out_dtypes[m] = s, dt
     steps = tuple(st[-1] for st in strides) if vec_ok and settings.cuda_vector_rows else None
-    key = RowKey(target, device.index, tuple((t.dtype, t.dim() == 0) for t in tensors), cuda_sh, sums, steps)
+    key = RowKey(target, device.index, tuple((t.dtype, t.dim() == 0) for t in tensors), cuda_sh, sums, steps,
+                 tuple(m for m, _, _ in kept_apart))
     return RowPlan(key, tensors, scalars, rows, cols, lead, strides, out_shapes, out_dtypes, types, vec_ok,
-                   vec_align)
+                   vec_align, kept_apart)
+
+
+def _cuda_row_shape(group: ir.Group, cols: int, sizes: Sequence[int], n_sums: int, held: bool = True) -> CudaShape:
+    """The CUDA row kernel's shape for ``group`` (a column sum form's, with ``n_sums`` column sums) over rows of
+    ``cols`` elements, ``sizes`` the inputs' and outputs' element sizes: the row held, or (``held`` False) each pass
+    loading what it reads."""
+    if not held:
+        return cuda_shape(cols, sizes, pass_width(group, False)[0] + n_sums, trip_factor=1 if n_sums else 2)
+    width, first = pass_width(group, True)
+    return cuda_shape(cols, sizes, width + n_sums, first,  # (a column sum's registers: a held value's)
+                      *((SUMS_REGISTER_ITEMS, SUMS_MAX_TPR) if n_sums else ()))
+
+
+def cuda_sums_in_one_trip(group: ir.Group, sums: tuple[int, ...], cols: int, sizes: Sequence[int]) -> bool:
+    """Whether a CUDA row kernel of ``group`` (its composite ops' steps) sums its outputs ``sums`` (column sums) in
+    the kernel over rows of ``cols`` elements (a row of one trip), rather than writing them whole for eager's sum
+    (``RowKey.apart``). ``sizes``: the element sizes of the tensor inputs and outputs. For a caller choosing
+    between the column sums and a column kernel of their own before any call (the torch.compile door's
+    partition)."""
+    form = column_sum_form(group, sums)
+    sh = _cuda_row_shape(form, cols, sizes, len(sums))
+    if not sh.held:
+        sh = _cuda_row_shape(form, cols, sizes, len(sums), held=False)
+    return cols <= sh.tpr * sh.items
+
+
+def _sums_apart(spec: KernelSpec, args: Sequence, target: str, why: str) -> Union[RowPlan, str]:
+    """The plan with the column sums kept apart (``RowKey.apart``), where the kernel cannot sum them for ``why``;
+    ``why`` where the group's caller sums them its own way (:data:`SUMS_IN_KERNEL_ONLY`)."""
+    if spec.key in SUMS_IN_KERNEL_ONLY:
+        return why + " (a column kernel sums them)"
+    return plan(spec, args, target, apart=True)
