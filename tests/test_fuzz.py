@@ -270,3 +270,48 @@ def test_the_judge_moves_uncertain_elements_through_a_permute():
     for shape in ((3, 1, 2), (2, 3, 4)):  # random values, the same graph
         v = fuzz.check(g, [torch.randn(shape).to(torch.bfloat16)])
         assert v.ok, v
+
+
+MEAN_IR = """graph(%t0 : Tensor):
+  %dims : int[] = prim::Constant[value=[-1]]()
+  %keep : bool = prim::Constant[value=1]()
+  %none : NoneType = prim::Constant()
+  %m : Tensor = aten::mean(%t0, %dims, %keep, %none)
+  %one : int = prim::Constant[value=1]()
+  %r : Tensor = aten::sub(%t0, %m, %one)
+  return (%r)
+"""
+
+
+def test_the_judge_allows_a_sums_rounding_in_any_order(monkeypatch):
+    """A row whose terms cancel (magnitudes to 1e30, their sum near 1e20): a kernel summing in another order than
+    eager's is off by units of the largest partial sum, however close eager's own order came (the CUDA campaign of
+    seed 2528166599 found a float32 row mean 3.5e-5 from the float64 truth, eager's 5e-7: both well within float32's
+    summation error). The judge's spread of a sum or mean holds 4 units of rounding of the terms' magnitudes summed
+    (over the count, for the mean), not only of the result; a mean off by a thousandth of the terms' mean magnitude
+    is still caught."""
+    from fuser.fuzz import judge
+    from fuser.fuzz.eager import eager_eval
+    _needs_cpu_fusion()
+    g = torch.parse_ir(MEAN_IR)
+    gen = torch.Generator().manual_seed(3)
+    big = torch.randn(4, 38, generator=gen, dtype=torch.float64) * torch.logspace(0, 30, 38, dtype=torch.float64)
+    x = (torch.cat([big, -big], -1) + 1e20 * torch.randn(4, 76, generator=gen, dtype=torch.float64)).float()
+    mag = x.double().abs().mean(-1, keepdim=True)
+    steps, _ = eager_eval(g, [x])
+    ref_steps, _ = eager_eval(g, [x], upcast=True)
+    spreads = judge._step_spreads(g, [x], steps, ref_steps)
+    mean_spread = spreads[steps[0][0].output().unique()]
+    assert bool((mean_spread >= 0.99 * 4 * torch.finfo(torch.float32).eps * mag).all()), (mean_spread, mag)
+    real = executor.run
+
+    def off_by_a_thousandth(spec, a):
+        out = real(spec, a)
+        if out is not None:
+            out[0].copy_((out[0].double() - 1e-3 * mag).float())
+        return out
+    good = fuzz.check(g, [x])
+    assert good.ok and good.fused, good
+    monkeypatch.setattr(executor, "run", off_by_a_thousandth)
+    bad = fuzz.check(g, [x])
+    assert not bad.ok and bad.kind == "value", bad

@@ -2,13 +2,33 @@
 perturbed intermediates)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from .. import ops
 
 
 def _resolve(node: torch._C.Node):
     s = torch._C.parse_schema(node.schema())
     fn = getattr(getattr(torch.ops.aten, s.name.split("::")[1]), s.overload_name or "default")
     return s, fn
+
+
+def _accumulated(s, pos: list) -> Optional[torch.Tensor]:
+    """For a sum or mean (schema ``s``, positional arguments ``pos``): the sum of its terms' magnitudes (over the
+    count, for a mean), the scale of the rounding its accumulator adds, whatever the order of the additions (which
+    differs between kernels: a row of terms that cancel to a small sum moves by units of the largest partial sum);
+    None for other ops."""
+    name = s.name + ("." + s.overload_name if s.overload_name else "")
+    red = ops.reduction(name)
+    x = pos[0] if pos else None
+    if red is None or red.kind not in ("sum", "mean") or not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return None
+    dims = ops.reduced_dims(name, pos)
+    dims = tuple(range(x.dim())) if dims is None else dims
+    mag = x.double().abs().sum(dims, keepdim=bool(pos[2]))
+    return mag / max(1, x.numel() // max(1, mag.numel())) if red.mean else mag
 
 
 def eager_eval(graph: torch._C.Graph, args, upcast: bool = False, perturb=None):
@@ -53,7 +73,8 @@ def eager_eval(graph: torch._C.Graph, args, upcast: bool = False, perturb=None):
                 # a nonzero subnormal rounds in steps of the smallest subnormal, not relative ones (erfc(10) is 1 or
                 # 2 such steps in float32 depending on the libm); zeros stay exact
                 step = torch.where((r != 0) & (r.abs() < abs(sub / size)), sub, 0.0) if sub else 0.0
-                r = (r * (1 + size * u) + u * step).to(r.dtype)
+                acc = _accumulated(s, pos)
+                r = (r * (1 + size * u) + u * step + (0.0 if acc is None else size * u * acc)).to(r.dtype)
         env[n.output().unique()] = r
         steps.append((n, r, ins))
     return steps, [env[v.unique()] for v in graph.outputs()]
