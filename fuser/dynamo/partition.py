@@ -31,7 +31,7 @@ import torch
 import torch.fx
 
 from ..graph_fuser import MAX_GROUP_ARGS, MIN_GROUP_KERNELS
-from .. import layout, ops
+from .. import ir, layout, ops
 from .support import Support, fake, is_barrier, overload_name, reduced_dims, tensor_constant
 
 SUM = "aten::sum.dim_IntList"
@@ -266,22 +266,20 @@ class _Partitioner:
         whose weight's gradient sums dy times the normalized rows, recomputed from x apart from x's gradient), and
         as one kernel they read x and dy once."""
         groups = list({id(g): g for g in self.group_of.values() if len(g.members) > 1}.values())
+        rows = [g for g in groups if any(_row_reduction(m) for m in g.members)]
         sums = [g for g in groups if any(_leading_reduction(m) for m in g.members)] + [
             self.group(n) for n in self.nodes  # a sum of a graph input alone (a bias's gradient, dy summed)
             if _leading_reduction(n) and self.support.takes(n) and len(self.group(n).members) == 1]
         for a in sums:
-            for b in list(groups):
-                if a is b or self.group_of.get(next(iter(b.members))) is not b or \
-                        self.group_of.get(next(iter(a.members))) is not a:
-                    continue
-                if not any(_leading_reduction(m) is False and ops.reduction(overload_name(m) or "") is not None
-                           for m in b.members):
-                    continue
-                if not set(self.inputs(list(a.members))) & set(self.inputs(list(b.members))):
+            reads = set(self.inputs(list(a.members)))
+            for b in rows:
+                if a is b or self.group_of[next(iter(b.members))] is not b:  # (b merged into another already)
                     continue
                 # (no edge joins them: a path may run either way through nodes outside both)
-                if self.refusal(b, a) is None and not self._closes_cycle(a, b, a.members | b.members):
+                if reads & set(self.inputs(list(b.members))) and self.refusal(b, a) is None and \
+                        not self._closes_cycle(a, b, a.members | b.members):
                     self._merge(b, a)
+                    break
 
     def run(self) -> Partition:
         takes = self.support.takes
@@ -334,6 +332,12 @@ class _Partitioner:
         return Partition(regions, left_out)
 
 
+def _row_reduction(n) -> bool:
+    """A reduction (or normalization) along the row: its constant dims do not start at 0."""
+    name = overload_name(n) if n.op == "call_function" else None
+    return name is not None and ops.reduction(name) is not None and not _leading_reduction(n)
+
+
 def _leading_reduction(n) -> bool:
     name = overload_name(n) if n.op == "call_function" else None
     if name is None or ops.reduction(name) is None:
@@ -359,6 +363,14 @@ def _row_refusal(ordered: list, inputs: list, outs: list) -> Optional[str]:
     if len(dims) > 1 or len(fulls) > 1 or None in dims or None in fulls:
         return "reductions of different dims or of values of different shapes (one row kernel each)"
     full, dims = fulls.pop(), dims.pop()
+    lowered: list = []
+
+    def group() -> ir.Group:  # the region lowered, once
+        if not lowered:
+            from .lower import lower  # lower.py imports this module
+            lowered.append(lower(Region(ordered, inputs, outs)))
+        return lowered[0]
+
     k = len(dims)
     leading = dims[0] == 0  # a column kernel's (fuser/rows/outer.py): a row here is a column, one value each
     rows = ((1,) * k + full[k:], full[k:]) if leading else (full[:len(full) - k] + (1,) * k, full[:len(full) - k])
@@ -370,7 +382,7 @@ def _row_refusal(ordered: list, inputs: list, outs: list) -> Optional[str]:
                     _shape(n) not in columns:
                 return (f"{n.name}, a sum over the leading dims, beside reductions along the row that are not of its "
                         f"value's shape {_pretty(_shape(n.args[0]) or ())} (one row kernel each)")
-        why = _cuda_sums_refusal(ordered, inputs, outs, sums, full[lead:])
+        why = _cuda_sums_refusal(group, ordered, inputs, outs, sums, full[lead:])
         if why:
             return why
     for n in ordered:
@@ -390,31 +402,28 @@ def _row_refusal(ordered: list, inputs: list, outs: list) -> Optional[str]:
     if any(_shape(o) != full for o in outs):  # row-shaped outputs: a row kernel writes only row-level ones
         from ..rows.outer import column_level
         from ..rows.plan import row_level
-        from .lower import lower  # lower.py imports this module
-        group = lower(Region(ordered, inputs, outs))
-        level = (column_level if leading else row_level)(group)
-        for o, v in zip(outs, group.outputs):
+        level = (column_level if leading else row_level)(group())
+        for o, v in zip(outs, group().outputs):
             if _shape(o) != full and v.id not in level and o not in sums:
                 return (f"its value {o.name} of shape {_pretty(_shape(o))} is needed outside, and a row kernel's "
                         f"outputs have the rows' elements' shape {_pretty(full)} unless computed from a reduction")
     return ""
 
 
-def _cuda_sums_refusal(ordered: list, inputs: list, outs: list, sums: set, row: tuple) -> str:
-    """Why a CUDA row kernel would not sum the column sums ``sums`` of this region itself (a row of several trips:
-    it would write the summed values whole for eager's sum, where a column kernel of their own reads the inputs
-    again, fewer bytes), or "" (the CPU's kernels always do)."""
+def _cuda_sums_refusal(group, ordered: list, inputs: list, outs: list, sums: set, row: tuple) -> str:
+    """Why a CUDA row kernel would not sum the column sums ``sums`` of this region (``group()``: lowered) itself (a
+    row of several trips: it would write the summed values whole for eager's sum, where a column kernel of their own
+    reads the inputs again, fewer bytes), or "" (the CPU's kernels always do)."""
     if fake(ordered[0]).device.type != "cuda":
         return ""
     if not all(type(d) is int for d in row):
         return "column sums beside reductions along a row of a symbolic length (a column kernel of their own)"
     from ..rows import decompose
     from ..rows.plan import cuda_sums_in_one_trip
-    from .lower import lower  # lower.py imports this module
-    group = decompose.expand(lower(Region(ordered, inputs, outs)))
     sizes = [fake(a).element_size() for a in inputs if fake(a) is not None] + [fake(o).element_size() for o in outs]
     cols = math.prod(row)
-    if cuda_sums_in_one_trip(group, tuple(m for m, o in enumerate(outs) if o in sums), cols, sizes):
+    if cuda_sums_in_one_trip(decompose.expand(group()), tuple(m for m, o in enumerate(outs) if o in sums), cols,
+                             sizes):
         return ""
     return (f"column sums beside reductions along rows of {cols} elements, which a CUDA row kernel takes in several "
             "trips (a column kernel of their own sums them)")

@@ -21,7 +21,7 @@ import torch
 from ..kernel_cache import KernelSpec
 from . import launch, outer_launch
 from .outer import OuterPlan
-from .plan import RowPlan, plan
+from .plan import RowPlan, plan, sum_apart
 
 
 class RowGeometry:
@@ -48,15 +48,11 @@ class RowGeometry:
     def run(self, tensors, scalars) -> list[torch.Tensor]:
         """Allocate the outputs and launch (the executor checked everything else)."""
         outputs = self.new_outputs()
-        if self.rows == 0:
-            pass
-        elif self.cpu_args is not None:
+        if self.rows and self.cpu_args is not None:
             launch.launch_cpu(self.kernel, self.cpu_args, tensors, scalars, outputs)
-        else:
+        elif self.rows:
             self.kernel.backend.launch(self, tensors, scalars, outputs)
-        for m, dims, keepdim in self.apart:
-            outputs[m] = outputs[m].sum(dims, keepdim=keepdim)
-        return outputs
+        return sum_apart(self.apart, outputs)
 
 
 def kernel_for(spec: KernelSpec, p: Union[RowPlan, OuterPlan]) -> Optional[launch.RowKernel]:

@@ -13,7 +13,7 @@ from ..cuda import emulate
 from ..kernel_cache import STORE
 from . import decompose, launch, outer_launch, outer_templates
 from .outer import OuterPlan, column_level
-from .plan import RowPlan, plan
+from .plan import RowPlan, plan, sum_apart
 
 N_SM = 132  # the column kernels' split is planned as for an H100's multiprocessors (fuser.rows.outer_launch)
 
@@ -63,7 +63,7 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
         _run_columns(emulator, name, spec, p, outputs)
         return outputs
     if p.rows == 0:
-        return _summed_apart(p, outputs)
+        return sum_apart(p.apart, outputs)
     sums = p.key.sums
     struct = launch.args_struct(len(p.tensors), len(p.tensors) + len(outputs) + len(sums), len(p.scalars))
     block = p.key.shape.block
@@ -84,14 +84,7 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
         results = emulator.run(name + "_sum", min(emulate.EMU_BLOCKS, launch.parts_grid(p.cols)), launch.PARTS_BLOCK,
                                bytes(args), spans)
         _copy_back([outputs[m] for m in sums], results)
-    return _summed_apart(p, outputs)
-
-
-def _summed_apart(p: RowPlan, outputs: list) -> list:
-    """The column sums the kernel wrote whole (``RowKey.apart``) summed, as ``RowGeometry.run`` sums them."""
-    for m, dims, keepdim in p.apart:
-        outputs[m] = outputs[m].sum(dims, keepdim=keepdim)
-    return outputs
+    return sum_apart(p.apart, outputs)
 
 
 def _copy_back(tensors: list, results: list) -> None:

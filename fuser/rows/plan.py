@@ -624,14 +624,17 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: 
             return f"a row of {cols} elements (CUDA row kernels index a row with 32 bits)"
         dts = [t.dtype for t in tensors] + out_dtypes
         sizes = [torch.empty((), dtype=dt).element_size() for dt in dts]
-        cuda_sh = _cuda_row_shape(group, cols, sizes, len(sums))
-        if not cuda_sh.held and not sums and min(sizes) >= CLUSTER_MIN_BYTES and _clusters(device):  # a cluster's
-            cuda_sh = cluster_shape(cols, sizes, *pass_width(group, True)) or cuda_sh
-        if not cuda_sh.held:  # each pass loads what it reads
-            cuda_sh = _cuda_row_shape(group, cols, sizes, len(sums), held=False)
-            if sums and cols > cuda_sh.tpr * cuda_sh.items:
+        if sums:
+            cuda_sh = _cuda_sums_shape(group, cols, sizes, len(sums))
+            if cols > cuda_sh.tpr * cuda_sh.items:
                 return _sums_apart(spec, args, target,
                                    "column sums of a CUDA row kernel of several trips along the row")
+        else:
+            cuda_sh = _cuda_row_shape(group, cols, sizes, 0)
+            if not cuda_sh.held and min(sizes) >= CLUSTER_MIN_BYTES and _clusters(device):  # a cluster's
+                cuda_sh = cluster_shape(cols, sizes, *pass_width(group, True)) or cuda_sh
+            if not cuda_sh.held:  # each pass loads what it reads
+                cuda_sh = _cuda_row_shape(group, cols, sizes, 0, held=False)
         vec = cuda_sh.vec
         vec_ok = cols > 0 and cols % vec == 0 and all(st[-1] in (0, 1) and (st[-1] == 0 or all(x % vec == 0 for x in st[:-1]))
                                          for st in strides)
@@ -672,11 +675,23 @@ def cuda_sums_in_one_trip(group: ir.Group, sums: tuple[int, ...], cols: int, siz
     (``RowKey.apart``). ``sizes``: the element sizes of the tensor inputs and outputs. For a caller choosing
     between the column sums and a column kernel of their own before any call (the torch.compile door's
     partition)."""
-    form = column_sum_form(group, sums)
-    sh = _cuda_row_shape(form, cols, sizes, len(sums))
-    if not sh.held:
-        sh = _cuda_row_shape(form, cols, sizes, len(sums), held=False)
+    sh = _cuda_sums_shape(column_sum_form(group, sums), cols, sizes, len(sums))
     return cols <= sh.tpr * sh.items
+
+
+def _cuda_sums_shape(form: ir.Group, cols: int, sizes: Sequence[int], n_sums: int) -> CudaShape:
+    """The CUDA shape of a row kernel with ``n_sums`` column sums (``form``: the column sum form): the row held, else
+    each pass loading what it reads; it sums them only where the row takes one trip (``cols <= tpr * items``)."""
+    sh = _cuda_row_shape(form, cols, sizes, n_sums)
+    return sh if sh.held else _cuda_row_shape(form, cols, sizes, n_sums, held=False)
+
+
+def sum_apart(apart: tuple, outputs: list) -> list:
+    """``outputs`` with the column sums a kernel wrote whole (``RowPlan.apart``: (output, dims, keepdim) each) summed
+    by eager's sum."""
+    for m, dims, keepdim in apart:
+        outputs[m] = outputs[m].sum(dims, keepdim=keepdim)
+    return outputs
 
 
 def _sums_apart(spec: KernelSpec, args: Sequence, target: str, why: str) -> Union[RowPlan, str]:
