@@ -433,9 +433,9 @@ def test_cuda_column_kernel_is_deterministic_and_non_contiguous_inputs_work():
 
 def _vector_layouts(dtype):
     """(id, args, cvec wanted, whole vectors at launch) for the prologue case on CUDA: x [40, 64] in layouts that
-    keep or lose the column vectors (16 bytes of the widest tensor), y of shape [64] or a column of x's rows."""
-    size = torch.empty((), dtype=dtype).element_size()
-    cv = 16 // size if size >= 4 else 1  # (2-byte values: one column a thread, outer._column_vector)
+    keep or lose the column vectors (4 columns, 2 of 8-byte values: outer._column_vector), y of shape [64] or a
+    column of x's rows."""
+    cv = 2 if torch.empty((), dtype=dtype).element_size() == 8 else 4
     x, y = torch.randn(40, 64, dtype=dtype), torch.randn(64, dtype=dtype)
     yield "contiguous", [x, y, 1.5], cv, True
     flat = torch.randn(40 * 64 + 1, dtype=dtype)
@@ -445,16 +445,22 @@ def _vector_layouts(dtype):
     yield "x-broadcast-rows", [torch.randn(1, 64, dtype=dtype).expand(40, 64), y, 1.5], cv, True
 
 
+def _vector_cases(dtype):
+    """(case, args) of :func:`_vector_layouts` for the prologue case and for the element-level output case (its
+    [40, 64] output written by the vector path's loop and by the element by element one)."""
+    for case in (_prologue_epilogue(), _element_output()):
+        for what, args, cvec, whole in _vector_layouts(dtype):
+            yield case, (what, args if case.id == "prologue-epilogue" else args[:2], cvec, whole)
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16), ids=lambda d: str(d)[6:])
 def test_cuda_column_vectors(dtype):
-    """A CUDA column kernel's thread takes 16 bytes of consecutive columns where every input steps by 0 or 1 along
-    them and its other strides keep vectors aligned (``outer.OuterKey.cvec``), loading whole vectors where the
-    pointers allow (else element by element, in the same kernel); otherwise one column a thread. Through the host
-    emulation, against eager."""
+    """A CUDA column kernel's thread takes 4 consecutive columns (2 of 8-byte values) where every input steps by 0 or
+    1 along them and its other strides keep vectors aligned (``outer.OuterKey.cvec``), loading whole vectors where
+    the pointers allow, else element by element, in the same kernel; otherwise one column a thread. Through the host emulation, against eager."""
     from fuser.rows import launch
-    case = _prologue_epilogue()
-    spec = _spec(_GROUPS[case.id])
-    for what, args, cvec, whole in _vector_layouts(dtype):
+    for case, (what, args, cvec, whole) in _vector_cases(dtype):
+        spec = _spec(_GROUPS[case.id])
         p = rows.plan(spec, args, "cuda")
         assert isinstance(p, rows.OuterPlan) and p.key.cvec == cvec, (what, p)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -467,9 +473,8 @@ def test_cuda_column_vectors(dtype):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16), ids=lambda d: str(d)[6:])
 def test_cuda_column_vectors_on_the_gpu(dtype):
     """The layouts of :func:`test_cuda_column_vectors` on the GPU (a misaligned pointer reads element by element)."""
-    case = _prologue_epilogue()
-    spec = _spec(_GROUPS[case.id])
-    for what, args, cvec, _ in _vector_layouts(dtype):
+    for case, (what, args, cvec, _) in _vector_cases(dtype):
+        spec = _spec(_GROUPS[case.id])
         args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
         out = executor.run(spec, args)
         assert out is not None, (what, executor.plan(spec, args))

@@ -132,15 +132,17 @@ def plan(group: ir.Group, key: tuple, tensors: list, scalars: list, metas: list,
 
 
 def _column_vector(col_sizes: list, strides: list, sizes: list) -> int:
-    """Consecutive columns a CUDA thread takes: 16 bytes of the widest tensor where every input steps by 0 or 1
-    along the innermost column dim, whose size they divide, and a vector of each input stays aligned to its own
-    size from one row and column group to the next (its other strides are multiples of it); else 1. Tensors of
-    2-byte values take one column a thread (H100, one run, ``(x * y).sum(0)`` over [16384, 4096]: float32 went
-    from 0.77 to 0.98 of the copy floor with 4 columns a thread; bfloat16 gave 0.74 with 1, 0.71 with 2, 0.65
-    with 4 and 0.58 with 8; H200, two runs of three splits each: 0.62-0.72 with 1, 0.50-0.56 with 2, 0.40-0.46
-    with 8)."""
+    """Consecutive columns a CUDA thread takes: 4 (2 where a tensor holds 8-byte values: 16 bytes of it; 1 where
+    every tensor holds 1-byte values) where every input steps by 0 or 1 along the innermost column dim, whose size
+    they divide, and a vector of each input stays aligned to its own size from one row and column group to the next
+    (its other strides are multiples of it); else 1. H200, ``(x * y).sum(0)``, fraction of the copy floor, the
+    column counts of one launch shape and its split side by side in one process (2026-11-28): bfloat16 over
+    [16384, 4096] 0.76 with 1 column a thread, 0.94 with 2, 0.96 with 4, 0.88 with 8 (the loads of 8 rows in
+    flight: 8 rows of 16 bytes of two inputs a thread); [65536, 1024] 0.74 / 0.96 / 0.94, [4096, 16384]
+    0.76 / - / 0.97 with 1 / 2 / 4 (Inductor 0.99-1.01 on these); float32 1.00-1.02 with 1, 2 or 4 on the same
+    shapes."""
     widest = max(sizes, default=4)
-    cv = 16 // widest if widest >= 4 else 1
+    cv = 2 if widest >= 8 else 4 if widest >= 2 else 1
     if cv == 1 or not col_sizes or col_sizes[-1] % cv:
         return 1
     for st in strides:  # per input: its column strides, then its stride along the reduced dims

@@ -82,16 +82,18 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         need = needed(group, wanted, level=cols_v)
         at = row if callable(row) else (lambda k: row.replace("#", str(k)))
         lines = [f"const {vtype[v.id]} x{k} = " + (
-                     f"xl{k}[v];" if loaded else
+                     (f"fz_ld(xl{k}.v[v]);" if inputs[k] in REDUCED else f"xl{k}[v];") if loaded else
                      f"fz_ld(t{k}[{'off' if cuda else 'coff'}{k}{'' if cuda else '[j]'}{at(k)}]);")
                  for v in group.inputs if v.is_tensor and v.id in need for k in (tensor_index[v.id],)]
         return lines + [statement[i] for i in sorted(need & set(statement), key=order.__getitem__)]
 
     def vector_loads(wanted: Sequence[ir.Value], vec: bool) -> list[str]:
         """CUDA, ``cvec`` > 1: a row's ``cvec`` columns of each input the values ``wanted`` read, all loads first
-        (``vec``: whole vectors of the inputs that step along the columns)."""
+        (``vec``: whole vectors of the inputs that step along the columns); float16/bfloat16 ones kept in their
+        storage type until used (``fz_col_load``)."""
         need = needed(group, wanted, level=cols_v)
-        return [f"{vtype[v.id]} xl{k}[{cvec}];\n"
+        return [(f"fz_vec<{storage_type(inputs[k])}, {cvec}> xl{k};\n" if inputs[k] in REDUCED else
+                 f"{storage_type(inputs[k])} xl{k}[{cvec}];\n") +
                 f"fz_col_load<{cvec}, {(1 if vec else 2) if steps[k] else 0}>(xl{k}, t{k}, off{k} + r * rs{k});"
                 for v in group.inputs if v.is_tensor and v.id in need for k in (tensor_index[v.id],)]
 

@@ -38,18 +38,29 @@ LANE_REDUCE = r"""template <class Op, class A> __device__ __forceinline__ A fz_l
   return r;
 }
 
-// a thread's V consecutive columns of one row of an input, as the kernel's value type C; MODE (known when the
-// kernel is generated, so no load waits on a branch): 0 the input does not step along the columns (one element),
-// 1 a whole vector (the launch's pointers allow it), 2 element by element
-template <int V, int MODE, class C, class S> __device__ __forceinline__ void fz_col_load(
-    C* dst, const S* __restrict__ p, long long at) {
+// a thread's V consecutive columns of one row of an input; MODE (known when the kernel is generated, so no load
+// waits on a branch): 0 the input does not step along the columns (one element), 1 a whole vector (the launch's
+// pointers allow it), 2 element by element. Into a vector of the storage type where the kernel converts the values
+// (2-byte floats: converted where they are used, so that loads of several rows in flight hold their bytes, not V
+// floats each), else into an array of the values
+template <int V, int MODE, class S> __device__ __forceinline__ void fz_col_load(
+    fz_vec<S, V>& dst, const S* __restrict__ p, long long at) {
+  if (MODE == 1) {
+    dst = *reinterpret_cast<const fz_vec<S, V>*>(p + at);
+  } else {
+#pragma unroll
+    for (int v = 0; v < V; ++v) dst.v[v] = p[at + (MODE == 2 ? v : 0)];
+  }
+}
+template <int V, int MODE, class S> __device__ __forceinline__ void fz_col_load(
+    S* dst, const S* __restrict__ p, long long at) {
   if (MODE == 1) {
     const fz_vec<S, V> w = *reinterpret_cast<const fz_vec<S, V>*>(p + at);
 #pragma unroll
-    for (int v = 0; v < V; ++v) dst[v] = (C)fz_ld(w.v[v]);
+    for (int v = 0; v < V; ++v) dst[v] = w.v[v];
   } else {
 #pragma unroll
-    for (int v = 0; v < V; ++v) dst[v] = (C)fz_ld(p[at + (MODE == 2 ? v : 0)]);
+    for (int v = 0; v < V; ++v) dst[v] = p[at + (MODE == 2 ? v : 0)];
   }
 }
 
