@@ -984,6 +984,7 @@ def test_cuda_records_of_row_sums_and_column_kernels(monkeypatch):
     assert isinstance(p, outer_launch.OuterPlan), p
     backend = object.__new__(outer_launch.OuterCudaKernel)
     backend.kernel, backend.n_red, backend.max_blocks, backend.n_sm, backend._grids = fn, 1, 65535, 132, {}
+    backend.per_sm = outer_launch.BLOCKS_PER_SM
     backend.struct = outer_launch.args_struct(2, 2 + 1 + 1, len(p.scalars))
     geo = outer_launch.OuterGeometry(p, outer_launch.OuterKernel("k", "", "cuda", tuple(p.out_dtypes), backend))
     rec, _, _ = record._row_or_column_cuda(geo, False, p.tensors, p.scalars, [torch.empty(1, 64)], [], [])

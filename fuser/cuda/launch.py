@@ -155,6 +155,7 @@ class CudaKernel:
             kernel = call(driver.cuLibraryGetKernel, self._library, name.encode())
             self._function = call(driver.cuKernelGetFunction, kernel)
             per_sm = call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, self._function, BLOCK_SIZE, 0)
+        self.per_sm = max(1, per_sm)  # blocks of BLOCK_SIZE threads an SM holds at once
         props = torch.cuda.get_device_properties(device_index)
         waves = GRID_WAVES if n_strided else GRID_WAVES_DENSE
         self.max_blocks = max(1, per_sm) * props.multi_processor_count * waves if waves > 0 else 2 ** 31 - 1
