@@ -29,7 +29,7 @@ BLOCKS_PER_SM = 4  # stage 0 blocks the split aims at, per multiprocessor (256 t
 MIN_ROWS_PER_LANE = 16  # a split gives each lane of a block at least this many rows
 # long columns are split further, until a lane reads about this many rows. H200, (x * y).sum(0) over [16384, 4096],
 # fuser alone, two runs, fraction of the copy floor by rows a lane: float32 (4 columns a thread) 0.99 at 120, 0.90
-# at 31, 0.85 at 16; bfloat16 (one column a thread) 0.62 at 410, 0.72 at 128, 0.61 at 62
+# at 31, 0.85 at 16; bfloat16 (one column a thread, before 2-byte values took 4) 0.62 at 410, 0.72 at 128, 0.61 at 62
 LANE_ROWS = 128
 
 
