@@ -540,6 +540,31 @@ def test_cuda_shapes_cover_the_row_without_idle_threads():
                     assert sh.items * width <= register_items(max(sh.tpr, 128), max(sizes) == 8)
 
 
+def test_cuda_held_rows_of_4_byte_values_keep_a_thread_to_held_bytes():
+    """A held row of float32 (or float64) values takes more threads while a thread would hold more than HELD_BYTES
+    bytes and the row's threads stay at most HELD_MAX_TPR, and is launched a block a row (uncapped); 2-byte rows and
+    column sums' shapes keep the fewest threads that fit, in waves."""
+    from fuser.rows.plan import HELD_BYTES, HELD_MAX_TPR, SUMS_MAX_TPR, SUMS_REGISTER_ITEMS, cuda_shape
+    sh = cuda_shape(4096, [4, 4], 1)
+    assert (sh.tpr, sh.items, sh.held, sh.uncapped) == (256, 16, True, True)
+    assert cuda_shape(512, [4], 3).items * 4 <= HELD_BYTES and cuda_shape(512, [4], 3).uncapped
+    long = cuda_shape(16384, [4], 1)  # 32 elements at 512 threads: no more threads
+    assert long.held and long.tpr == 512 and long.items == 32 and long.uncapped
+    for cols in (512, 4096, 16384):
+        half = cuda_shape(cols, [2, 2], 1)
+        assert half.held and not half.uncapped and half.items * 2 == 64 and half.tpr * half.items == cols
+        for sizes in ([4], [2, 4], [8, 8]):
+            sh = cuda_shape(cols, sizes, 1)
+            if not sh.held:  # (float64 rows of 16384: read again, in waves)
+                assert max(sizes) == 8 and not sh.uncapped
+                continue
+            assert sh.uncapped and sh.tpr * sh.items == cols
+            assert sh.items * max(sizes) <= HELD_BYTES or sh.tpr >= HELD_MAX_TPR
+            assert sh.items * max(sizes) > HELD_BYTES // 2  # no more threads than that needs
+        sums = cuda_shape(cols, [4], 1, 0, SUMS_REGISTER_ITEMS, SUMS_MAX_TPR, 1)
+        assert not sums.uncapped
+
+
 @pytest.mark.parametrize("arch", (80, 90))
 def test_cuda_row_kernels_compile_with_nvrtc(arch):
     """What the emulation runs is CUDA: NVRTC compiles each case's source (float32 and bfloat16)."""

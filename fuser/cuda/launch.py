@@ -158,7 +158,7 @@ class CudaKernel:
         self.per_sm = max(1, per_sm)  # blocks of BLOCK_SIZE threads an SM holds at once
         props = torch.cuda.get_device_properties(device_index)
         waves = GRID_WAVES if n_strided else GRID_WAVES_DENSE
-        self.max_blocks = max(1, per_sm) * props.multi_processor_count * waves if waves > 0 else 2 ** 31 - 1
+        self.max_blocks = self.per_sm * props.multi_processor_count * waves if waves > 0 else 2 ** 31 - 1
         self._struct = args_struct(index32, n_strided, n_ptrs, n_scalars)
         self._local = threading.local()
         self._launch = driver.cuLaunchKernel

@@ -275,7 +275,7 @@ class RowCudaKernel:
             per_sm = cuda_launch.call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, kernel._function,
                                       self.block, 0)
         sms = torch.cuda.get_device_properties(kernel.device_index).multi_processor_count
-        self.max_blocks = max(1, per_sm) * sms * ROW_WAVES
+        self.max_blocks = 2 ** 31 - 1 if shape.uncapped else max(1, per_sm) * sms * ROW_WAVES
         if shape.cluster > 1:  # the clusters that fit the device at once (GPCs bound them), in CLUSTER_WAVES
             clusters = max_active_clusters(kernel, shape)
             if clusters == 0:  # none fits: no more cluster plans for this device, and this build falls back

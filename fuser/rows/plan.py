@@ -75,7 +75,9 @@ class CudaShape:
     the row's end and the kernel checks none (the row length is part of the kernel's key through its shape).
     ``cluster``: the CTAs of a thread block cluster (sm_90) that share a row too long for one block's registers;
     each holds a segment of ``tpr * items`` consecutive columns (the last may be short, never empty), and the row's
-    reductions combine the CTAs' results through distributed shared memory (:func:`cluster_shape`)."""
+    reductions combine the CTAs' results through distributed shared memory (:func:`cluster_shape`).
+    ``uncapped``: the launch takes a block per ``block // tpr`` rows however many that is, rather than at most
+    ``launch.ROW_WAVES`` waves of resident blocks grid-striding over the rows (:data:`HELD_BYTES`)."""
 
     tpr: int
     items: int
@@ -83,6 +85,7 @@ class CudaShape:
     held: bool
     full: bool = False
     cluster: int = 1
+    uncapped: bool = False
 
     @property
     def block(self) -> int:
@@ -134,6 +137,17 @@ def register_items(block: int, wide: bool, cap: int = REGISTER_ITEMS) -> int:
     return max(4, min(cap, 1 << (regs.bit_length() - 1))) // (2 if wide else 1)
 
 
+# a held row (no column sums) whose tensors have 4 bytes an element or more: more threads a row while a thread would
+# hold more than HELD_BYTES bytes of the widest tensor and the row's threads stay at most HELD_MAX_TPR, and a block
+# per row (CudaShape.uncapped). H200, torch.profiler kernel time per call, [16384 x 4096] float32, this / 128 threads
+# of 32 elements in 8 waves / that shape uncapped (Inductor): layer_norm(x) * w + b 130.3 / 135.2 / 132.8 us (127.2),
+# softmax 130.7 / 132.9 / 132.3 (134.3), bias + residual + layer_norm 188.0 / 192.1 / 190.3 (199.9), rms_norm 131.7 /
+# 132.4 / 131.2 (126.1); the training steps of layer_norm and softmax 391.8 -> 387.7 and 322.6 -> 318.2 us; rows of
+# 512 within 1.2%. 256 threads in 8 waves: no faster than before. In bfloat16 (64 bytes a thread already) a block a
+# row was slower: softmax 71.9 -> 76.2 us, rows of 512 68.4 -> 71.7
+HELD_BYTES = 64
+HELD_MAX_TPR = 256
+
 # the most values (elements x pass width) a thread's trip along a row read again may hold when its elements are
 # doubled (cuda_shape's trip_factor): ptxas for sm_90 at 64 registers, rows of 16384 and 65536 bfloat16 elements,
 # 16 elements a thread: layer_norm(x) (width 3, 48 values) spilled 8 bytes a thread, layer_norm(x + residual)
@@ -149,7 +163,9 @@ def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0
     more): a thread's ``items`` elements of each must fit :func:`register_items`.
 
     Held where some shape fits: the fewest threads a row whose elements fit, with 16-byte vectors, else 8-byte
-    ones (a wide group of 2-byte values: half the elements a thread at least). Otherwise the row is read again by
+    ones (a wide group of 2-byte values: half the elements a thread at least); for tensors of 4 bytes or more,
+    without column sums, then more threads while a thread holds more than :data:`HELD_BYTES` bytes (at most
+    :data:`HELD_MAX_TPR` threads), launched a block per row (``CudaShape.uncapped``). Otherwise the row is read again by
     each pass, in trips of ``trip_factor`` times the elements the register estimate gives a thread (1 for column
     sums, which hold a register per element of a trip for each sum), while such a trip's values (elements x
     ``width``) stay within :data:`TRIP_VALUES`. Never more threads a row than its vectors (a
@@ -166,7 +182,12 @@ def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0
             items = max(vec, _pow2_at_least(-(-cols // tpr)))
             need = items * max(width, first_loads if max(tpr, 128) >= 512 else 0)
             if tpr * items >= cols and need <= register_items(max(tpr, 128), wide, cap):
-                return CudaShape(tpr, items, vec, True, cols == tpr * items)
+                uncapped = False
+                if HELD_BYTES and cap == REGISTER_ITEMS and widest >= 4:  # (no column sums: HELD_BYTES)
+                    while (items * widest > HELD_BYTES and items // 2 >= vec and tpr * 2 <= min(top, HELD_MAX_TPR)):
+                        tpr, items = tpr * 2, items // 2
+                    uncapped = True
+                return CudaShape(tpr, items, vec, True, cols == tpr * items, uncapped=uncapped)
             tpr *= 2
     # trip_factor 2, twice the register estimate: a trip's loads are all that a pass of a row read again keeps, and
     # more of them in flight is what a long row's kernel lacks (H200, one run, fraction of the copy floor, rows of
