@@ -12,6 +12,7 @@ both kinds of kernel.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch
@@ -55,6 +56,24 @@ def stores_rounded(n: ir.Node, red, nt: NodeTypes, exact: set) -> bool:
     if nt.result not in REDUCED or n.origin:
         return False
     return red.wide or n.args[0].id in exact
+
+
+def rounded_operands(group: ir.Group) -> frozenset:
+    """The value ids a row kernel rounds to their float16/bfloat16 dtype where it computes them, as eager
+    stores them: the operands of reductions that are eager ops of their own (not steps of a decomposed one,
+    ``n.origin``). Eager sums the stored, rounded values; holding the operand unrounded in float, the kernel summed
+    other values, and its element-level uses differed from the rounded result beside them (``stores_rounded``): the
+    CUDA fuzzer's ``x / y - sum(x / y, -1, keepdim=True)`` over a one-element float16 row gave 1.98, the rounding
+    error of ``x / y``, where eager and the float64 truth give 0. Rounded where it is computed, every use sees
+    eager's value. ``node_statement`` rounds it (``KernelOptions.round_reduced``), so a float32 value, a group
+    input and a composite's step (softmax's, layer_norm's: eager's one kernel holds them in float) stay as they
+    are. Only the ``wide`` reductions' (sum, mean, var): a max or min is one of its unrounded operands and stays in
+    float with them (``stores_rounded``), so ``x - amax(x)`` keeps the float64 truth past float16's range, where
+    eager's rounded values give inf - inf = NaN (tests/test_reductions.py). Not in column kernels
+    (``outer_codegen``): they take such a use of their own sum only over columns of one row, and rounding each element
+    cost ``(x * y).sum(0)`` in bfloat16 a third of its speed (H200, [16384 x 4096], 64 -> 86 us)."""
+    return frozenset(n.args[0].id for n in group.nodes if getattr(ops.reduction(n.op), "wide", False)
+                     and not n.origin and n.args and isinstance(n.args[0], ir.Value))
 
 
 def centered_means(group: ir.Group) -> frozenset:
@@ -116,7 +135,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     has no expression for its types (the executor falls back). ``vectorize``: the CPU kernel's passes get
     at::vec loops (see :class:`_Vector`) where every node has a vector form. ``round_reduced``: as
     ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
-    always: once per row, it costs nothing). ``shape``: the CUDA kernel's (``plan.cuda_shape``). ``sums``: the
+    always: once per row, it costs nothing; so is the operand of an eager op's reduction, per element:
+    :func:`rounded_operands`). ``shape``: the CUDA kernel's (``plan.cuda_shape``). ``sums``: the
     outputs that are column sums (``plan.column_sum_form``: ``group`` is the form's, those outputs the values
     summed): on the CPU added into a partial row per part of the rows, on CUDA (a row of one trip) into each
     thread's registers over its rows, then written as its slot's partial row; a second stage adds the partial rows.
@@ -131,6 +151,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     exact: set = {v.id for v in group.inputs}
     reductions = []  # (node, position, reduction, node types)
     options = KernelOptions(index32=False, vectorize=False, round_reduced=round_reduced)
+    operands = rounded_operands(group)  # rounded where computed, as eager stores them
     for pos, (n, nt) in enumerate(zip(group.nodes, node_types)):
         red = ops.reduction(n.op)
         if red is not None:
@@ -142,7 +163,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         op = ops.of(n.op)
         if op is None or op.random or op.concat:
             raise NotFusable(f"{n.op} in a row kernel")
-        statement[n.out.id], variant, consts, round_to = node_statement(group, n, op, nt, pos, target, options,
+        opts = replace(options, round_reduced=True) if n.out.id in operands else options
+        statement[n.out.id], variant, consts, round_to = node_statement(group, n, op, nt, pos, target, opts,
                                                                         vname, vtype, vdtype, exact)
         vector_args[n.out.id] = (n, op, variant, nt, consts, pos, round_to)
 
