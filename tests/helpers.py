@@ -1,6 +1,7 @@
 """Test helpers: one-op graphs generated from the op table, inputs with NaN/inf, eager references."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -810,3 +811,19 @@ def assert_close_to_float64(got, want64, want, dtype) -> None:
             err = (g.double() - w64).abs().max().item()
             eager_err = (w.double() - w64).abs().max().item()
             assert err <= 2 * eager_err + 8e-3 * scale, (err, eager_err)
+
+
+def ptxas_registers(source: str) -> tuple[int, int]:
+    """(registers a thread, bytes of spill stores) of the kernel in ``source``, from ptxas for sm_90 through this
+    machine's NVRTC (needs no GPU)."""
+    from cuda.bindings import nvrtc
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"k.cu", 0, [], [])
+    opts = [b"--gpu-architecture=sm_90", b"--ptxas-options=-v", b"-std=c++17"]
+    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    log = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    nvrtc.nvrtcDestroyProgram(prog)
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode()
+    spill, regs = re.findall(r"(\d+) bytes spill stores.*?Used (\d+) registers", log.decode(), re.S)[0]
+    return int(regs), int(spill)

@@ -6,14 +6,13 @@ trips, a misaligned view), the plan's choice, the kernel text, ptxas's registers
 through the executor and the native hot path."""
 from __future__ import annotations
 
-import re
 import sys
 
 import pytest
 import torch
 
 import fuser
-from helpers import check_against_float64
+from helpers import check_against_float64, ptxas_registers
 from fuser import executor, ir, rows
 from fuser.kernel_cache import STORE
 from fuser.rows import emulate as row_emulate
@@ -103,19 +102,6 @@ def test_a_vectors_only_kernel_makes_no_choice_at_run_time():
     assert "fz_row_vec<" not in body and body.count("args.vec") >= 6
 
 
-def _ptxas_registers(source: str) -> tuple[int, int]:
-    from cuda.bindings import nvrtc
-    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"k.cu", 0, [], [])
-    opts = [b"--gpu-architecture=sm_90", b"--ptxas-options=-v", b"-std=c++17"]
-    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = b" " * size
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode()
-    spill, regs = re.findall(r"(\d+) bytes spill stores.*?Used (\d+) registers", log.decode(), re.S)[0]
-    return int(regs), int(spill)
-
-
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_a_vectors_only_kernel_holds_the_row_in_fewer_registers(dtype):
     """ptxas for sm_90, layer_norm(x + bias + residual) * w + b over rows of 4096 (bfloat16: 128 threads a row, 32
@@ -125,8 +111,8 @@ def test_a_vectors_only_kernel_holds_the_row_in_fewer_registers(dtype):
     spec = _spec(_ln_residual(4096))
     p = rows.plan(spec, _ln_inputs(4, 4096, dtype), "cuda")
     assert p.key.shape.held and p.key.shape.block == (256 if dtype == torch.float32 else 128)
-    regs, spill = _ptxas_registers(rows.launch.source_for(spec, p)[1])
-    any_regs, _ = _ptxas_registers(rows.launch.source_for(spec, rows.launch.AnyLaunch(spec, p).plan)[1])
+    regs, spill = ptxas_registers(rows.launch.source_for(spec, p)[1])
+    any_regs, _ = ptxas_registers(rows.launch.source_for(spec, rows.launch.AnyLaunch(spec, p).plan)[1])
     assert regs <= 80 and spill == 0 and any_regs > regs, (regs, spill, any_regs)
 
 

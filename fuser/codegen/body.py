@@ -79,6 +79,7 @@ def generate(group: ir.Group, inputs: Sequence[TensorDesc], node_types: Sequence
             expr = op.template(variant, family(nt.compute), target).substitute(consts)
             body.append(f"const {rtype} v{j} = ({rtype})({expr});")
             vector.add(node, op, variant, nt, consts, vname, vdtype, f"v{j}")
+            exact.add(out.id)  # rng.BITS: a multiple of 2^-bits below 1, which its dtype holds
             continue
         line, variant, consts, round_to = node_statement(group, node, op, nt, j, target, options, vname, vtype,
                                                          vdtype, exact)

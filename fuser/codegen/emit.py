@@ -10,8 +10,8 @@ from ..cpu import templates as cpu_t
 from ..cuda import templates as cuda_t
 from ..descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, storage_type
 from .common import (CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_TILE_CHUNK, CPU_TILE_ROWS,
-                     CPU_VECTORS_PER_TRIP, TILE_SCALAR, TILE_VEC, TILE_VEC_THREADS, has_tiled_path, has_vector_path,
-                     tile_shape, tiled_vector, value_type, vector_width)
+                     CPU_VECTORS_PER_TRIP, POINTWISE_THREADS, TILE_SCALAR, TILE_VEC, TILE_VEC_THREADS, has_tiled_path,
+                     has_vector_path, tile_shape, tiled_vector, value_type, vector_width)
 
 
 class _Gen:
@@ -67,19 +67,27 @@ class _Gen:
     def scalar_load(self, k, d):
         return f"t{k}[i]" if d.layout == DENSE else f"t{k}[off{k}]"
 
-    def offsets(self, template, stride_ref, index="i", unroll=1, names=None) -> str:
+    def offsets(self, template, stride_ref, index="i", unroll=1, names=None, two_dims=False) -> str:
+        """The offsets ``names`` of the strided inputs at element ``index`` (``template``: the walk over the dims,
+        each stride ``stride_ref(j, name)`` with ``d`` the dim); ``two_dims``: before the walk, the case of a map of
+        two dims (``cuda_t.OFFSETS_2D``)."""
         names = self.offset_names if names is None else names
         if not names:
             return ""
+        fast = ""
+        if two_dims:
+            fast = cuda_t.OFFSETS_2D.substitute(index=index, divide=self.divide_by_size("1"), accumulate="\n".join(
+                f"      {name} = m * {stride_ref(j, name).replace('[d]', '[1]')} + "
+                f"q * {stride_ref(j, name).replace('[d]', '[0]')};" for j, name in enumerate(names)))
         return template.substitute(
-            index=index, unroll=unroll, divide=self.divide_by_size(),
+            index=index, unroll=unroll, divide=self.divide_by_size(), fast=fast,
             decls=", ".join(f"{name} = 0" for name in names),
             accumulate="\n".join(f"          {name} += m * {stride_ref(j, name)};" for j, name in enumerate(names)),
             max_dims=cuda_t.MAX_DIMS)
 
-    def divide_by_size(self) -> str:
+    def divide_by_size(self, d: str = "d") -> str:
         """``r / args.sizes[d]`` in the kernel: by the launcher's magic numbers where the index is 32 bits."""
-        return "fz_div(r, args.magic[d], args.shift[d])" if self.options.index32 else "r / args.sizes[d]"
+        return f"fz_div(r, args.magic[{d}], args.shift[{d}])" if self.options.index32 else f"r / args.sizes[{d}]"
 
     @staticmethod
     def block(lines: list[str], indent: str) -> str:
@@ -190,10 +198,15 @@ class CudaGen(_Gen):
 
     def min_blocks(self) -> str:
         """``__launch_bounds__``' minimum blocks an SM (with its comma), or "": for kernels with the tiled path's
-        vector form, ``common.TILE_VEC_THREADS`` threads."""
-        vector = has_tiled_path(self.inputs, "cuda", self.out_layouts) and tiled_vector(self.inputs, self.options)
-        blocks = TILE_VEC_THREADS // self.options.block_size
-        return f", {blocks}" if vector and blocks > 0 else ""
+        vector form, ``common.TILE_VEC_THREADS`` threads; for other kernels whose vector path holds 8 elements a
+        thread (2-byte tensors), ``common.POINTWISE_THREADS``."""
+        if has_tiled_path(self.inputs, "cuda", self.out_layouts) and tiled_vector(self.inputs, self.options):
+            blocks = TILE_VEC_THREADS // self.options.block_size
+        elif vector_width(self.inputs, self.out_dtypes) >= 8:
+            blocks = POINTWISE_THREADS // self.options.block_size
+        else:
+            blocks = 0
+        return f", {blocks}" if blocks > 0 else ""
 
     def tiled_loop(self) -> str:
         """The transposing path (``cuda_t.TILED_LOOP``): every generically strided input staged through a
@@ -311,7 +324,7 @@ class CudaGen(_Gen):
         vloads = []
         if self.strided:
             vloads.append(self.offsets(cuda_t.OFFSETS, lambda j, name: f"args.strides[{j}][d]", index="base",
-                                       unroll=cuda_t.MAX_DIMS))
+                                       unroll=cuda_t.MAX_DIMS, two_dims=True))
         for k, d in enumerate(self.inputs):
             st = storage_type(d.dtype)
             if d.layout in (DENSE, ROWS):

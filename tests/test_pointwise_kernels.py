@@ -1,0 +1,87 @@
+"""CUDA pointwise kernels' shape, without a GPU: the register bound of kernels over 2-byte tensors (ptxas for sm_90
+through NVRTC), the vector path's offsets over a map of two dims and over more (the host emulation, against eager),
+the fast tanh's instructions against float64 (emulated)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fuser.cuda import emulate
+from helpers import ptxas_registers
+
+GELU_BIAS = """
+def gelu_bias(x: Tensor, b: Tensor) -> Tensor:
+    y = x + b
+    return 0.5 * y * (1 + torch.tanh(0.7978845608 * (y + 0.044715 * y * y * y)))
+"""
+
+
+def _graph(source: str, name: str) -> torch.Graph:
+    g = getattr(torch.jit.CompilationUnit(source), name).graph.copy()
+    torch._C._jit_pass_inline(g)
+    return g
+
+
+def _gelu_bias(x, b):
+    y = x + b
+    return 0.5 * y * (1 + torch.tanh(0.7978845608 * (y + 0.044715 * y * y * y)))
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16, torch.float32), ids=str)
+def test_kernels_of_2_byte_tensors_are_bound_to_a_full_sm(dtype):
+    """codegen.common.POINTWISE_THREADS: a kernel whose vector path holds 8 elements a thread asks ptxas for 8
+    blocks of 256 threads an SM (32 registers; unbounded, NVRTC 13.0 gave the float16 GELU 39 and 6 blocks), with
+    no spills; float32 kernels (4 elements) keep no bound."""
+    g = _graph(GELU_BIAS, "gelu_bias")
+    k = emulate.kernel_for(g, [torch.randn(64, 256, dtype=dtype), torch.randn(256, dtype=dtype)])
+    bounded = "__launch_bounds__(256, 8)" in k.source
+    assert bounded == (dtype != torch.float32)
+    regs, spill = ptxas_registers(k.source)
+    assert spill == 0 and (regs <= 32 or not bounded), (regs, spill)
+
+
+@pytest.mark.parametrize("shapes", [((48, 256), (256,)), ((6, 4, 64), (6, 1, 64)), ((3, 5, 7, 16), (5, 1, 16))],
+                         ids=["2d", "3d", "4d"])
+@pytest.mark.parametrize("dtype", (torch.float16, torch.float32), ids=str)
+def test_vector_offsets_over_two_dims_and_more(shapes, dtype):
+    """The vector path reads a broadcast operand at an offset computed by ``cuda.templates.OFFSETS_2D`` where the
+    compressed map has two dims, and by the walk over every dim otherwise: both give eager's GELU (a bias along
+    the rows; one broadcast along a middle dim, which no compression removes)."""
+    g = _graph(GELU_BIAS, "gelu_bias")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(shapes[0], generator=gen).to(dtype)
+    b = torch.randn(shapes[1], generator=gen).to(dtype)
+    k = emulate.kernel_for(g, [x, b])
+    assert "if (args.rank == 2)" in k.source
+    out, = emulate.run_graph(g, [x, b])
+    expected = _gelu_bias(x, b)
+    tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, expected, **tol)
+    truth = _gelu_bias(x.double(), b.double())
+    err, eager_err = (out.double() - truth).abs().max(), (expected.double() - truth).abs().max()
+    assert err <= 2 * eager_err + 1e-6, (err, eager_err)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_fast_tanh_against_float64(dtype):
+    """``fz_tanh_fast`` (float16/bfloat16 results): every value of the dtype between -12 and 12, tiny ones
+    included, within half an ulp of the dtype of the float64 truth, as eager's tanh is; and 1 + tanh(x), where
+    it cancels, to eager's accuracy."""
+    g = torch._C.parse_ir("""
+graph(%x : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %t : Tensor = aten::tanh(%x)
+  %u : Tensor = aten::add(%t, %one, %one)
+  return (%t, %u)""")
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = bits[torch.isfinite(bits) & (bits.abs() <= 12)]
+    t, one_plus = emulate.run_graph(g, [x])
+    ref_t, ref_one_plus = torch.tanh(x), 1 + torch.tanh(x)
+    truth = torch.tanh(x.double())
+    ulp = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+    scale = truth.abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((t.double() - truth).abs() / scale).max() <= ulp
+    assert ((t.double() - truth).abs() <= (ref_t.double() - truth).abs() + ulp * scale).all()
+    truth1 = 1 + truth
+    err1 = (one_plus.double() - truth1).abs()
+    assert (err1 <= (ref_one_plus.double() - truth1).abs() + ulp * truth1.abs()).all()
