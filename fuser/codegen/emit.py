@@ -202,7 +202,8 @@ class CudaGen(_Gen):
         thread (2-byte tensors), ``common.POINTWISE_THREADS``."""
         if has_tiled_path(self.inputs, "cuda", self.out_layouts) and tiled_vector(self.inputs, self.options):
             blocks = TILE_VEC_THREADS // self.options.block_size
-        elif vector_width(self.inputs, self.out_dtypes) >= 8:
+        elif (self.options.vectorize and has_vector_path(self.inputs, "cuda", self.out_layouts)
+              and vector_width(self.inputs, self.out_dtypes) >= 8):
             blocks = POINTWISE_THREADS // self.options.block_size
         else:
             blocks = 0
