@@ -14,5 +14,5 @@ setup(
     ],
     # torch.compile(model, backend="fuser") with no import: Dynamo looks its backends up in this group
     entry_points={"torch_dynamo_backends": ["fuser = fuser.dynamo:backend"]},
-    extras_require={"test": ["pytest>=7", "numpy", "transformers"], "bench": ["matplotlib"]},
+    extras_require={"test": ["pytest>=7", "pytest-xdist", "numpy", "transformers"], "bench": ["matplotlib"]},
 )

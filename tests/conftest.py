@@ -12,9 +12,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("FUSER_STRICT_PASS", "1")
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # torch.jit.script's since 2.11
 # a fresh kernel cache per session (unless one is given): tests count compiles, and the CPU backend's kernels are
-# cached on disk like CUDA's; subprocesses of the tests inherit it
+# cached on disk like CUDA's; subprocesses of the tests inherit it. Under pytest-xdist (the README's command runs
+# the files in two worker processes) each worker gets a cache of its own, seeded with the controller's (the native
+# hot path it built once), so a worker's compile counts are what a serial run's are.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if "FUSER_CACHE_DIR" not in os.environ:
-    os.environ["FUSER_CACHE_DIR"] = _SESSION_CACHE = tempfile.mkdtemp(prefix="fuser-test-cache-")
+    os.environ["FUSER_CACHE_DIR"] = os.environ["FUSER_TEST_SESSION_CACHE"] = _SESSION_CACHE = \
+        tempfile.mkdtemp(prefix="fuser-test-cache-")
+elif _WORKER and os.environ["FUSER_CACHE_DIR"] == os.environ.get("FUSER_TEST_SESSION_CACHE"):
+    _SESSION_CACHE = tempfile.mkdtemp(prefix=f"fuser-test-cache-{_WORKER}-")
+    for _entry in os.scandir(os.environ["FUSER_CACHE_DIR"]):
+        if _entry.is_file() and not _entry.name.startswith("."):
+            shutil.copy2(_entry.path, _SESSION_CACHE)
+    os.environ["FUSER_CACHE_DIR"] = _SESSION_CACHE
 else:
     _SESSION_CACHE = None
 
@@ -23,6 +33,7 @@ from fuser import settings  # noqa: E402
 
 
 SEED = int(os.environ.get("FUSER_TEST_SEED", str(int.from_bytes(os.urandom(4), "little"))))
+os.environ["FUSER_TEST_SEED"] = str(SEED)  # xdist's workers inherit the controller's draw
 
 
 def pytest_configure(config):
@@ -49,11 +60,30 @@ def pytest_unconfigure(config):
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
-def pytest_terminal_summary(terminalreporter):
-    emulate = sys.modules.get("fuser.cuda.emulate")  # imported by tests/test_cuda_emulated.py when it runs
-    line = emulate.summary() if emulate is not None else None
+def _emulation_summary():
+    emulate = sys.modules.get("fuser.cuda.emulate")  # imported by the tests that emulate CUDA kernels
+    return emulate.summary() if emulate is not None else None
+
+
+_WORKER_SUMMARIES = []
+
+
+def pytest_sessionfinish(session):
+    if _WORKER and hasattr(session.config, "workeroutput"):  # an xdist worker hands its line to the controller
+        session.config.workeroutput["emulation"] = _emulation_summary()
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's; the tests also run without it
+def pytest_testnodedown(node, error):  # the controller, as each xdist worker ends
+    line = getattr(node, "workeroutput", {}).get("emulation")
     if line:
-        terminalreporter.write_line(line)
+        _WORKER_SUMMARIES.append(f"{node.gateway.id}: {line}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in [_emulation_summary(), *_WORKER_SUMMARIES]:
+        if line:
+            terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config, items):

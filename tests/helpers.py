@@ -815,10 +815,12 @@ def assert_close_to_float64(got, want64, want, dtype) -> None:
 
 def ptxas_registers(source: str) -> tuple[int, int]:
     """(registers a thread, bytes of spill stores) of the kernel in ``source``, from ptxas for sm_90 through this
-    machine's NVRTC (needs no GPU)."""
+    machine's NVRTC (needs no GPU), with the flags fuser compiles its kernels with."""
     from cuda.bindings import nvrtc
+
+    from fuser.cuda.driver import NvrtcOptions
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"k.cu", 0, [], [])
-    opts = [b"--gpu-architecture=sm_90", b"--ptxas-options=-v", b"-std=c++17"]
+    opts = [*NvrtcOptions(90, cubin=True, fast_compile="").flags(), b"--ptxas-options=-v"]
     err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
     log = b" " * size

@@ -69,7 +69,7 @@ class _Gen:
 
     def offsets(self, template, stride_ref, index="i", unroll=1, names=None, two_dims=False) -> str:
         """The offsets ``names`` of the strided inputs at element ``index`` (``template``: the walk over the dims,
-        each stride ``stride_ref(j, name)`` with ``d`` the dim); ``two_dims``: before the walk, the case of a map of
+        each stride ``stride_ref(j, name, dim)``, ``dim`` the kernel's expression of the dim); ``two_dims``: before the walk, the case of a map of
         two dims (``cuda_t.OFFSETS_2D``)."""
         names = self.offset_names if names is None else names
         if not names:
@@ -77,12 +77,12 @@ class _Gen:
         fast = ""
         if two_dims:
             fast = cuda_t.OFFSETS_2D.substitute(index=index, divide=self.divide_by_size("1"), accumulate="\n".join(
-                f"      {name} = m * {stride_ref(j, name).replace('[d]', '[1]')} + "
-                f"q * {stride_ref(j, name).replace('[d]', '[0]')};" for j, name in enumerate(names)))
+                f"      {name} = m * {stride_ref(j, name, '1')} + q * {stride_ref(j, name, '0')};"
+                for j, name in enumerate(names)))
         return template.substitute(
             index=index, unroll=unroll, divide=self.divide_by_size(), fast=fast,
             decls=", ".join(f"{name} = 0" for name in names),
-            accumulate="\n".join(f"          {name} += m * {stride_ref(j, name)};" for j, name in enumerate(names)),
+            accumulate="\n".join(f"          {name} += m * {stride_ref(j, name, 'd')};" for j, name in enumerate(names)),
             max_dims=cuda_t.MAX_DIMS)
 
     def divide_by_size(self, d: str = "d") -> str:
@@ -193,7 +193,7 @@ class CudaGen(_Gen):
             block_size=self.options.block_size, min_blocks=self.min_blocks(),
             params=self.block(params, "  "), hoisted=self.block(self.hoisted(), "  "),
             tiled_loop=self.tiled_loop(), vector_loop=self.vector_loop(),
-            offsets=self.offsets(cuda_t.OFFSETS, lambda j, name: f"args.strides[{j}][d]"),
+            offsets=self.offsets(cuda_t.OFFSETS, lambda j, name, dim: f"args.strides[{j}][{dim}]"),
             body=self.block(body, "    "))
 
     def min_blocks(self) -> str:
@@ -324,7 +324,7 @@ class CudaGen(_Gen):
             return ""
         vloads = []
         if self.strided:
-            vloads.append(self.offsets(cuda_t.OFFSETS, lambda j, name: f"args.strides[{j}][d]", index="base",
+            vloads.append(self.offsets(cuda_t.OFFSETS, lambda j, name, dim: f"args.strides[{j}][{dim}]", index="base",
                                        unroll=cuda_t.MAX_DIMS, two_dims=True))
         for k, d in enumerate(self.inputs):
             st = storage_type(d.dtype)
