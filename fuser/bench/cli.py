@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Optional, Sequence
@@ -77,6 +78,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"(read + write)", file=sys.stderr)
 
     rows = []
+
+    def write_json(complete: bool) -> None:
+        # rewritten after every row, so a run cut short (a time limit) keeps the rows it measured
+        first = fuser_first_calls(rows)
+        result = {
+            "meta": {"device": device_name, "device_type": device.type, **_versions(),
+                     "copy_rate_bytes_per_s": copy_rate, "copy_rate_samples_bytes_per_s": copy_samples,
+                     "copy_bytes": cfg.copy_bytes, "config": dataclasses.asdict(cfg), "quick": args.quick,
+                     "systems": args.systems, "fuser_can_fuse_on_gpu": fuser.can_fuse_on_gpu(),
+                     "fuser_can_fuse_on_cpu": fuser.can_fuse_on_cpu(), "elapsed_s": time.perf_counter() - started,
+                     "complete": complete, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+            "fuser_first_call_ms": {k: v["ms"] for k, v in first.items()},
+            "fuser_first_call": first,
+            "rows": rows,
+        }
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        os.replace(tmp, args.json)
+
     for wl in workloads:
         for size in [s for s in SIZES if s in args.sizes]:
             for dtype in [d for d in wl.dtypes if device.type != "cpu" or d in CPU_DTYPES]:
@@ -84,6 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 rows.append(run_row(wl, dtype, size, args.systems, device, cfg, args.quick, copy_rate))
                 print(f"  {wl.name:<10} {str(dtype)[6:]:<9} {size:<5} {time.perf_counter() - t0:6.1f}s",
                       file=sys.stderr)
+                write_json(complete=False)
     elapsed = time.perf_counter() - started
 
     first_calls = fuser_first_calls(rows)
@@ -103,19 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\n" + compiles)
     print(f"\ntotal {elapsed:.1f}s")
 
-    result = {
-        "meta": {"device": device_name, "device_type": device.type, **_versions(),
-                 "copy_rate_bytes_per_s": copy_rate, "copy_rate_samples_bytes_per_s": copy_samples,
-                 "copy_bytes": cfg.copy_bytes, "config": dataclasses.asdict(cfg), "quick": args.quick,
-                 "systems": args.systems, "fuser_can_fuse_on_gpu": fuser.can_fuse_on_gpu(),
-                 "fuser_can_fuse_on_cpu": fuser.can_fuse_on_cpu(), "elapsed_s": elapsed,
-                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-        "fuser_first_call_ms": {k: v["ms"] for k, v in first_calls.items()},
-        "fuser_first_call": first_calls,
-        "rows": rows,
-    }
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    write_json(complete=True)
     print(f"wrote {args.json}")
     title = f"{device_name}, torch {torch.__version__}, copy {copy_rate / 1e9:.0f} GB/s"
     skipped = draw_chart(rows, args.systems, args.png, title)
