@@ -474,12 +474,14 @@ def _dropout_residual(x, r):
     return torch.nn.functional.dropout(x, 0.25, True) + r
 
 
-def test_random_cpu_kernels_are_served_natively_with_the_python_paths_numbers():
-    """A group drawing rand_like's numbers (dropout) on the CPU: served natively, its launch state drawn from the
-    default CPU generator as the Python path draws it, so a seed gives the same numbers either way; two calls
-    differ; kept elements are x / (1 - p)."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_kernels_are_served_natively_with_the_python_paths_numbers(device):
+    """A group drawing rand_like's numbers (dropout): served natively, its launch state drawn from the device's
+    default generator as the Python path draws it (the CPU's: a seed and offset drawn from it; CUDA's: its seed
+    and Philox offset, advanced by 4), so a seed gives the same numbers either way; two calls differ; kept elements
+    are x / (1 - p)."""
     fd = fuser.fuse(torch.jit.script(_dropout_residual))
-    x, r = torch.randn(64, 96), torch.randn(64, 96)
+    x, r = torch.randn(64, 96, device=device), torch.randn(64, 96, device=device)
     hits, _ = _served(fd, x, r)
     assert hits >= 2
     torch.manual_seed(123)
@@ -496,6 +498,11 @@ def test_random_cpu_kernels_are_served_natively_with_the_python_paths_numbers():
     kept = (a - r) != 0
     torch.testing.assert_close(a[kept], x[kept] / 0.75 + r[kept])
     assert abs(kept.float().mean().item() - 0.75) < 0.05
+    if device == "cuda":  # the generator moves on as after Python's launch (and eager's Philox ops)
+        gen = torch.cuda.default_generators[x.device.index or 0]
+        offset = gen.get_offset()
+        _served(fd, x, r, calls=1)
+        assert gen.get_offset() == offset + 4
 
 
 # ---- norms' weight and bias gradients: the native backward runs the fused group (sums inside the row kernel)

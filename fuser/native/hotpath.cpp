@@ -2,11 +2,13 @@
 //
 // A call whose inputs match a signature prepared by Python (fuser/native/record.py) allocates its outputs and
 // launches the compiled kernel here: the CPU kernel's function, or cuLaunchKernel on torch's current stream. Every
-// other call (a new signature, a transform, a CUDA random kernel, a lazy tensor bit, autograd where no backward was
-// prepared) goes to the Python operator fuser::fusion_group_py, which runs the group as before and, when asked to,
-// prepares the signature for next time. Nothing here decides anything about a group: it replays what Python
-// prepared (a random CPU kernel's launch state drawn as Python draws it), or hands over.
+// other call (a new signature, a transform, a random kernel while the stream captures a graph, a lazy tensor bit,
+// autograd where no backward was prepared) goes to the Python operator fuser::fusion_group_py, which runs the group
+// as before and, when asked to, prepares the signature for next time. Nothing here decides anything about a group:
+// it replays what Python prepared (a random kernel's launch state drawn as Python draws it), or hands over.
+#include <ATen/Context.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty_strided.h>
@@ -39,6 +41,7 @@ namespace {
 using CuLaunch = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
                          void**);
 using CuCtxGetCurrent = int (*)(void**);
+using CuStreamIsCapturing = int (*)(void*, int*);
 using CpuKernel = void (*)(int64_t, int64_t, const int64_t*, const int64_t*, void* const*, const double*);
 
 enum Kind : int64_t { kCpu = 0, kCuda = 1, kPython = 2 };
@@ -95,6 +98,7 @@ struct Launch {
   // CPU
   int64_t rank = 0;
   std::vector<int64_t> sizes, strides;
+  // CPU and CUDA
   bool random = false;  // the kernel draws rand_like's numbers: a launch state after the float arguments
   // CUDA: the by-value argument struct with everything but pointers, the vector flag and float arguments
   std::vector<uint8_t> args;
@@ -160,6 +164,7 @@ std::atomic<int64_t> n_cuda_row_sums{0}, n_cuda_column_kernels{0};  // CUDA laun
 
 CuLaunch cu_launch = nullptr;
 CuCtxGetCurrent cu_ctx_get_current = nullptr;
+CuStreamIsCapturing cu_stream_is_capturing = nullptr;
 std::once_flag cuda_once;
 
 void load_driver() {
@@ -169,6 +174,7 @@ void load_driver() {
     if (!lib) return;
     cu_launch = reinterpret_cast<CuLaunch>(dlsym(lib, "cuLaunchKernel"));
     cu_ctx_get_current = reinterpret_cast<CuCtxGetCurrent>(dlsym(lib, "cuCtxGetCurrent"));
+    cu_stream_is_capturing = reinterpret_cast<CuStreamIsCapturing>(dlsym(lib, "cuStreamIsCapturing"));
   });
 }
 
@@ -313,6 +319,31 @@ std::vector<double> with_launch_state(at::ArrayRef<double> scalars) {
   return all;
 }
 
+// A random CUDA kernel's float arguments and its launch state, drawn as fuser.rng.launch_state draws it: torch's
+// default generator of the device, its seed and Philox offset, the offset advanced by 4 for the next launch (or
+// eager op). nullopt while the current stream captures a graph (the generator refuses its offset then; Python's
+// path falls back to eager's ops, which capture).
+std::optional<std::vector<double>> with_cuda_launch_state(at::ArrayRef<double> scalars, c10::Device device) {
+  if (cu_stream_is_capturing == nullptr) return std::nullopt;
+  void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle();
+  int capturing = 1;
+  if (cu_stream_is_capturing(stream, &capturing) != 0 || capturing != 0) return std::nullopt;
+  at::Generator gen = at::globalContext().defaultGenerator(device);
+  uint64_t seed = 0, offset = 0;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    offset = gen.get_offset();
+    gen.set_offset(offset + 4);
+    seed = gen.current_seed();
+  }
+  std::vector<double> all(scalars.begin(), scalars.end());
+  for (const uint64_t x : {seed, offset}) {
+    all.push_back(static_cast<double>(x & 0xFFFFFFFFull));
+    all.push_back(static_cast<double>(x >> 32));
+  }
+  return all;
+}
+
 bool grads_match(const Launch& l, at::TensorList inputs) {
   size_t k = 0;
   for (const at::Tensor& t : inputs)
@@ -408,7 +439,10 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
     for (const Out& o : l.outs) outs.push_back(at::empty_strided(o.sizes, o.strides, options.dtype(o.dtype)));
   }
   if (l.numel != 0) {
-    if (l.kind == kCuda) {
+    if (l.kind == kCuda && l.random) {
+      const auto drawn = with_cuda_launch_state(scalars, l.device);
+      if (!drawn || !launch_cuda(l, inputs, *drawn, outs)) return hand_over(inputs, scalars, key, digest, ir, false);
+    } else if (l.kind == kCuda) {
       if (!launch_cuda(l, inputs, scalars, outs)) return hand_over(inputs, scalars, key, digest, ir, false);
     } else if (l.random)
       launch_cpu(l, inputs, with_launch_state(scalars), outs);
@@ -897,11 +931,14 @@ std::shared_ptr<Launch> parse(const std::vector<int64_t>& sig, const std::vector
         then.patch = static_cast<int32_t>(patch);
         l->then.push_back(then);
       }
+      l->random = r.next() != 0;
+      TORCH_CHECK(!l->random || (l->form == kPlainForm && l->then.empty() && l->temps.empty()),
+                  "fuser native record: a random kernel's form");
       TORCH_CHECK(l->fn && l->block > 0 && l->grid_vec > 0 && l->grid_scalar > 0, "fuser native record: launch");
       TORCH_CHECK(l->ptrs_off + 8 * static_cast<int64_t>(l->align.size() + l->temps.size()) <= size &&
                       l->vec_off + 4 <= static_cast<int64_t>(l->args.size()) && l->vec_off >= -1 &&
                       l->ptrs_off >= 0 && l->scalars_off >= 0 &&
-                      l->scalars_off + 8 * l->n_scalars <= static_cast<int64_t>(l->args.size()),
+                      l->scalars_off + 8 * (l->n_scalars + (l->random ? 4 : 0)) <= static_cast<int64_t>(l->args.size()),
                   "fuser native record: argument offsets");
     }
   }

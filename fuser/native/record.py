@@ -6,10 +6,11 @@ allocate (dtype, sizes, strides: the Python path's own), the float arguments' li
 kernel's function, its sizes/strides arrays and whether it draws random numbers, or the CUDA function, grids,
 context and the by-value argument struct's bytes with the offsets of what changes per call, then the buffers a
 launch allocates (a row kernel's column sums' partial rows, a column kernel's workspace) and the kernels launched
-after the first on the same arguments (the column sums' second kernel, a column kernel's stage 1). A cat's result is
-allocated whole and written through one pointer per piece (its slices, a fixed number of bytes apart). A signature
-this path must not take (a CUDA random kernel, a group that falls back) gets a record of kind "python", so the hot
-path hands it over without asking again.
+after the first on the same arguments (the column sums' second kernel, a column kernel's stage 1), and whether it
+draws random numbers (its launch state is then drawn per call from torch's generator, as ``rng.launch_state``
+draws it). A cat's result is allocated whole and written through one pointer per piece (its slices, a fixed number
+of bytes apart). A signature this path must not take (a group that falls back) gets a record of kind "python", so
+the hot path hands it over without asking again.
 """
 from __future__ import annotations
 
@@ -52,9 +53,8 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     kernel = getattr(geo, "kernel", None)
     rows = hasattr(geo, "rows")  # a row kernel's geometry (fuser.rows.RowGeometry)
     cols = hasattr(geo, "red")  # a column kernel's (fuser.rows.OuterGeometry; on the CPU, a row kernel's ABI)
-    if kernel is None or not getattr(geo, "hot_path", True) or (  # hot_path False: a column kernel of no work
-            not rows and not cols and kernel.random and geo.device.type != "cpu") or \
-            len(outputs) != len(kernel.out_dtypes):
+    if kernel is None or not getattr(geo, "hot_path", True) or \
+            len(outputs) != len(kernel.out_dtypes):  # hot_path False: a column kernel of no work
         return None
     device = geo.device
     if device.type not in ("cpu", "cuda") or any(t.device != device for t in (*tensors, *outputs)):
@@ -96,7 +96,10 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     rec += [backend._function_ptr, cuda_launch.BLOCK_SIZE, backend.grid(geo, True), backend.grid(geo, False),
             int(bool(geo.vec_shape)), ctx, struct.ptrs.offset, struct.vec.offset, struct.scalars.offset,
             len(backend.vec_align), *backend.vec_align, len(raw), *raw]
-    rec += _cuda_tail(FORM_PLAIN, [], [])
+    # a random kernel (not under autograd, as on the CPU) gets its launch state drawn per call by hotpath.cpp from
+    # torch's CUDA generator, which advances as rng.launch_state advances it; while the stream captures a graph,
+    # the call goes to Python, which falls back
+    rec += _cuda_tail(FORM_PLAIN, [], [], random=bool(getattr(kernel, "random", False)))
     return rec, floats, backend
 
 
@@ -157,11 +160,12 @@ def _row_or_column_cuda(geo, rows: bool, tensors, scalars, outputs, rec: list, f
     return rec, floats, backend
 
 
-def _cuda_tail(form: int, temps: Sequence[tuple[int, int]], then: Sequence[tuple]) -> list[int]:
+def _cuda_tail(form: int, temps: Sequence[tuple[int, int]], then: Sequence[tuple], random: bool = False) -> list[int]:
     """The end of a CUDA record: its form, the buffers allocated per call (dtype, elements; their pointers follow
-    the outputs'), and the kernels launched after the first with the same arguments (function, grid, block, and an
-    int32 written first at an offset, -1: none)."""
-    return [form, len(temps), *[x for t in temps for x in t], len(then), *[x for t in then for x in t]]
+    the outputs'), the kernels launched after the first with the same arguments (function, grid, block, and an
+    int32 written first at an offset, -1: none), and whether the kernel draws random numbers (its launch state's
+    rng.N_STATE slots follow the float arguments)."""
+    return [form, len(temps), *[x for t in temps for x in t], len(then), *[x for t in then for x in t], int(random)]
 
 
 def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Tensor],
