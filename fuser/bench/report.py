@@ -81,8 +81,10 @@ def first_call_table(rows: list[dict], systems: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def draw_chart(rows: list[dict], systems: Sequence[str], path: str, title: str) -> Optional[str]:
-    """Grouped bars of the large rows' fraction of floor; returns why it was skipped, or None."""
+def draw_chart(rows: list[dict], systems: Sequence[str], path: str, title: str, per_panel: int = 30) -> Optional[str]:
+    """Grouped horizontal bars of the large rows' fraction of floor, in panels side by side of at most
+    ``per_panel`` rows each (a row a line, labelled with its workload and dtype); returns why it was skipped, or
+    None."""
     try:
         import matplotlib
         matplotlib.use("Agg")  # no display on benchmark machines
@@ -92,20 +94,29 @@ def draw_chart(rows: list[dict], systems: Sequence[str], path: str, title: str) 
     large = [r for r in rows if r["size"] == "large"]
     if not large:
         return "no large rows"
-    width = 0.8 / len(systems)
-    fig, ax = plt.subplots(figsize=(max(8.0, 0.9 * len(large) + 2), 4.8))
-    for k, system in enumerate(systems):
-        heights = [r["cells"].get(system, {}).get("fraction_of_floor", math.nan) for r in large]
-        ax.bar([i + (k - (len(systems) - 1) / 2) * width for i in range(len(large))], heights, width,
-               label=system)
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
-    ax.set_xticks(range(len(large)))
-    ax.set_xticklabels([f"{r['workload']}\n{r['dtype']}" for r in large], fontsize=8)
-    ax.set_ylabel("fraction of copy-bandwidth floor")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, ncol=len(systems))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    n_panels = -(-len(large) // per_panel)
+    per = -(-len(large) // n_panels)  # rows spread evenly over the panels
+    height = 0.8 / len(systems)
+    fig, axes = plt.subplots(1, n_panels, figsize=(6.0 * n_panels, 0.32 * per + 1.6), squeeze=False)
+    for p, ax in enumerate(axes[0]):
+        part = large[p * per:(p + 1) * per]
+        for k, system in enumerate(systems):
+            widths = [r["cells"].get(system, {}).get("fraction_of_floor", math.nan) for r in part]
+            ax.barh([i + (k - (len(systems) - 1) / 2) * height for i in range(len(part))], widths, height,
+                    label=system, color=f"C{k}")
+        ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_yticks(range(len(part)))
+        ax.set_yticklabels([f"{r['workload']} {r['dtype']}" for r in part], fontsize=7)
+        ax.set_ylim(len(part) - 0.5, -0.5)  # the first row on top
+        ax.set_xlim(0, 1.15)
+        ax.set_xlabel("fraction of copy-bandwidth floor", fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="x", linewidth=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", ncol=len(systems), fontsize=8)
+    fig.suptitle(title, fontsize=10, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
 
