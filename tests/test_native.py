@@ -920,14 +920,15 @@ def test_cuda_native_summed_backward_on_a_side_stream(in_row, column_sums_settin
 
 def _cuda_record_tail(rec: list) -> tuple:
     """A CUDA launch record read as hotpath.cpp's parse reads it (from the function on): (head, align, raw bytes,
-    form, buffers, later kernels)."""
+    form, buffers, later kernels), after checking its last value, the random flag, is 0 (these kernels draw no
+    random numbers)."""
     head, rest = rec[:9], rec[9:]
     align, rest = rest[1:1 + rest[0]], rest[1 + rest[0]:]
     raw, rest = bytes(rest[1:1 + rest[0]]), rest[1 + rest[0]:]
     form, rest = rest[0], rest[1:]
     temps, rest = [tuple(rest[1 + 2 * j:3 + 2 * j]) for j in range(rest[0])], rest[1 + 2 * rest[0]:]
     then = [tuple(rest[1 + 5 * j:6 + 5 * j]) for j in range(rest[0])]
-    assert len(rest) == 1 + 5 * rest[0]
+    assert len(rest) == 1 + 5 * rest[0] + 1 and rest[-1] == 0
     return head, align, raw, form, temps, then
 
 
