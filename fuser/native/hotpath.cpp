@@ -233,7 +233,57 @@ Call classify(at::TensorList inputs) {
   return requires_grad && c10::GradMode::is_enabled() ? kGrad : kPlain;
 }
 
-// false, launching nothing, where the kernel takes vectors only and a pointer is not aligned for them
+// A random kernel's launch state: kStateSlots float slots after its float arguments (fuser.rng.N_STATE), the seed's
+// and the offset's uint32 words, low word first (exact in the kernel's double slots), as fuser.rng.state_words
+// writes them.
+constexpr int64_t kStateSlots = 4;
+
+// A record's random flag: the launch state's slot count (fuser.rng.N_STATE, which must be this file's), 0: none
+bool state_slots(int64_t n) {
+  TORCH_CHECK(n == 0 || n == kStateSlots, "fuser native record: a launch state of ", n, " slots, not ", kStateSlots);
+  return n != 0;
+}
+
+std::vector<double> with_state(at::ArrayRef<double> scalars, uint64_t seed, uint64_t offset) {
+  std::vector<double> all(scalars.begin(), scalars.end());
+  for (const uint64_t x : {seed, offset}) {
+    all.push_back(static_cast<double>(x & 0xFFFFFFFFull));
+    all.push_back(static_cast<double>(x >> 32));
+  }
+  return all;
+}
+
+// A random CPU kernel's float arguments and its launch state, drawn as fuser.rng.launch_state draws it (the same
+// op on the default CPU generator: a 63-bit seed and offset), so a run through this path draws the numbers the
+// Python path would.
+std::vector<double> with_launch_state(at::ArrayRef<double> scalars) {
+  const at::Tensor drawn = at::empty({2}, at::kLong).random_();
+  const int64_t* v = drawn.data_ptr<int64_t>();
+  return with_state(scalars, static_cast<uint64_t>(v[0]), static_cast<uint64_t>(v[1]));
+}
+
+// A random CUDA kernel's float arguments and its launch state, drawn as fuser.rng.launch_state draws it: torch's
+// default generator of the device, its seed and Philox offset, the offset advanced by 4 for the next launch (or
+// eager op). nullopt while the current stream captures a graph (the generator refuses its offset then; Python's
+// path falls back to eager's ops, which capture).
+std::optional<std::vector<double>> with_cuda_launch_state(at::ArrayRef<double> scalars, c10::Device device) {
+  if (cu_stream_is_capturing == nullptr) return std::nullopt;
+  void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle();
+  int capturing = 1;
+  if (cu_stream_is_capturing(stream, &capturing) != 0 || capturing != 0) return std::nullopt;
+  at::Generator gen = at::globalContext().defaultGenerator(device);
+  uint64_t seed = 0, offset = 0;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    offset = gen.get_offset();
+    gen.set_offset(offset + 4);  // torch's Philox offsets move in steps of 4
+    seed = gen.current_seed();
+  }
+  return with_state(scalars, seed, offset);
+}
+
+// false, launching nothing, where the kernel takes vectors only and a pointer is not aligned for them, or where a
+// random kernel's launch state cannot be drawn (the stream captures a graph)
 bool launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> scalars,
                  const std::vector<at::Tensor>& outs) {
   thread_local std::vector<uint8_t> buf;
@@ -251,6 +301,13 @@ bool launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sc
   for (size_t j = 0; j < outs.size(); ++j)
     for (int64_t p = 0; p < l.outs[j].pieces; ++p) put(static_cast<char*>(outs[j].data_ptr()) + p * l.outs[j].step);
   if (!vec && l.vec_shape == 2) return false;
+  // a random kernel's launch state, drawn only now that the launch is sure (a drawn state advances the generator)
+  std::optional<std::vector<double>> drawn;
+  if (l.random) {
+    drawn = with_cuda_launch_state(scalars, l.device);
+    if (!drawn) return false;
+    scalars = *drawn;
+  }
   // the buffers: on the current device (fusion_group checked it is l.device), from the caching allocator on its
   // current stream, the stream the kernels go on; freed when this returns, after the launches are queued
   std::vector<at::Tensor> temps;
@@ -302,46 +359,6 @@ void launch_cpu(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sca
   const double none = 0.0;
   reinterpret_cast<CpuKernel>(l.fn)(l.numel, l.rank, l.sizes.data(), l.strides.data(), p,
                                     scalars.empty() ? &none : scalars.data());
-}
-
-// A random CPU kernel's float arguments and its launch state, drawn as fuser.rng.launch_state draws it (the same
-// op on the default CPU generator: a 63-bit seed and offset, as uint32 words, low word first), so a run through
-// this path draws the numbers the Python path would.
-std::vector<double> with_launch_state(at::ArrayRef<double> scalars) {
-  std::vector<double> all(scalars.begin(), scalars.end());
-  const at::Tensor drawn = at::empty({2}, at::kLong).random_();
-  const int64_t* v = drawn.data_ptr<int64_t>();
-  for (int k = 0; k < 2; ++k) {
-    const uint64_t x = static_cast<uint64_t>(v[k]);
-    all.push_back(static_cast<double>(x & 0xFFFFFFFFull));
-    all.push_back(static_cast<double>(x >> 32));
-  }
-  return all;
-}
-
-// A random CUDA kernel's float arguments and its launch state, drawn as fuser.rng.launch_state draws it: torch's
-// default generator of the device, its seed and Philox offset, the offset advanced by 4 for the next launch (or
-// eager op). nullopt while the current stream captures a graph (the generator refuses its offset then; Python's
-// path falls back to eager's ops, which capture).
-std::optional<std::vector<double>> with_cuda_launch_state(at::ArrayRef<double> scalars, c10::Device device) {
-  if (cu_stream_is_capturing == nullptr) return std::nullopt;
-  void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle();
-  int capturing = 1;
-  if (cu_stream_is_capturing(stream, &capturing) != 0 || capturing != 0) return std::nullopt;
-  at::Generator gen = at::globalContext().defaultGenerator(device);
-  uint64_t seed = 0, offset = 0;
-  {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    offset = gen.get_offset();
-    gen.set_offset(offset + 4);
-    seed = gen.current_seed();
-  }
-  std::vector<double> all(scalars.begin(), scalars.end());
-  for (const uint64_t x : {seed, offset}) {
-    all.push_back(static_cast<double>(x & 0xFFFFFFFFull));
-    all.push_back(static_cast<double>(x >> 32));
-  }
-  return all;
 }
 
 bool grads_match(const Launch& l, at::TensorList inputs) {
@@ -439,10 +456,7 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
     for (const Out& o : l.outs) outs.push_back(at::empty_strided(o.sizes, o.strides, options.dtype(o.dtype)));
   }
   if (l.numel != 0) {
-    if (l.kind == kCuda && l.random) {
-      const auto drawn = with_cuda_launch_state(scalars, l.device);
-      if (!drawn || !launch_cuda(l, inputs, *drawn, outs)) return hand_over(inputs, scalars, key, digest, ir, false);
-    } else if (l.kind == kCuda) {
+    if (l.kind == kCuda) {
       if (!launch_cuda(l, inputs, scalars, outs)) return hand_over(inputs, scalars, key, digest, ir, false);
     } else if (l.random)
       launch_cpu(l, inputs, with_launch_state(scalars), outs);
@@ -884,7 +898,7 @@ std::shared_ptr<Launch> parse(const std::vector<int64_t>& sig, const std::vector
       l->sizes = r.take(r.next());
       l->strides = r.take(r.next());
       if (l->strides.empty()) l->strides.push_back(0);
-      l->random = r.next() != 0;
+      l->random = state_slots(r.next());
     } else {
       TORCH_CHECK(l->kind == kCuda, "fuser native record: unknown kind ", l->kind);
       load_driver();
@@ -931,14 +945,14 @@ std::shared_ptr<Launch> parse(const std::vector<int64_t>& sig, const std::vector
         then.patch = static_cast<int32_t>(patch);
         l->then.push_back(then);
       }
-      l->random = r.next() != 0;
+      l->random = state_slots(r.next());
       TORCH_CHECK(!l->random || (l->form == kPlainForm && l->then.empty() && l->temps.empty()),
                   "fuser native record: a random kernel's form");
       TORCH_CHECK(l->fn && l->block > 0 && l->grid_vec > 0 && l->grid_scalar > 0, "fuser native record: launch");
       TORCH_CHECK(l->ptrs_off + 8 * static_cast<int64_t>(l->align.size() + l->temps.size()) <= size &&
                       l->vec_off + 4 <= static_cast<int64_t>(l->args.size()) && l->vec_off >= -1 &&
                       l->ptrs_off >= 0 && l->scalars_off >= 0 &&
-                      l->scalars_off + 8 * (l->n_scalars + (l->random ? 4 : 0)) <= static_cast<int64_t>(l->args.size()),
+                      l->scalars_off + 8 * (l->n_scalars + (l->random ? kStateSlots : 0)) <= static_cast<int64_t>(l->args.size()),
                   "fuser native record: argument offsets");
     }
   }

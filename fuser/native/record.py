@@ -19,6 +19,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .. import rng
+
 KIND_CPU, KIND_CUDA, KIND_PYTHON = 0, 1, 2
 PYTHON = [KIND_PYTHON]
 
@@ -83,7 +85,7 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
         # a random kernel (not under autograd: offer() keeps those in Python, whose backward replays the state)
         # gets its launch state drawn per call by hotpath.cpp
         rec += [fn, len(lead) if lead is not None else len(sizes), len(sizes), *sizes, len(flat), *flat,
-                int(getattr(kernel, "random", False))]
+                _state_slots(getattr(kernel, "random", False))]
         return rec, floats, backend
     from ..cuda import launch as cuda_launch
     if rows or cols:
@@ -163,9 +165,15 @@ def _row_or_column_cuda(geo, rows: bool, tensors, scalars, outputs, rec: list, f
 def _cuda_tail(form: int, temps: Sequence[tuple[int, int]], then: Sequence[tuple], random: bool = False) -> list[int]:
     """The end of a CUDA record: its form, the buffers allocated per call (dtype, elements; their pointers follow
     the outputs'), the kernels launched after the first with the same arguments (function, grid, block, and an
-    int32 written first at an offset, -1: none), and whether the kernel draws random numbers (its launch state's
-    rng.N_STATE slots follow the float arguments)."""
-    return [form, len(temps), *[x for t in temps for x in t], len(then), *[x for t in then for x in t], int(random)]
+    int32 written first at an offset, -1: none), and the float slots of its launch state (:func:`_state_slots`)."""
+    return [form, len(temps), *[x for t in temps for x in t], len(then), *[x for t in then for x in t],
+            _state_slots(random)]
+
+
+def _state_slots(random: bool) -> int:
+    """A record's random flag: the float slots of a random kernel's launch state after its float arguments
+    (rng.N_STATE; hotpath.cpp checks it against its own count), 0 where the kernel draws no random numbers."""
+    return rng.N_STATE if random else 0
 
 
 def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Tensor],
