@@ -439,3 +439,82 @@ def test_cpu_row_kernels_take_vector_loops_and_scalar_ones(monkeypatch):
     source = next(k for k in spec.kernels().values() if isinstance(k, rows.launch.RowKernel)).source
     assert cpu_t.VECTOR_INCLUDE not in source
     torch.testing.assert_close(out[0], ref)
+
+
+# ------------------------------------------------------------------------- long rows: compensated float sums
+
+_LONG = 2 ** 20 + 5  # 1,025 elements a thread of a 1024-thread row: past plan.COMPENSATED_PER_THREAD
+
+
+def _var_alone():
+    def group():
+        b = ir.Builder()
+        return b.build([b.add("aten::var.correction", b.input(), (-1,), 1, False)])
+    return group, lambda x: [torch.var(x, -1, correction=1)]
+
+
+_LONG_GROUPS = {"sum": reduction_alone("sum", (-1,), False), "mean": reduction_alone("mean", (-1,), True),
+                "var": _var_alone()}
+
+
+_ON = [pytest.param("emulated"), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _long_run(g, args: list, on: str) -> list:
+    """``g`` on ``args`` through its CUDA row kernel, which must be a compensated one reading the row again:
+    emulated on the CPU, or on the GPU (the outputs back on the CPU)."""
+    plan = rows.plan(_spec(g), args, "cuda")
+    assert plan.key.shape.compensated and not plan.key.shape.held, plan.key.shape
+    if on == "emulated":
+        return row_emulate.run(g, args)
+    return [o.cpu() for o in fused_run(_spec(g), [a.cuda() if isinstance(a, torch.Tensor) else a for a in args])]
+
+
+@pytest.mark.parametrize("on", _ON)
+@pytest.mark.parametrize("kind", sorted(_LONG_GROUPS))
+def test_long_rows_sum_in_float_with_compensation(kind, on):
+    """A float32 row of a million elements through the CUDA row kernel: each of its 1024 threads adds about a
+    thousand of them, compensated (Kahan), so a row of equal values (the CUDA fuzzer's case: eager spreads such a
+    row over many blocks) and random rows sum (mean, var) within 5e-7 of float64 (plain float sums: 2.9e-6 here,
+    3e-5 in the fuzzer's row of 3 million); rows with an inf, or inf and -inf, give eager's inf and NaN."""
+    build, eager = _LONG_GROUPS[kind]
+    g = build()
+    rows_in = torch.stack([torch.full((_LONG,), 1 / 3), torch.rand(_LONG) + 0.5, torch.randn(_LONG),
+                           torch.rand(_LONG), torch.rand(_LONG)])
+    rows_in[3, 1000] = float("inf")
+    rows_in[4, 7] = float("inf")
+    rows_in[4, _LONG - 2] = float("-inf")
+    (out,) = _long_run(g, [rows_in], on)
+    (ref,) = eager(rows_in)
+    (ref64,) = eager(rows_in.double())
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert not ref[3:].isfinite().any()  # inf, NaN (a variance: NaN, NaN), and the same here
+    torch.testing.assert_close(out[3:], ref[3:], equal_nan=True)
+    # the finite rows within 5e-7 of float64, relative to the row's magnitude (a random normal row's sum is small)
+    if kind == "var":  # relative to the variance; a row of equal values has 0, and gives 0
+        assert out[0].item() == 0
+        out, ref64, scale = out[1:3], ref64[1:3], ref64[1:3].abs()
+    else:
+        out, ref64 = out[:3], ref64[:3]
+        scale = rows_in[:3].double().abs().sum(-1, keepdim=kind == "mean") / (_LONG if kind == "mean" else 1)
+    err = ((out.double() - ref64).abs() / scale).max().item()
+    assert err < 5e-7, err
+
+
+@pytest.mark.parametrize("on", _ON)
+@pytest.mark.parametrize("kind", ["decomposed", "written"])
+def test_long_rows_layer_norm_with_compensation(kind, on):
+    """layer_norm over rows of a million float32 elements (the CUDA row kernel, compensated sums): the
+    decomposed op's variance pass and the written-out form's centered mean and mean of squares, within float32's
+    tolerance of eager in float64 (mean and rstd too, for the written form)."""
+    if kind == "decomposed":
+        g = decomposed_group("layer_norm", (_LONG,))
+
+        def fn(x, w, c):
+            return [torch.nn.functional.layer_norm(x, (_LONG,), w, c, 1e-5)]
+        args = [torch.randn(2, _LONG) * 3 + 7, torch.randn(_LONG), torch.randn(_LONG)]
+    else:
+        build, fn = written_layer_norm()
+        g = build()
+        args = [torch.randn(2, _LONG) * 3 + 7, torch.randn(_LONG), torch.randn(_LONG), 1e-5]
+    check_against_float64(_long_run(g, args, on), fn, args, TOL)

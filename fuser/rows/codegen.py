@@ -108,6 +108,15 @@ def _finite(expr: str) -> str:
     return f"fabs({expr}) <= 1.7976931348623157e308"
 
 
+def _compensated(acc: str, comp: str, value: str) -> str:
+    """C: ``acc += value`` in float with Kahan's compensation: ``comp`` carries the rounding error each addition
+    made, and the next subtracts it first (``acc - comp`` is the better sum at the end). 0 while the sum is not
+    finite, so an inf in the row still gives inf (inf - inf would make the compensation NaN). Needs
+    ``--fmad=false`` or the like: a contracted or reassociated form loses the error it tracks."""
+    return (f"{{ const float ky = (float)({value}) - {comp}; const float kt = {acc} + ky; "
+            f"{comp} = fabsf(kt) <= 3.402823466e38f ? (kt - {acc}) - ky : 0.0f; {acc} = kt; }}")
+
+
 def input_names(group: ir.Group, inputs: Sequence[torch.dtype], target: str) -> tuple[dict, dict, dict, dict, int]:
     """The group inputs' names in a row or column kernel's source: (per value id its name, its C type, its dtype
     (None for a float), per tensor input's value id its index among the tensor inputs, the number of float
@@ -281,8 +290,17 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         ident = red.identity.replace("$A", acc_t)
         accumulate = f"acc{pos} = {red.combine}::f(acc{pos}, ({acc_t})({x}));"
         after = []
+        # a thread adding many of a long row's elements in float (plan.COMPENSATED_PER_THREAD): Kahan's sum, its
+        # compensation kc folded in before the threads combine
+        kahan = cuda and shape.compensated and acc_t == "float" and red.combine == "fz_rsum"
+        if kahan:
+            accumulate = _compensated(f"acc{pos}", f"kc{pos}", x)
         if red.variance:  # a first pass for the row's mean; this pass sums the squared deviations from it
             accumulate = f"{{ const {acc_t} dv = ({acc_t})({x}) - mean{pos}; acc{pos} += dv * dv; }}"
+            if cuda and shape.compensated and acc_t == "float":
+                kahan = True
+                accumulate = (f"{{ const {acc_t} dv = ({acc_t})({x}) - mean{pos}; "
+                              f"{_compensated(f'acc{pos}', f'kc{pos}', 'dv * dv')} }}")
             # the mean in double (as the CPU's accumulators are): a float sum of huge equal values rounds, and the
             # deviations from a mean off by an ulp of 1e30 square past float's range, where eager's Welford gives 0
             mean_t = "double"
@@ -318,15 +336,19 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             # adds back that value times its count in double (centered_means: exact for a row of equal values); its
             # plain sum where that is not finite (an inf in the row: inf - inf would make the mean NaN)
             acc_decl += f" {acc_t} acs{pos} = 0; {acc_t} sh{pos} = 0; int cn{pos} = 0;"
+            shifted = (_compensated(f"acs{pos}", f"kc{pos}", f"xv - sh{pos}") if kahan else
+                       f"acs{pos} += xv - sh{pos};")
             accumulate = (f"{{ const {acc_t} xv = ({acc_t})({x}); if (cn{pos} == 0) sh{pos} = xv; "
-                          f"acc{pos} += xv; acs{pos} += xv - sh{pos}; ++cn{pos}; }}")
+                          f"acc{pos} += xv; {shifted} ++cn{pos}; }}")
             shared.add("double")
+            after += [f"acs{pos} -= kc{pos};"] if kahan else []
             after += [f"double accd{pos} = {_finite(f'(double)acs{pos}')} ? (double)acs{pos} + "
                       f"(double)cn{pos} * (double)sh{pos} : (double)acc{pos};",
                       f"accd{pos} = {reduce_fn.format(red.combine)}(accd{pos}, fz_sh_double{red_tail});"]
             result = f"accd{pos} / (double){ncols}"
         elif cuda:
             shared.add(acc_t)
+            after += [f"acc{pos} -= kc{pos};"] if kahan else []
             after.append(f"acc{pos} = {reduce_fn.format(red.combine)}(acc{pos}, fz_sh_{acc_t}{red_tail});")
         centered_cpu = not cuda and n.out.id in centered
         if centered_cpu:  # the row's differences from its first value (cref, read before the pass), summed in double
@@ -352,7 +374,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         body = element_lines([u], cpass) + [accumulate]
         cpass += 1
         if cuda:
-            phases.append(cuda_pass(acc_decl, [u], guarded(body), after))
+            phases.append(cuda_pass(acc_decl + (f" float kc{pos} = 0.0f;" if kahan else ""), [u], guarded(body),
+                                    after))
             continue
         vectorized = vector is not None and vector.on
         phases.append(t.PHASE.substitute(

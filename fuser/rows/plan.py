@@ -77,7 +77,9 @@ class CudaShape:
     each holds a segment of ``tpr * items`` consecutive columns (the last may be short, never empty), and the row's
     reductions combine the CTAs' results through distributed shared memory (:func:`cluster_shape`).
     ``uncapped``: the launch takes a block per ``block // tpr`` rows however many that is, rather than at most
-    ``launch.ROW_WAVES`` waves of resident blocks grid-striding over the rows (:data:`HELD_BYTES`)."""
+    ``launch.ROW_WAVES`` waves of resident blocks grid-striding over the rows (:data:`HELD_BYTES`).
+    ``compensated``: a thread adds more than :data:`COMPENSATED_PER_THREAD` of a row's elements, so its float sums
+    carry their rounding error along (Kahan) rather than lose it."""
 
     tpr: int
     items: int
@@ -86,6 +88,7 @@ class CudaShape:
     full: bool = False
     cluster: int = 1
     uncapped: bool = False
+    compensated: bool = False
 
     @property
     def block(self) -> int:
@@ -154,6 +157,15 @@ HELD_MAX_TPR = 256
 # (width 4, 64 values) 176 bytes, and 8 elements a thread none
 TRIP_VALUES = 48
 
+# a row read again whose threads each add more than this many of its elements sums them compensated
+# (CudaShape.compensated): a float sum's rounding error grows with the additions a thread makes in a row (the tree
+# across the block's threads adds ten levels at most), and a thread of a 1024-thread row adds cols / 1024. The CUDA
+# fuzzer (H200, 2026-11-28) found a float32 sum over one row of 3,006,704 equal values 3e-5 from eager and the
+# float64 truth (2,936 additions a thread); eager spreads such a row over many blocks. Rows of up to 262,144 elements
+# (256 a thread: at most 256 * 2**-24 = 1.5e-5 relative even for equal values, below the fuzzer's 2e-5 for float32)
+# keep the plain sum, and the benchmark's rows (65,536 at most) with it
+COMPENSATED_PER_THREAD = 256
+
 
 def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0, cap: int = REGISTER_ITEMS,
                max_tpr: int = MAX_TPR, trip_factor: int = 2) -> CudaShape:
@@ -199,7 +211,8 @@ def cuda_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int = 0
         trip_factor = 1
     items = trip_factor * base
     tpr = min(MAX_TPR, max(MIN_TPR, _pow2_at_least(-(-cols // items))))
-    return CudaShape(tpr, items, vec16, False, cols > 0 and cols % (tpr * items) == 0)
+    return CudaShape(tpr, items, vec16, False, cols > 0 and cols % (tpr * items) == 0,
+                     compensated=cols > COMPENSATED_PER_THREAD * tpr)
 
 
 MAX_CLUSTER = 8  # CTAs a cluster (the portable limit)
