@@ -1041,3 +1041,34 @@ def test_cuda_column_kernels_are_served_natively_without_autograd(dtype):
         empty = [torch.randn(0, 6, dtype=dtype, device="cuda"), torch.randn(0, 6, dtype=dtype, device="cuda")]
         for _ in range(4):
             torch.testing.assert_close(f(*empty), _sum0(*empty))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_phase_clock_counts_served_calls_only_while_on(device):
+    """native.phases: off by default (served calls add nothing); on, every served call adds one call and a
+    positive time to its phases (a training call's to record), a call handed to Python (a new signature) adds
+    nothing; reading resets the counts."""
+    ff = fuser.fuse(torch.jit.script(_gelu_bias))
+    x, b = torch.randn(64, 96, device=device), torch.randn(96, device=device)
+    _served(ff, x, b)
+    native.phases(False)
+    _served(ff, x, b, calls=3)
+    off = native.phases(True)
+    assert off["calls"] == 0 and not any(off[p] for p in native.PHASES)
+    try:
+        hits, _ = _served(ff, x, b, calls=5)
+        got = native.phases(True)
+        assert got["calls"] == hits == 5
+        assert all(got[p] > 0 for p in native.PHASES if p != "record") and got["record"] == 0
+        xt, bt = x.clone().requires_grad_(), b.clone().requires_grad_()
+        for _ in range(3):
+            ff(xt, bt).sum().backward()
+        native.phases(True)
+        before = _stats()["hits"]
+        ff(xt, bt).sum().backward()
+        got = native.phases(True)
+        assert 1 <= got["calls"] <= _stats()["hits"] - before and got["record"] > 0  # (its backward's hits too)
+        ff(x[:, :48], b[:48])  # a new signature: handed over, not served
+        assert native.phases(True)["calls"] == 0
+    finally:
+        native.phases(False)

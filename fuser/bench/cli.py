@@ -17,7 +17,7 @@ import torch
 import fuser
 
 from .cpu import CPU, CPU_DTYPES, cpu_name, cpu_systems
-from .report import _versions, draw_chart, first_call_table, format_table, fuser_first_calls
+from .report import _versions, draw_chart, first_call_table, format_table, fuser_first_calls, host_phases_table
 from .rows import SIZES, run_row
 from .systems import SYSTEMS
 from .timing import FULL, QUICK, measure_copy_rate
@@ -114,6 +114,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              f"{torch.get_num_threads()} threads\n" if device.type == "cpu" else
              "large rows: fraction of copy floor (us per call, device time); small rows: host us per call\n"))
     print(format_table(rows, args.systems))
+    phases = host_phases_table(rows, args.systems)
+    if phases:
+        print("\n" + phases)
     if first_calls:
         print("\nfuser_first_call_ms (first call of the fused function, compile included):")
         for key, v in first_calls.items():

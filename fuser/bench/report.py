@@ -47,6 +47,32 @@ def format_table(rows: list[dict], systems: Sequence[str]) -> str:
     return "\n".join(out)
 
 
+def host_phases_table(rows: list[dict], systems: Sequence[str]) -> str:
+    """Small rows: where a fused call's host time goes, per call of the workload's function (µs): the whole
+    (the row's median), the native hot path's phases (``fuser.native.PHASES``) and the rest ("outside": the
+    caller, TorchScript's interpreter or the FX graph, the dispatcher's way into the op, Python's fallback when
+    the call was not served natively); "served" counts the calls served natively per call. Empty when no
+    cell has phases."""
+    from fuser import native
+    header = ["workload", "dtype", "system", "host", "served", "outside", *native.PHASES]
+    lines = []
+    for r in rows:
+        for system in systems:
+            c = r["cells"].get(system, {})
+            ph = c.get("host_phases_us")
+            if ph is None or "us_per_call" not in c:
+                continue
+            lines.append([r["workload"], r["dtype"], system, f"{c['us_per_call']:.1f}",
+                          f"{c['native_calls_per_call']:.2f}", f"{c['us_per_call'] - sum(ph.values()):.1f}",
+                          *(f"{ph[p]:.2f}" for p in native.PHASES)])
+    if not lines:
+        return ""
+    widths = [max(len(x) for x in col) for col in zip(header, *lines)]
+    fmt = lambda cols: "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()  # noqa: E731
+    return "\n".join(["host time of a small call by phase (us per call; the native hot path's phases, the rest "
+                      "outside it):", fmt(header), fmt(["-" * w for w in widths]), *(fmt(l) for l in lines)])
+
+
 def fuser_first_calls(rows: list[dict]) -> dict:
     """Per 'workload/dtype': fuser's first-call wall time (ms) from the first row that ran it, the one where
     its kernels were compiled (a later size with the same arg spec reuses them)."""

@@ -3,6 +3,7 @@ first call checked against eager's output and then timed."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import statistics
 import time
@@ -11,6 +12,7 @@ from typing import Sequence
 import torch
 
 import fuser
+from fuser import native
 
 from .cpu import cpu_shape
 from .systems import SYSTEM_CONTEXTS
@@ -96,6 +98,8 @@ def run_cell(wl: Workload, system: str, size: str, sets: list, ref, device: torc
                     samples = cell["device_us_samples"] = device_time_per_call_us(fn, sets, device, cfg)
                 else:
                     samples = cell["host_us_samples"] = host_time_per_call_us(fn, sets, device, cfg)
+                    if system in ("fuser", "compile_fuser"):
+                        cell.update(_host_phases(fn, sets, device, cfg))
             cell["us_per_call"] = statistics.median(samples)
             if system in ("fuser", "compile_fuser"):
                 cell["fuser_kernels_compiled_total"] = fuser.n_compiled_kernels() - kernels_before
@@ -105,6 +109,21 @@ def run_cell(wl: Workload, system: str, size: str, sets: list, ref, device: torc
             _sync(device)
         _free(device)
     return cell
+
+
+def _host_phases(fn, sets: list, device: torch.device, cfg: Config) -> dict:
+    """One more repeat of host timing with the native hot path's phase clock on (``fuser.native.phases``): the
+    calls it served per call of ``fn`` (a call may run several groups; 0: every call went through Python) and
+    each phase's µs per call of ``fn``. The clock's own reads (about 20-50 ns a phase) are in its figures."""
+    if native.phases(True) is None:
+        return {}
+    try:
+        host_time_per_call_us(fn, sets, device, dataclasses.replace(cfg, host_repeats=1))
+    finally:
+        got = native.phases(False)
+    n = cfg.host_calls
+    return {"native_calls_per_call": got["calls"] / n,
+            "host_phases_us": {p: got[p] / n / 1e3 for p in native.PHASES}}
 
 
 def run_row(wl: Workload, dtype: torch.dtype, size: str, systems: Sequence[str], device: torch.device,

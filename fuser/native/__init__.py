@@ -153,4 +153,21 @@ def stats() -> Optional[dict]:
             "cuda_column_kernels": column_kernels}
 
 
+# the phases of a served call's host time (hotpath.cpp's Phase): the dispatch keys and autograd checked, the prepared
+# launch found (the signature: sizes, strides, dtypes), the scalars' limits and the current device, the outputs
+# allocated, the arguments packed (a random kernel's state drawn), the launch (on the CPU: the kernel itself), and
+# autograd's record of a training call
+PHASES = ("classify", "lookup", "checks", "alloc", "pack", "launch", "record")
+
+
+def phases(on: bool) -> Optional[dict]:
+    """The host time (ns, summed) of each of :data:`PHASES` over the calls served since the last call, under
+    ``"calls"`` how many; timing on from now on if ``on`` (off by default: it reads the clock per phase). None when
+    the library is not loaded."""
+    if "built" not in _state:
+        return None
+    calls, *ns = torch.ops.fuser._native_phases(on)
+    return {"calls": calls, **dict(zip(PHASES, ns))}
+
+
 settings.on_change.append(clear)

@@ -26,6 +26,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -161,6 +162,47 @@ std::shared_mutex table_mutex;
 std::unordered_map<int64_t, Group> table;
 std::atomic<int64_t> n_hits{0}, n_misses{0}, n_handed{0}, n_fused{0}, n_columns{0}, n_split{0};
 std::atomic<int64_t> n_cuda_row_sums{0}, n_cuda_column_kernels{0};  // CUDA launches of those forms
+
+// The host time of a served call by phase (fuser.native.PHASES; the benchmark's breakdown): off unless
+// _native_phases turned it on, when each served call adds its phases' steady-clock times (one branch a phase
+// otherwise). A call handed to Python adds nothing.
+enum Phase { kClassify, kLookup, kChecks, kAlloc, kPack, kLaunch, kRecord, kPhases };
+std::atomic<bool> timing{false};
+std::array<std::atomic<int64_t>, kPhases> phase_ns{};
+std::atomic<int64_t> n_timed{0};
+
+struct PhaseTimer {
+  bool on = false;
+  std::chrono::steady_clock::time_point last;
+  std::array<int64_t, kPhases> ns{};
+  void start() {
+    on = timing.load(std::memory_order_relaxed);
+    if (!on) return;
+    ns.fill(0);
+    last = std::chrono::steady_clock::now();
+  }
+  void mark(Phase p) {  // the time since the last mark is phase p's
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    ns[p] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count();
+    last = now;
+  }
+  void served() {
+    if (!on) return;
+    for (int p = 0; p < kPhases; ++p) phase_ns[p].fetch_add(ns[p], std::memory_order_relaxed);
+    n_timed.fetch_add(1, std::memory_order_relaxed);
+    on = false;
+  }
+};
+thread_local PhaseTimer timer;
+
+// [calls timed, ns of each phase] since the last call, the counts reset; timing on from now on or not
+std::vector<int64_t> phases(bool on) {
+  timing.store(on);
+  std::vector<int64_t> out{n_timed.exchange(0)};
+  for (auto& p : phase_ns) out.push_back(p.exchange(0));
+  return out;
+}
 
 CuLaunch cu_launch = nullptr;
 CuCtxGetCurrent cu_ctx_get_current = nullptr;
@@ -329,6 +371,7 @@ bool launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sc
   const auto grid = static_cast<unsigned>(vec ? l.grid_vec : l.grid_scalar);
   void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(l.device).native_handle();
   void* params[1] = {base};
+  timer.mark(kPack);
   int err = cu_launch(l.fn, grid, 1, 1, static_cast<unsigned>(l.block), 1, 1, 0, stream, params, nullptr);
   TORCH_CHECK(err == 0, "fuser: cuLaunchKernel failed with CUresult ", err);
   for (const Then& t : l.then) {  // (cuLaunchKernel copied the arguments: they may change for the next)
@@ -337,6 +380,7 @@ bool launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sc
                     params, nullptr);
     TORCH_CHECK(err == 0, "fuser: cuLaunchKernel (a second kernel) failed with CUresult ", err);
   }
+  timer.mark(kLaunch);
   if (l.form == kRowSums) n_cuda_row_sums.fetch_add(1, std::memory_order_relaxed);
   if (l.form == kColumns) n_cuda_column_kernels.fetch_add(1, std::memory_order_relaxed);
   return true;
@@ -357,8 +401,10 @@ void launch_cpu(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sca
   for (size_t j = 0; j < outs.size(); ++j)
     for (int64_t q = 0; q < l.outs[j].pieces; ++q) p[k++] = static_cast<char*>(outs[j].data_ptr()) + q * l.outs[j].step;
   const double none = 0.0;
+  timer.mark(kPack);
   reinterpret_cast<CpuKernel>(l.fn)(l.numel, l.rank, l.sizes.data(), l.strides.data(), p,
                                     scalars.empty() ? &none : scalars.data());
+  timer.mark(kLaunch);
 }
 
 bool grads_match(const Launch& l, at::TensorList inputs) {
@@ -406,8 +452,10 @@ std::optional<torch::autograd::Edge> chunk_source(const Backward::Chunks& c, at:
 
 std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double> scalars, int64_t key,
                                      c10::string_view digest, c10::string_view ir) {
+  timer.start();
   const Call call = classify(inputs);
   if (call == kNotPlain) return hand_over(inputs, scalars, key, digest, ir, false);
+  timer.mark(kClassify);
   const bool grad = call == kGrad;
   std::shared_ptr<const Launch> found;
   {
@@ -425,6 +473,7 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
     }
   }
   if (!found) return hand_over(inputs, scalars, key, digest, ir, true);
+  timer.mark(kLookup);
   const Launch& l = *found;
   if (l.kind == kPython) return hand_over(inputs, scalars, key, digest, ir, false);
   std::vector<torch::autograd::Edge> sources;  // per chunked tensor, its edge
@@ -447,6 +496,7 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
     if (guard->getDevice() != l.device || cu_ctx_get_current(&ctx) != 0 || ctx != l.ctx)
       return hand_over(inputs, scalars, key, digest, ir, false);
   }
+  timer.mark(kChecks);
   std::vector<at::Tensor> outs;
   outs.reserve(l.outs.size());
   if (l.kind == kCpu) {  // (the CPU factory itself: the dispatcher's round trip costs about as much as a small kernel)
@@ -455,6 +505,7 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
     const auto options = at::TensorOptions().device(l.device);
     for (const Out& o : l.outs) outs.push_back(at::empty_strided(o.sizes, o.strides, options.dtype(o.dtype)));
   }
+  timer.mark(kAlloc);
   if (l.numel != 0) {
     if (l.kind == kCuda) {
       if (!launch_cuda(l, inputs, scalars, outs)) return hand_over(inputs, scalars, key, digest, ir, false);
@@ -464,7 +515,13 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
       launch_cpu(l, inputs, scalars, outs);
   }
   n_hits.fetch_add(1, std::memory_order_relaxed);
-  if (grad) return record_call(std::move(found), inputs, scalars, std::move(outs), sources);
+  if (grad) {
+    auto recorded = record_call(std::move(found), inputs, scalars, std::move(outs), sources);
+    timer.mark(kRecord);
+    timer.served();
+    return recorded;
+  }
+  timer.served();
   return outs;
 }
 
@@ -1094,6 +1151,7 @@ TORCH_LIBRARY_FRAGMENT(fuser, m) {
         "str bw_digest, str[] step_digests, int[] py_meta) -> ()", &put_train);
   m.def("_native_clear() -> ()", &clear);
   m.def("_native_stats() -> int[]", &stats);
+  m.def("_native_phases(bool on) -> int[]", &phases);
   m.def("_native_scalar_type(ScalarType dtype) -> int",
         [](c10::ScalarType dtype) -> int64_t { return static_cast<int64_t>(dtype); });
 }
