@@ -146,13 +146,14 @@ def rewrite(gm: torch.fx.GraphModule, regions: list[Region]) -> tuple[torch.fx.G
             k = it[1]
             r = regions[k]
             call = graph.call_function(group_call(specs[k]), tuple(env[a] for a in r.inputs))
-            if single_output(specs[k]):
+            if single_output(specs[k]):  # the call is its output
                 call.meta = dict(r.outputs[0].meta)
                 env[r.outputs[0]] = call
-            for j, o in enumerate(r.outputs if not single_output(specs[k]) else ()):
-                got = graph.call_function(operator.getitem, (call, j))
-                got.meta = dict(o.meta)
-                env[o] = got
+            else:
+                for j, o in enumerate(r.outputs):
+                    got = graph.call_function(operator.getitem, (call, j))
+                    got.meta = dict(o.meta)
+                    env[o] = got
         for u in users.get(it, ()):
             waiting[u] -= 1
             if waiting[u] == 0:

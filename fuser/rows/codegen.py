@@ -290,17 +290,14 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         ident = red.identity.replace("$A", acc_t)
         accumulate = f"acc{pos} = {red.combine}::f(acc{pos}, ({acc_t})({x}));"
         after = []
-        # a thread adding many of a long row's elements in float (plan.COMPENSATED_PER_THREAD): Kahan's sum, its
-        # compensation kc folded in before the threads combine
+        # a thread adding many of a long row's elements in float (plan.COMPENSATED_PER_THREAD): Kahan's sum (sum,
+        # mean, var's squared deviations), its compensation kc folded in before the threads combine
         kahan = cuda and shape.compensated and acc_t == "float" and red.combine == "fz_rsum"
         if kahan:
             accumulate = _compensated(f"acc{pos}", f"kc{pos}", x)
         if red.variance:  # a first pass for the row's mean; this pass sums the squared deviations from it
-            accumulate = f"{{ const {acc_t} dv = ({acc_t})({x}) - mean{pos}; acc{pos} += dv * dv; }}"
-            if cuda and shape.compensated and acc_t == "float":
-                kahan = True
-                accumulate = (f"{{ const {acc_t} dv = ({acc_t})({x}) - mean{pos}; "
-                              f"{_compensated(f'acc{pos}', f'kc{pos}', 'dv * dv')} }}")
+            add = _compensated(f"acc{pos}", f"kc{pos}", "dv * dv") if kahan else f"acc{pos} += dv * dv;"
+            accumulate = f"{{ const {acc_t} dv = ({acc_t})({x}) - mean{pos}; {add} }}"
             # the mean in double (as the CPU's accumulators are): a float sum of huge equal values rounds, and the
             # deviations from a mean off by an ulp of 1e30 square past float's range, where eager's Welford gives 0
             mean_t = "double"
