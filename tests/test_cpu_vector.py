@@ -61,15 +61,61 @@ def test_vector_ready_reads_the_calls():
     assert not codegen.vector_ready("fz_uniform_f(fz_rs, $r, @IDX@, $bits)")  # not overloaded for vectors
 
 
-def test_float_group_source_has_wide_single_and_scalar_loops():
+MUL_ADD = """graph(%x : Tensor, %y : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %a : Tensor = aten::mul(%x, %y)
+  %b : Tensor = aten::add(%a, %y, %one)
+  return (%b)
+"""
+
+
+def test_float_group_source_has_wide_single_and_tail_loops():
     f32 = TensorDesc(torch.float32, DENSE)
     src = _source(MUL_TANH, [f32, f32])
     assert src.count(cpu_t.VECTOR_INCLUDE) == 1
     assert f"{codegen.CPU_VECTORS_PER_TRIP} * W" in src  # trips of several vectors
     assert "for (; i0 + W <= numel; i0 += W)" in src  # single vectors
-    assert "tanhf(v0_3)" in src and "tanhf(v0)" in src  # the 4th copy, and the scalar tail
+    # a transcendental body's tail is one partial vector (at::vec's tanh, not libm's per element)
+    assert "tanhf(v0_3)" in src and "tanhf(v0_0)" in src and "tanhf(v0)" not in src
+    assert "fz_vgather_n(t0 + i, 1, n)" in src and "fz_vscatter_n(o0 + i, 1, v1_0, n);" in src
+    cheap = _source(MUL_ADD, [f32, f32])  # a cheap body keeps the scalar tail
+    assert "for (int64_t i = i0; i < numel; ++i)" in cheap and "_n(" not in cheap
     rows = _source(MUL_TANH, [TensorDesc(torch.bfloat16, STRIDED), TensorDesc(torch.bfloat16, ROWS)])
     assert "fz_vgather(t0 + off0" in rows and "fz_vload(t1 + off1" in rows
+    assert "fz_vgather_n(t0 + off0, st0[rank - 1], n)" in rows and "fz_vgather_n(t1 + off1, 1, n)" in rows
+
+
+@needs_vectors
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16, torch.float64), ids=str)
+@pytest.mark.parametrize("cols", (1, 3, 5, 8, 13))
+def test_rows_shorter_than_a_vector_run_as_partial_vectors(dtype, cols):
+    """Rows of fewer elements than a vector (a transposed [cols x 40] tensor, a broadcast along the short dim, a
+    bool condition gathered across it, a float and a bool output) run their transcendental bodies as one partial
+    vector a row: eager's elements within tolerance, masks loaded and stored lane by lane."""
+    g = torch.parse_ir("""graph(%x : Tensor, %b : Tensor, %c : Tensor, %y : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %a : Tensor = aten::add(%x, %b, %one)
+  %e : Tensor = aten::tanh(%a)
+  %w : Tensor = aten::where(%c, %e, %y)
+  %m : Tensor = aten::gt(%e, %y)
+  return (%w, %m)
+""")
+    gen = torch.Generator().manual_seed(cols)
+    x = random_tensor((40, cols), dtype, gen=gen).t()  # (cols, 40), strides (1, cols): rows of `cols` elements
+    b = random_tensor((1, 40), dtype, gen=gen)  # broadcast along the short dim
+    c = random_tensor((cols, 40), torch.bool, gen=gen)  # row-major where x is transposed: gathered
+    y = random_tensor((40, cols), dtype, gen=gen).t()
+    w, m = fuser.debug_launch_graph(g, [x, b, c, y])
+    e = torch.tanh(x + b)
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12}.get(dtype, 1e-2)
+    ref = torch.where(c, e, y)
+    torch.testing.assert_close(w, ref, rtol=tol, atol=tol, equal_nan=True)
+    assert w.stride() == ref.stride()
+    near = (e - y).abs() <= tol * (1 + y.abs())  # comparisons of values a rounding apart may differ
+    assert torch.equal(m[~near], (e > y)[~near])
+    src = _source(g.str(), [TensorDesc(dtype, STRIDED), TensorDesc(dtype, ROWS), TensorDesc(torch.bool, STRIDED),
+                            TensorDesc(dtype, STRIDED)])
+    assert "fz_vload_mask_n<fz_v>(t2 + off" in src and "fz_vstore_mask_n(" in src and "fz_vscatter_n(" in src
 
 
 @pytest.mark.parametrize("descs", [

@@ -116,6 +116,13 @@ class CpuGen(_Gen):
         offsets = [f"const int64_t {name} = base{j} + j * st{j}[rank - 1];" for j, name in enumerate(self.offset_names)]
         if self.vector is not None:
             vtype, wide, vbody = self.vector.vtype, self.vector_body(CPU_VECTORS_PER_TRIP), self.vector_body(1)
+            partial = any(cpu_t.EXPENSIVE_CALL.search(ln) for ln in self.body)
+            flat_tail = (cpu_t.FLAT_TAIL_PARTIAL.substitute(nbody=self.block(self.vector_body(1, True), "    "))
+                         if partial else cpu_t.FLAT_TAIL.substitute(body=self.block(body, "    ")))
+            tail = (cpu_t.ROW_TAIL_PARTIAL.substitute(offsets=self.block(offsets, "      "),
+                                                      nbody=self.block(self.vector_body(1, True), "      "))
+                    if partial else cpu_t.ROW_TAIL.substitute(offsets=self.block(offsets, "      "),
+                                                              body=self.block(body, "      ")))
             hoisted += [f"const fz_v xs{k} = fz_vload_mask<fz_v>(t{k}, 0);" if d.dtype == torch.bool else
                         f"const fz_v xs{k} = fz_v(x{k});" for k, d in enumerate(self.inputs) if d.layout == SCALAR]
             gathered = any(d.layout == STRIDED for d in self.inputs) or STRIDED in self.out_layouts
@@ -123,16 +130,15 @@ class CpuGen(_Gen):
                 loop = cpu_t.VECTOR_LOOP_TILES.substitute(
                     rows, chunk=CPU_TILE_CHUNK, tile_rows=CPU_TILE_ROWS, copies=CPU_VECTORS_PER_TRIP,
                     offsets=self.block(offsets, "      "), wide=self.block(wide, "      "),
-                    vbody=self.block(vbody, "      "), body=self.block(body, "      "))
+                    vbody=self.block(vbody, "      "), tail=tail)
             elif self.offset_names:
                 loop = cpu_t.VECTOR_LOOP_ROWS.substitute(
                     rows, chunk=CPU_ROW_CHUNK, copies=CPU_VECTORS_PER_TRIP, offsets=self.block(offsets, "      "),
-                    wide=self.block(wide, "      "), vbody=self.block(vbody, "      "),
-                    body=self.block(body, "      "))
+                    wide=self.block(wide, "      "), vbody=self.block(vbody, "      "), tail=tail)
             else:
                 loop = cpu_t.VECTOR_LOOP_FLAT.substitute(
                     parallel_threshold=threshold, copies=CPU_VECTORS_PER_TRIP,
-                    wide=self.block(wide, "    "), vbody=self.block(vbody, "    "), body=self.block(body, "    "))
+                    wide=self.block(wide, "    "), vbody=self.block(vbody, "    "), tail=flat_tail)
             return cpu_t.VECTOR_KERNEL.substitute(
                 name=self.name, include=cpu_t.VECTOR_INCLUDE, rng=cpu_t.RNG if self.random else "", vtype=vtype,
                 params=self.block(params, "  "), hoisted=self.block(hoisted, "  "), loop=loop)
@@ -146,8 +152,9 @@ class CpuGen(_Gen):
             name=self.name, prelude=cpu_t.PRELUDE + (cpu_t.RNG if self.random else ""), params=self.block(params, "  "),
             hoisted=self.block(hoisted, "  "), loop=loop)
 
-    def vector_body(self, copies: int) -> list[str]:
-        """``copies`` vectors of elements side by side: loads (converted to the compute type), the ops, stores."""
+    def vector_body(self, copies: int, partial: bool = False) -> list[str]:
+        """``copies`` vectors of elements side by side: loads (converted to the compute type), the ops, stores;
+        ``partial``: one vector of the first ``n`` elements only (a tail), its other lanes 0 and not stored."""
         stride = {name: f"st{j}[rank - 1]" for j, name in enumerate(self.offset_names)}
         lines = []
         for k, d in enumerate(self.inputs):
@@ -156,10 +163,14 @@ class CpuGen(_Gen):
                 st = stride.get(f"off{k}")
                 at = {DENSE: f"t{k} + i{step}", ROWS: f"t{k} + off{k}{step}", REPEAT: f"t{k} + off{k}",
                       STRIDED: f"t{k} + off{k}{step and f'{step} * {st}'}", SCALAR: f"t{k}"}[d.layout]
+                step_k = {DENSE: 1, ROWS: 1, REPEAT: 0}.get(d.layout, st)
                 if d.layout == SCALAR:
                     load = f"xs{k}"
                 elif d.dtype == torch.bool:  # a mask
-                    load = f"fz_vload_mask<fz_v>({at}, { {DENSE: 1, ROWS: 1, REPEAT: 0}.get(d.layout, st)})"
+                    load = (f"fz_vload_mask_n<fz_v>({at}, {step_k}, n)" if partial else
+                            f"fz_vload_mask<fz_v>({at}, {step_k})")
+                elif partial and d.layout != REPEAT:
+                    load = f"fz_vgather_n({at}, {step_k}, n)"
                 else:
                     load = {DENSE: f"fz_vload({at})", ROWS: f"fz_vload({at})", REPEAT: f"fz_v(fz_ld(t{k}[off{k}]))",
                             STRIDED: f"fz_vgather({at}, {st})"}[d.layout]
@@ -171,7 +182,10 @@ class CpuGen(_Gen):
                 at = {DENSE: f"o{m} + i{step}", ROWS: f"o{m} + ooff{m}{step}",
                       STRIDED: f"o{m} + ooff{m}{step and f'{step} * {st}'}"}[lay]
                 if self.out_dtypes[m] == torch.bool:  # a mask
-                    lines.append(f"fz_vstore_mask({at}, {1 if lay != STRIDED else st}, {o});")
+                    lines.append(f"fz_vstore_mask_n({at}, {1 if lay != STRIDED else st}, {o}, n);" if partial else
+                                 f"fz_vstore_mask({at}, {1 if lay != STRIDED else st}, {o});")
+                elif partial:
+                    lines.append(f"fz_vscatter_n({at}, {1 if lay != STRIDED else st}, {o}, n);")
                 else:
                     lines.append(f"fz_vstore({at}, {o});" if lay != STRIDED else f"fz_vscatter({at}, {st}, {o});")
         return lines

@@ -324,6 +324,17 @@ template <class S, class V> FZ_VFN void fz_vscatter(S* p, int64_t stride, const 
   fz_vstore(tmp, v);
   for (int k = 0; k < V::size(); ++k) p[k * stride] = tmp[k];
 }
+// the first n (< a vector) of them: a row's tail as one partial vector, its other lanes 0 and never stored
+template <class S> FZ_VFN auto fz_vgather_n(const S* p, int64_t stride, int64_t n) -> decltype(fz_vload(p)) {
+  S tmp[decltype(fz_vload(p))::size()] = {};
+  for (int64_t k = 0; k < n; ++k) tmp[k] = p[k * stride];
+  return fz_vload(tmp);
+}
+template <class S, class V> FZ_VFN void fz_vscatter_n(S* p, int64_t stride, const V& v, int64_t n) {
+  S tmp[V::size()];
+  fz_vstore(tmp, v);
+  for (int64_t k = 0; k < n; ++k) p[k * stride] = tmp[k];
+}
 
 // bools on the vector path are masks: lanes of all-one bits (what comparisons give) or zero
 template <class V> FZ_VFN V fz_vmask_value(const V& m) { return m & V(1); }  // a bool as 1 or 0
@@ -336,6 +347,16 @@ template <class V> FZ_VFN void fz_vstore_mask(bool* p, int64_t stride, const V& 
   typename V::value_type tmp[V::size()];
   fz_vmask_value(m).store(tmp);
   for (int k = 0; k < V::size(); ++k) p[k * stride] = tmp[k] != 0;
+}
+template <class V> FZ_VFN V fz_vload_mask_n(const bool* p, int64_t stride, int64_t n) {
+  typename V::value_type tmp[V::size()] = {};
+  for (int64_t k = 0; k < n; ++k) tmp[k] = p[k * stride] ? 1 : 0;
+  return V::loadu(tmp) != V(0);
+}
+template <class V> FZ_VFN void fz_vstore_mask_n(bool* p, int64_t stride, const V& m, int64_t n) {
+  typename V::value_type tmp[V::size()];
+  fz_vmask_value(m).store(tmp);
+  for (int64_t k = 0; k < n; ++k) p[k * stride] = tmp[k] != 0;
 }
 
 // rand_like on vectors: the scalar fz_philox_at's numbers (fuser/rng.py) for a vector of elements at once
@@ -406,7 +427,7 @@ FZ_VFN fz_vd fz_vuniform(const fz_vd&, const unsigned int* st, unsigned int r, u
 #endif
 """
 
-VECTOR_KERNEL = Template(r"""// fuser CPU kernel ${name} (vector loops over at::vec, a scalar loop for the tails)
+VECTOR_KERNEL = Template(r"""// fuser CPU kernel ${name} (vector loops over at::vec and their tails)
 ${include}
 ${rng}
 extern "C" void ${name}(int64_t numel, int64_t rank, const int64_t* sizes, const int64_t* strides,
@@ -422,7 +443,7 @@ ${loop}
 """)
 
 # every input dense or a broadcast scalar: trips of ${copies} vectors split across threads, then single vectors
-# and the scalar tail
+# and the tail
 VECTOR_LOOP_FLAT = Template(r"""  const int64_t trip = ${copies} * W, trips = numel / trip;
   fz_for(numel >= ${parallel_threshold}, trips, [&](int64_t t) FZ_BODY {
     const int64_t i = t * trip;
@@ -433,11 +454,9 @@ ${wide}
     const int64_t i = i0;
 ${vbody}
   }
-  for (int64_t i = i0; i < numel; ++i) {
-${body}
-  }""")
+${tail}""")
 
-# one task's elements j0..j1 of a row: trips of ${copies} vectors, single vectors, a scalar tail
+# one task's elements j0..j1 of a row: trips of ${copies} vectors, single vectors, the tail
 ROW_TRIPS = r"""    int64_t j = j0;
     for (; j + ${copies} * W <= j1; j += ${copies} * W) {
       const int64_t i = row * inner + j;
@@ -449,12 +468,28 @@ ${wide}
 ${offsets}
 ${vbody}
     }
-    for (; j < j1; ++j) {
+${tail}
+"""
+
+# the last elements (fewer than a vector): a scalar loop over the op table's scalar expressions, or, where the body
+# calls a transcendental function (its scalar form a libm call per element), one partial vector
+FLAT_TAIL = Template(r"""  for (int64_t i = i0; i < numel; ++i) {
+${body}
+  }""")
+FLAT_TAIL_PARTIAL = Template(r"""  if (i0 < numel) {
+    const int64_t i = i0, n = numel - i0;
+${nbody}
+  }""")
+ROW_TAIL = Template(r"""    for (; j < j1; ++j) {
       const int64_t i = row * inner + j;
 ${offsets}
 ${body}
-    }
-"""
+    }""")
+ROW_TAIL_PARTIAL = Template(r"""    if (j < j1) {
+      const int64_t i = row * inner + j, n = j1 - j;
+${offsets}
+${nbody}
+    }""")
 
 # an operand gathered or scattered along the inner dim (a transposed one): tasks of ${tile_rows} rows by up to
 # ${chunk} elements, row after row, so that the cache lines a gathered operand brings in for one row serve the
@@ -470,7 +505,7 @@ VECTOR_LOOP_TILES = Template(r"""  const int64_t inner = sizes[rank - 1], rows =
   });""")
 
 # strided operands: tasks of up to ${chunk} elements of one row (rows can be few and long), each trips of
-# ${copies} vectors, then single vectors and a scalar tail; one divmod walk over the outer dims per task
+# ${copies} vectors, then single vectors and the tail; one divmod walk over the outer dims per task
 VECTOR_LOOP_ROWS = Template(r"""  const int64_t inner = sizes[rank - 1], rows = numel / inner;
   const int64_t chunks = (inner + ${chunk} - 1) / ${chunk};
   fz_for(numel >= ${parallel_threshold}, rows * chunks, [&](int64_t task) FZ_BODY {
