@@ -532,7 +532,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     return t.CPU_KERNEL.substitute(
         name=name, head=t.CPU_HEAD.substitute(
             prelude=cpu_t.VECTOR_INCLUDE if vectorized else cpu_t.PRELUDE,
-            row_prelude=t.ROW_PRELUDE.substitute(fn="inline", row_reduce=""), name=name, count="rows"),
+            row_prelude=t.ROW_PRELUDE.substitute(fn="inline", row_reduce=t.CPU_LANE_REDUCE if vectorized else ""),
+            name=name, count="rows"),
         vector_types=t.CPU_VECTOR_TYPES.substitute(vtype=vector.vtype) if vectorized else "",
         params="\n".join(params), parallel=parallel, end=end, offsets=offsets, phases="\n".join(phases),
         parts=parts, loop=loop, loop_end=loop_end, parts_sum=parts_sum)
@@ -608,17 +609,22 @@ class _Vector:
                          + " }\n")
             accumulate += [f"          vsa{pos}_{c} = vsa{pos}_{c} + ({value}_{c} - vs{pos}_{c});" for c in range(COPIES)]
             shift_add = (f"      {{ const double fz_trips = (double)(c0_{pos} / ({COPIES} * W));\n"
-                         f"        {self.ctype} fz_hs[64], fz_ha[64];\n" + "".join(
-                             f"        vs{pos}_{c}.store(fz_hs); vsa{pos}_{c}.store(fz_ha);\n"
-                             f"        for (int64_t l = 0; l < W; ++l) accs{pos} += (double)fz_ha[l] + fz_trips * "
-                             f"((double)fz_hs[l] - cref{pos});\n" for c in range(COPIES)) + "      }\n")
+                         f"        const fz_vd fz_cr = fz_vd(cref{pos});\n"
+                         f"        fz_vd fz_sa = fz_vd(0), fz_ss = fz_vd(0);\n" + "".join(
+                             f"        fz_sa = fz_sa + fz_wsum(vsa{pos}_{c}); fz_ss = fz_ss + fz_wdiff(vs{pos}_{c}, fz_cr);\n"
+                             for c in range(COPIES)) +
+                         f"        accs{pos} += fz_lane_tree<fz_rsum, double>(fz_sa) + "
+                         f"fz_trips * fz_lane_tree<fz_rsum, double>(fz_ss);\n"
+                         "      }\n")
         self.parts.append(t.CPU_VECTOR_PASS.substitute(
             pos=pos, ident=red.identity.replace("$A", acc_t), decls="\n".join(decls), shift_set=shift_set,
             shift_add=shift_add, copies=COPIES, lines="\n".join("          " + ln for ln in lines),
             accumulate="\n".join(accumulate),
             combine="\n".join(f"      vacc{pos}_0 = {red.combine}::f(vacc{pos}_0, vacc{pos}_{c});"
                                for c in range(1, COPIES)),
-            ctype=self.ctype, acc_t=acc_t, combine_fn=red.combine))
+            ctype=self.ctype, acc_t=acc_t, combine_fn=red.combine,
+            lanes=(f"fz_lane_tree<fz_rsum, double>(fz_wsum(vacc{pos}_0))" if (red.combine, acc_t) == ("fz_rsum", "double")
+                   else f"fz_lane_tree<{red.combine}, {acc_t}>(vacc{pos}_0)")))
 
     def stores(self, outs, held: frozenset, keep: frozenset, wanted, sums: tuple = ()) -> None:
         got = self._lines(wanted, held, keep) if self.on else None

@@ -20,6 +20,37 @@ struct fz_rmax { template <class A> static ${fn} A f(A a, A b) { return fz_max(a
 struct fz_rmin { template <class A> static ${fn} A f(A a, A b) { return fz_min(a, b); } };
 ${row_reduce}""")
 
+# CPU: a vector's lanes combined in double (or the accumulator's type) as a tree, halves pairwise (a fixed order;
+# the lanes' chains are independent, where one running sum over them waits on each add); sums widened to double
+# vectors in registers first (a shifted pass's lane sums, see CPU_VECTOR_PASS, gathered over the copies so)
+CPU_LANE_REDUCE = r"""template <class Op, class A, class V> static inline A fz_lane_tree(const V& v) {
+  typename V::value_type h[V::size()];
+  v.store(h);
+  A a[V::size()];
+  for (int l = 0; l < V::size(); ++l) a[l] = (A)h[l];
+  for (int w = V::size() / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) a[l] = Op::f(a[l], a[l + w]);
+  return a[0];
+}
+// a vector's lanes in double, in registers: a float vector's halves widened, their sum (fz_wsum) or the sum of their
+// differences from c (fz_wdiff); a double vector as it is
+static inline void fz_widen(const fz_vf& v, fz_vd& lo, fz_vd& hi) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 m = v;
+  lo = _mm512_cvtps_pd(_mm512_castps512_ps256(m));
+  hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1)));
+#else
+  const __m256 m = v;
+  lo = _mm256_cvtps_pd(_mm256_castps256_ps128(m));
+  hi = _mm256_cvtps_pd(_mm256_extractf128_ps(m, 1));
+#endif
+}
+static inline fz_vd fz_wsum(const fz_vd& v) { return v; }
+static inline fz_vd fz_wsum(const fz_vf& v) { fz_vd lo, hi; fz_widen(v, lo, hi); return lo + hi; }
+static inline fz_vd fz_wdiff(const fz_vd& v, const fz_vd& c) { return v - c; }
+static inline fz_vd fz_wdiff(const fz_vf& v, const fz_vd& c) { fz_vd lo, hi; fz_widen(v, lo, hi); return (lo - c) + (hi - c); }
+"""
+
 # CUDA: the TPR threads of a row (a power of two; TPR consecutive threads of the block) combine their partial
 # results: a butterfly of warp shuffles (a fixed order: deterministic), then, for rows wider than a warp, each
 # warp's result through shared memory, combined by every thread in warp order. Every thread of the block calls
@@ -316,9 +347,7 @@ ${lines}
 ${shift_set}${accumulate}
       }
 ${combine}
-      ${ctype} fz_h[64];
-      vacc${pos}_0.store(fz_h);
-      for (int64_t l = 0; l < W; ++l) acc${pos} = ${combine_fn}::f(acc${pos}, (${acc_t})fz_h[l]);
+      acc${pos} = ${combine_fn}::f(acc${pos}, ${lanes});
 ${shift_add}    }""")
 
 # the pass that stores the element-level outputs: trips of ${copies} vectors, then the scalar loop from c0_out on
