@@ -139,12 +139,13 @@ def test_bfloat16_sums_are_as_close_to_float64_as_eagers(case, watch):
                                    shape)
 
 
-def test_the_sums_do_not_depend_on_the_threads():
-    """The rows are split into parts by their count, not by the threads: one thread and two give the same bits,
-    and so do two runs."""
+@pytest.mark.parametrize("shape", ((1000, 256), (12, 20000)))  # parts of 16 rows; of 4 (long rows)
+def test_the_sums_do_not_depend_on_the_threads(shape):
+    """The rows are split into parts by their count and length, not by the threads: one thread and two give the
+    same bits, and so do two runs."""
     case = CASES[0]
-    args = _inputs(case, (1000, 256), torch.float32)
-    gy = torch.randn(1000, 256)
+    args = _inputs(case, shape, torch.float32)
+    gy = torch.randn(shape)
     threads = torch.get_num_threads()
     try:
         got = []
