@@ -330,3 +330,21 @@ def test_the_vector_header_compiles_for_avx512(tmp_path):
                         "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-I", str(cpu_compiler._torch_include()),
                         str(header)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("isa", ("AVX2", "AVX512"))
+def test_the_row_kernels_lane_combines_compile_for_both_isas(isa, tmp_path):
+    """The CPU row kernels' lane trees and double widening (fuser/rows/templates.py CPU_LANE_REDUCE) have one branch
+    per instruction set; whichever this machine runs, both compile (g++ needs no such CPU)."""
+    from fuser.rows import templates as row_t
+    if cpu_compiler.vector_capability() is None:
+        pytest.skip("no at::vec headers or not x86-64")
+    src = tmp_path / "lanes.cpp"
+    src.write_text(cpu_t.VECTOR_HEADER + row_t.ROW_PRELUDE.substitute(fn="inline", row_reduce=row_t.CPU_LANE_REDUCE) +
+                   "double f(const fz_vf& a, const fz_vd& b) {\n  const fz_vd c = fz_vd(1.5);\n"
+                   "  return fz_lane_tree<fz_rsum, double>(fz_wsum(a) + fz_wdiff(a, c) + fz_wsum(b) + fz_wdiff(b, c))\n"
+                   "         + fz_lane_tree<fz_rmax, float>(a);\n}\n")
+    r = subprocess.run([cpu_compiler.compiler(), "-std=c++17", "-fsyntax-only", "-x", "c++",
+                        *cpu_compiler.ISA_FLAGS[isa], f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}",
+                        "-I", str(cpu_compiler._torch_include()), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
