@@ -117,10 +117,11 @@ class CpuGen(_Gen):
         if self.vector is not None:
             vtype, wide, vbody = self.vector.vtype, self.vector_body(CPU_VECTORS_PER_TRIP), self.vector_body(1)
             partial = any(cpu_t.EXPENSIVE_CALL.search(ln) for ln in self.body)
-            flat_tail = (cpu_t.FLAT_TAIL_PARTIAL.substitute(nbody=self.block(self.vector_body(1, True), "    "))
+            nbody = self.vector_body(1, True) if partial else None
+            flat_tail = (cpu_t.FLAT_TAIL_PARTIAL.substitute(nbody=self.block(nbody, "    "))
                          if partial else cpu_t.FLAT_TAIL.substitute(body=self.block(body, "    ")))
             tail = (cpu_t.ROW_TAIL_PARTIAL.substitute(offsets=self.block(offsets, "      "),
-                                                      nbody=self.block(self.vector_body(1, True), "      "))
+                                                      nbody=self.block(nbody, "      "))
                     if partial else cpu_t.ROW_TAIL.substitute(offsets=self.block(offsets, "      "),
                                                               body=self.block(body, "      ")))
             hoisted += [f"const fz_v xs{k} = fz_vload_mask<fz_v>(t{k}, 0);" if d.dtype == torch.bool else

@@ -623,7 +623,7 @@ class _Vector:
             accumulate="\n".join(accumulate),
             combine="\n".join(f"      vacc{pos}_0 = {red.combine}::f(vacc{pos}_0, vacc{pos}_{c});"
                                for c in range(1, COPIES)),
-            ctype=self.ctype, acc_t=acc_t, combine_fn=red.combine,
+            acc_t=acc_t, combine_fn=red.combine,
             lanes=(f"fz_lane_tree<fz_rsum, double>(fz_wsum(vacc{pos}_0))" if (red.combine, acc_t) == ("fz_rsum", "double")
                    else f"fz_lane_tree<{red.combine}, {acc_t}>(vacc{pos}_0)")))
 
