@@ -37,7 +37,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from . import compiler, executor, fallback, grad_sums, ir, layout, ops, rng, saving, settings, views
-from .backward import Backward, _carries, _Unsupported, build_backward, extra_outputs
+from .backward import Backward, _carries, _Unsupported, build_backward, extra_outputs, forward_group, statistics
 from .descs import DENSE, ArgSpec, TensorDesc
 from .kernel_cache import STORE, KernelSpec
 
@@ -178,16 +178,13 @@ def _cpu_save(spec: KernelSpec, needs: tuple, sig: tuple, chunks: tuple) -> tupl
     return got
 
 
-def extended_spec(spec: KernelSpec, extras: tuple) -> KernelSpec:
-    """``spec``'s group with the values ``extras`` (ids) as more outputs, after its own: the forward that writes
-    what its backward reads saved."""
-    key = (spec.key, extras)
+def extended_spec(spec: KernelSpec, extras: tuple, reduced: frozenset = frozenset()) -> KernelSpec:
+    """``spec``'s group with the values ``extras`` as more outputs, after its own: the forward that writes what its
+    backward reads saved (``backward.forward_group``)."""
+    key = (spec.key, extras, reduced)
     got = _extended.get(key)
     if got is None:
-        g = spec.group
-        by_id = {n.out.id: n.out for n in g.nodes}
-        group = ir.Group(g.inputs, g.nodes, g.outputs + tuple(by_id[vid] for vid in extras))
-        got = _bounded(_extended)[key] = STORE.get(STORE.register(group))
+        got = _bounded(_extended)[key] = STORE.get(STORE.register(forward_group(spec, extras, reduced)))
     return got
 
 
@@ -550,21 +547,45 @@ def prepare_call(spec: KernelSpec, args: list, rng_state: Optional[list] = None)
             if rng_state is None and not rng.can_draw(device):
                 return None
             call.rng_state = rng.launch_state(device) if rng_state is None else rng_state
+        plain = call.saved_outputs
+        if spec.has_reduction and settings.save_statistics:
+            _save_statistics(call)
         with torch.no_grad():
-            call.outputs = executor.run(spec, args, call.rng_state)
+            call.outputs = executor.run(call.forward, args, call.rng_state)
+            if call.outputs is None and call.forward is not spec:  # (its kernel did not run: the plain forward's?)
+                call.save, call.forward, call.saved_outputs = (), spec, plain
+                call.outputs = executor.run(spec, args, call.rng_state)
         if call.outputs is None:
             return None
-        columns = _ran_as_columns(spec, tensors) if spec.has_reduction else False
+        columns = _ran_as_columns(call.forward, tensors) if spec.has_reduction else False
         if columns is None:
             return None
         if columns:
             bw = backward_for(spec, needs, spec.all_outputs_defined, sig, True)
             if bw is None:
                 return None
-            call.columns = True
+            call.columns, call.save = True, ()  # (call.outputs keeps the extra outputs of call.forward: unread)
             call.saved = tuple(j in bw.fwd_inputs for j, is_t in enumerate(spec.input_is_tensor) if is_t)
             call.saved_outputs = bw.saved_outputs
     return call
+
+
+def _save_statistics(call: _Call) -> None:
+    """For a group with normalizations: the call made to run the forward writing their statistics as extra outputs
+    (layer_norm's mean and rstd, rms_norm's rstd: ``backward.statistics``), and its backward to read them, as
+    eager's do, where that backward can be formed."""
+    spec = call.spec
+    save = statistics(spec)
+    if not save:
+        return
+    bw = backward_for(spec, call.needs, spec.all_outputs_defined, call.sig, False, call.chunks, save)
+    if bw is None or bw.spec is None or len(bw.cat_of) != len(call.chunks):
+        return
+    dtypes = _value_dtypes(spec, call.sig)
+    reduced = frozenset(n.out.id for n in spec.group.nodes
+                        if ops.reduction(n.op) is not None and dtypes.get(n.out.id) in (torch.float16, torch.bfloat16))
+    call.save, call.forward = save, extended_spec(spec, save, reduced)
+    call.saved_outputs = tuple(sorted({*call.saved_outputs, *bw.saved_outputs}))
 
 
 def _read_saved(call: _Call, shapes: list, full: torch.Size) -> None:

@@ -132,7 +132,8 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
         k = _keepdim_at(n.op)
         if rows is not None and k is not None:
             args[k] = True  # keepdim (see the module's doc)
-        steps = _normalization_steps(b, n, args)
+        steps = _normalization_steps(b, n, args, [read_out[e] for e in _statistics_of(n) if e in read_out],
+                                     (dtypes or {}).get(n.out.id))
         if steps is not None:
             env[n.out.id], saved[n.out.id] = steps
             continue
@@ -348,22 +349,90 @@ def _keepdim_at(op: str) -> Optional[int]:
     return 3 if red.kind in ("var", "std") else 2
 
 
-def _normalization_steps(b: ir.Builder, n: ir.Node, args: list) -> Optional[tuple]:
+def _normalization_steps(b: ir.Builder, n: ir.Node, args: list, read: list, dtype) -> Optional[tuple]:
     """A normalization node recomputed as its steps (fuser/rows/decompose.py, the row kernel's own): (its result,
-    the statistics its formula reads: layer_norm's mean and rstd, rms_norm's rstd). The backward recomputes them
-    from the saved input in its own row kernel rather than saving them from the forward: a group's forward
-    saves only its inputs (this module's doc), and the backward's kernel reads the row anyway. None: not one."""
+    the statistics its formula reads: layer_norm's mean and rstd, rms_norm's rstd). ``read``: those statistics as
+    the backward's inputs, where the forward wrote them (:func:`statistics`; ``dtype``: the op's result's), else
+    empty: formed again from the row. None: not one."""
     red = ops.reduction(n.op)
     kind = None if red is None else red.kind
+    stats = read or None
+    if stats is not None and dtype is None:
+        raise _Unsupported("a normalization's saved statistics without its dtype")
     if kind in ("softmax", "log_softmax"):
         return getattr(decompose, kind)(b, args[0], args[1], args[2]), []
     if kind == "layer_norm":
-        y, mu, r = decompose.layer_norm_stats(b, *args[:5])
+        y, mu, r = decompose.layer_norm_stats(b, *args[:5], stats=stats, dtype=dtype)
         return y, [mu, r]
     if kind == "rms_norm":
-        y, r = decompose.rms_norm_stats(b, *args[:4])
+        y, r = decompose.rms_norm_stats(b, *args[:4], stats=stats, dtype=dtype)
         return y, [r]
     return None
+
+
+# ---- a normalization's statistics, written by the forward for its backward (issue 12: "save mean and rstd where
+# eager does"). Where the backward formed them again, it read each row twice more (the mean, then the centered
+# variance) before the passes its formula makes. An entry of ``save`` names the k-th statistic of the normalization
+# node whose result is value v as the negative int -(4 v + k + 1) (value ids are not negative; ``save`` travels as
+# ints through the native hot path's records).
+STATISTICS = {"layer_norm": 2, "rms_norm": 1}  # mean and rstd; rstd
+
+
+def statistic(vid: int, k: int) -> int:
+    return -(4 * vid + k + 1)
+
+
+def _statistic_of(entry: int) -> tuple[int, int]:
+    """(value id, k) of a ``save`` entry made by :func:`statistic`."""
+    return divmod(-entry - 1, 4)
+
+
+def _statistics_of(n: ir.Node) -> tuple[int, ...]:
+    kind = getattr(ops.reduction(n.op), "kind", None)
+    return tuple(statistic(n.out.id, k) for k in range(STATISTICS.get(kind, 0)))
+
+
+def statistics(spec: KernelSpec) -> tuple[int, ...]:
+    """The ``save`` entries of every statistic of ``spec``'s normalizations (empty: none)."""
+    return tuple(e for n in spec.group.nodes for e in _statistics_of(n))
+
+
+def forward_group(spec: KernelSpec, extras: tuple, reduced: frozenset = frozenset()) -> ir.Group:
+    """``spec``'s group with the values ``extras`` (:func:`extra_outputs`) as more outputs, after its own: the
+    forward that writes what its backward reads saved. A statistic is formed beside its normalization as that
+    op's steps (the row kernel forms them once: ``decompose.expand`` shares repeated steps), in float32 where its
+    normalization's value id is in ``reduced`` (a float16/bfloat16 result: ``decompose.stat_output``)."""
+    g = spec.group
+    if all(e >= 0 for e in extras):
+        by_id = {n.out.id: n.out for n in g.nodes}
+        return ir.Group(g.inputs, g.nodes, g.outputs + tuple(by_id[vid] for vid in extras))
+    wanted = {_statistic_of(e)[0] for e in extras if e < 0}
+    b = ir.Builder()
+    env = {v.id: b.input(v.kind, v.dtype, v.rank) for v in g.inputs}
+
+    def arg(a):
+        if isinstance(a, ir.Value):
+            return env[a.id]
+        return tuple(arg(x) for x in a) if isinstance(a, tuple) else a
+
+    stats: dict[int, list] = {}
+    for n in g.nodes:
+        args = [arg(a) for a in n.args]
+        with b.steps_of(n.origin):
+            env[n.out.id] = b.add(n.op, *args)
+        if n.out.id in wanted:
+            kind = ops.reduction(n.op).kind
+            got = (decompose.layer_norm_stats(b, *args[:5])[1:] if kind == "layer_norm" else
+                   decompose.rms_norm_stats(b, *args[:4])[1:])
+            stats[n.out.id] = [decompose.stat_output(b, v, n.out.id in reduced) for v in got]
+    outs = [env[v.id] for v in g.outputs]
+    for e in extras:
+        if e >= 0:
+            outs.append(env[e])
+        else:
+            vid, k = _statistic_of(e)
+            outs.append(stats[vid][k])
+    return b.build(outs).pruned()
 
 
 class _Rows:

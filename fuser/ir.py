@@ -27,6 +27,9 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 
 TENSOR, FLOAT = "Tensor", "float"
+# c10::ScalarType codes: how an ATen schema's ``ScalarType? dtype`` argument is given in the group IR
+SCALAR_TYPE_CODE = {torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.complex64: 9, torch.complex128: 10,
+                    torch.bool: 11, torch.bfloat16: 15, torch.int32: 3, torch.int64: 4}
 CAT = "aten::cat"
 
 

@@ -47,6 +47,10 @@ cuda_vector_rows: bool = os.environ.get("FUSER_CUDA_VECTOR_ROWS", "1") != "0"
 # recomputing them (fuser/saving.py). On by default; FUSER_CPU_SAVE=0 turns it off. Read on each forward call under
 # autograd that Python runs (the native hot path keeps what a signature was prepared with: fuser.native.clear()).
 cpu_save: bool = os.environ.get("FUSER_CPU_SAVE", "1") != "0"
+# A group's layer_norm and rms_norm write their statistics (mean and rstd, rstd) for its backward, which reads them
+# instead of forming them again (fuser/backward.py). On by default; FUSER_SAVE_STATISTICS=0 turns it off (read as
+# cpu_save is).
+save_statistics: bool = os.environ.get("FUSER_SAVE_STATISTICS", "1") != "0"
 # device type -> fusion on; filled lazily, cleared by the overrides. The executor reads it on every call.
 enabled: dict[str, bool] = {}
 # called after an override changes what fuses (the native hot path forgets its prepared launches)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from helpers import FUSED_BACKWARD, SumsWatch, scripted_training_steps, tolerances
 
 import fuser
-from fuser import autodiff, executor, grad_sums, ir
+from fuser import autodiff, executor, grad_sums, ir, settings
 from fuser.cuda import emulate
 from fuser.kernel_cache import STORE
 from fuser.rows import emulate as row_emulate
@@ -172,16 +172,17 @@ def test_the_backward_is_split_once_per_pattern_and_the_statistics_are_read_not_
 @pytest.mark.parametrize("which,case", [((1,), "gelu_bias"), ((0, 2), "mul_add"), ((1,), "layer_norm"),
                                         ((2,), "layer_norm"), ((1,), "rms_norm"), ((0,), "gelu_bias")])
 def test_some_inputs_want_gradients(which, case, watch):
-    """Only the bias (gelu(x + b): no main group, the column group recomputes gelu's derivative), only the weight
-    (layer_norm: the main group writes the statistics alone), or only x (no column group)."""
+    """Only the bias (gelu(x + b): no main group, the column group recomputes gelu's derivative), only a
+    normalization's weight or bias (the forward saved its statistics: the gradient needs no reduction along the
+    row, one column group sums it), or only x (no column group)."""
     case = next(c for c in CASES if c.id == case)
     n = 33
     got, want = _fused_and_eager64(case, _spec(case, n), _leaves(_inputs(case, torch.float64, n), which), watch)
     _assert_grads(got, want, torch.float64)
     if which == (0,):
         assert not watch.columns and not watch.fused and watch.sum_to_size == 0
-    else:  # (the bias's gradient alone: dy summed, a backward without reductions)
-        assert watch.summed(case.row_backward and which != (2,))
+    else:  # (no row backward: the bias's gradient is dy summed; the weight's, dy * xhat from the saved statistics)
+        assert watch.summed(False)
 
 
 def test_other_broadcasts_keep_sum_to_size(watch):
@@ -230,10 +231,10 @@ def test_a_column_kernel_that_does_not_run_gives_eagers_result_then_the_old_path
 
 
 def test_bfloat16_statistics_keep_the_old_path_and_pointwise_sums_are_as_close_as_eagers(watch, monkeypatch):
-    """bfloat16 layer_norm: summed inside its row kernel (the statistics stay in it); where that kernel does not
-    run (declined here, as where its form is not generated) the split would pass the statistics through memory
-    rounded, so the old path. bfloat16 gelu(x + b): the column kernel. Each gradient within eager's own error of
-    float64 (plus a unit)."""
+    """bfloat16 layer_norm: summed inside its row kernel; where that kernel does not run (declined here, as where
+    its form is not generated) the split, which reads the statistics the forward saved in float32; with the saving
+    off the split would pass the statistics it forms through memory rounded, so the old path. bfloat16
+    gelu(x + b): the column kernel. Each gradient within eager's own error of float64 (plus a unit)."""
     real = executor.run
     decline = []
 
@@ -244,8 +245,10 @@ def test_bfloat16_statistics_keep_the_old_path_and_pointwise_sums_are_as_close_a
 
     monkeypatch.setattr(executor, "run", run)
     seen = SumsWatch(monkeypatch)
-    for case, path, lead in ((CASES[2], "fused", (40,)), (CASES[2], "old", (24,)), (CASES[0], "column", (40,))):
-        decline[:] = [True] if path == "old" else []  # (a declined signature keeps the old path: its own shape)
+    for case, path, lead in ((CASES[2], "fused", (40,)), (CASES[2], "split", (24,)), (CASES[2], "old", (23,)),
+                             (CASES[0], "column", (40,))):
+        decline[:] = [True] if path in ("split", "old") else []  # (a declined signature stays declined: own shape)
+        monkeypatch.setattr(settings, "save_statistics", path != "old")
         n = 64
         args = _leaves(_inputs(case, torch.bfloat16, n, lead))
         args64 = _leaves([a.detach().double() for a in args])

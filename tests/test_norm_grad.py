@@ -1,5 +1,6 @@
 """Gradients of the composite normalizations (issue 12: fuser/derivatives.py's softmax, log_softmax, layer_norm,
-rms_norm, var and std; fuser/backward.py recomputes each as its row-kernel steps): groups holding the eager op
+rms_norm, var and std; fuser/backward.py recomputes each as its row-kernel steps, reading the statistics the
+forward saved where it saved them): groups holding the eager op
 whole, as the TorchScript pass makes them, against eager's autograd on seeded random inputs (float32 against
 eager's float64 gradients, float64 against eager's float64, bfloat16 within eager's own error of float64), rows of
 1, 31, 32 and 1024 elements and a non-contiguous row; each backward asserted to run as a fused row kernel, on the
@@ -219,7 +220,9 @@ def test_bfloat16_gradients_as_close_to_float64_as_eagers(case, _backwards):
 
 
 def test_the_backward_holds_the_forwards_reductions_and_its_own():
-    """layer_norm's backward: its mean and variance recomputed from x (not saved), then the two means of its
+    """layer_norm's backward that forms its statistics again (double backward's, and with FUSER_SAVE_STATISTICS=0;
+    tests/test_saved_statistics.py has the one that reads them): its mean and variance recomputed from x, then the
+    two means of its
     gradient, in one row group; the weight's and bias's gradients leave it element-level (in a call, fuser/grad_sums.py
     splits it: a column group sums them over the rows, tests/test_grad_sums.py)."""
     case = CASES[2]
@@ -388,9 +391,9 @@ def _train(device: str, backwards: list, rtol: float):
     kinds = [[n.kind() for n in fg.g("Subgraph").nodes()] for fg in g.findAllNodes("prim::FusionGroup")]
     assert sum("aten::layer_norm" in k for k in kinds) == 2 and sum("aten::softmax" in k for k in kinds) == 1, kinds
     assert len(row_backward_keys(backwards)) >= 3, "the softmax and layer norms' backwards did not run as row kernels"
-    # the layer norms' backwards recompute their statistics; the softmax's reads its saved output (no recompute)
+    # the layer norms' backwards read their saved statistics, the softmax's its saved output: no step recomputed
     assert {n for s in backwards for n in ("aten::softmax", "aten::layer_norm")
-            if any(m.origin == n for m in s.group.nodes)} == {"aten::layer_norm"}
+            if any(m.origin == n for m in s.group.nodes)} == set()
 
 
 def test_transformer_block_training_losses_match_eager_step_by_step(_backwards):

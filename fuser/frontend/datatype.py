@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from ..ir import SCALAR_TYPE_CODE  # noqa: F401 (the frontend's lowering and the torch.compile door read it here)
+
 
 class DataType:
     """One nvFuser data type (``DataType.Float``); ``torch_dtype`` is its torch dtype (None for ``Null``)."""
@@ -34,9 +36,6 @@ for _name, _dt in _TABLE:
     setattr(DataType, _name, DataType(_name, _dt))
 ALL = tuple(getattr(DataType, n) for n, _ in _TABLE)
 _BY_TORCH = {d.torch_dtype: d for d in ALL if d.torch_dtype is not None}
-# c10::ScalarType codes: how an ATen schema's ``ScalarType? dtype`` argument is given in the group IR
-SCALAR_TYPE_CODE = {torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.complex64: 9, torch.complex128: 10,
-                    torch.bool: 11, torch.bfloat16: 15, torch.int32: 3, torch.int64: 4}
 
 
 def from_torch(dtype: torch.dtype) -> DataType:

@@ -270,7 +270,11 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
 
     indent = "      "
     phases: list[str] = []
-    ready = {v.id for v in group.inputs if not v.is_tensor}
+    ready = {v.id for v in group.inputs if not v.is_tensor or v.id in rows_v}
+    for m in group.nodes:  # row-level nodes of row-level inputs alone: once a row, before its passes
+        if m.out.id in rows_v and ops.reduction(m.op) is None and all(v.id in ready for v in m.values):
+            phases.append("    " + statement[m.out.id])
+            ready.add(m.out.id)
     shared = set()
     cl = cuda and shape.cluster > 1  # the row spans the CTAs of a cluster (plan.cluster_shape)
     # a cluster kernel's reductions combine the CTAs' results (templates.CLUSTER_REDUCE; fz_cn counts them)
@@ -454,6 +458,10 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         accumulate1="\n".join(f"      off{kk} = row * {stride(kk, 0)};" for kk in range(n_in)),
         col_strides="\n".join(f"    const long long cs{kk} = {stride(kk, t.MAX_DIMS if cuda else 'rank')};"
                                for kk in range(n_in)))
+    # row-level inputs (plan.with_row_inputs): one value a row, loaded at its start (a CUDA row that is not live
+    # reads the last row's: plan's CUDA_KERNEL)
+    row_loads = "".join(f"\n    const {vtype[v.id]} {vname[v.id]} = fz_ld(t{tensor_index[v.id]}[off{tensor_index[v.id]}]);"
+                        for v in group.inputs if v.is_tensor and v.id in rows_v)
     if cuda:
         ever = sorted(set().union(*holds), key=lambda i: vname[i])
         cache = [f"    {vtype[i]} h_{vname[i]}[{shape.items}];" for i in ever]
@@ -478,6 +486,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         assert not (cl and sums), "a cluster kernel has no column sums (plan.py)"
         if cl:  # the CTA's segment: its inputs' offsets start at its first column
             offsets += "".join(f"\n    off{kk} += (long long)fz_c0 * cs{kk};" for kk in range(n_in))
+        offsets += row_loads
         n_sh = max(1, shape.block // 32) + (2 if cl else 0)
         return t.CUDA_KERNEL.substitute(
             sums_decl=sums_decl, sums_store=t.CUDA_CLUSTER_END if cl else sums_store, parts_kernel=parts_kernel,
@@ -500,6 +509,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                         round_reduced=round_reduced, sums=sums)
     work = 1 + len(statement) + len(reductions)
     vectorized = vector is not None
+    offsets += row_loads
     if vectorized:
         offsets += "\n    const bool vec_ok = " + " && ".join(
             [f"(cs{kk} == 0 || cs{kk} == 1)" for kk in range(n_in)] + ["true"]) + ";"

@@ -15,7 +15,8 @@ import torch
 
 from .. import ir, ops
 
-FLOAT32_EPS = float(torch.finfo(torch.float32).eps)  # rms_norm's eps when None, below float64 (see rms_norm)
+FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
+FLOAT32_CODE = 6  # c10::ScalarType::Float, as a ScalarType argument of the IR holds it  # rms_norm's eps when None, below float64 (see rms_norm)
 
 
 def _dims(dim: int) -> tuple:
@@ -53,15 +54,21 @@ def log_softmax(b: ir.Builder, x: ir.Value, dim: int, dtype=None) -> ir.Value:
 
 
 def layer_norm_stats(b: ir.Builder, x: ir.Value, normalized_shape: Sequence[int], weight: Optional[ir.Value],
-                     bias: Optional[ir.Value], eps, origin: str = "aten::layer_norm") -> tuple:
+                     bias: Optional[ir.Value], eps, origin: str = "aten::layer_norm",
+                     stats: Optional[Sequence[ir.Value]] = None, dtype: Optional[torch.dtype] = None) -> tuple:
     """(y, mean, rstd) of layer norm over the last ``len(normalized_shape)`` dims (mean and rstd keepdim, as
-    ``native_layer_norm`` returns them)."""
+    ``native_layer_norm`` returns them). ``stats``: (mean, rstd) as read from the forward (a backward's,
+    :func:`saved_stat`; ``dtype`` the op's), not formed again."""
     dims = tuple(range(-len(normalized_shape), 0))
     with b.steps_of(origin):
-        mu = b.add("aten::mean.dim", x, dims, True, None)
-        d = b.call("aten::sub", x, mu, 1)
-        var = b.add("aten::mean.dim", b.call("aten::mul", d, d), dims, True, None)
-        r = b.call("aten::rsqrt", b.call("aten::add", var, eps, 1))
+        if stats is not None:
+            mu, r = (saved_stat(b, s, dtype) for s in stats)
+            d = b.call("aten::sub", x, mu, 1)
+        else:
+            mu = b.add("aten::mean.dim", x, dims, True, None)
+            d = b.call("aten::sub", x, mu, 1)
+            var = b.add("aten::mean.dim", b.call("aten::mul", d, d), dims, True, None)
+            r = b.call("aten::rsqrt", b.call("aten::add", var, eps, 1))
         y = b.call("aten::mul", d, r)
         if weight is not None:
             y = b.call("aten::mul", y, weight)
@@ -78,16 +85,40 @@ def layer_norm(b: ir.Builder, x: ir.Value, normalized_shape: Sequence[int], weig
 
 
 def rms_norm_stats(b: ir.Builder, x: ir.Value, normalized_shape: Sequence[int], weight: Optional[ir.Value],
-                   eps: Optional[float]) -> tuple:
-    """(y, rstd) of rms_norm (rstd keepdim: what its backward reads)."""
+                   eps: Optional[float], stats: Optional[Sequence[ir.Value]] = None,
+                   dtype: Optional[torch.dtype] = None) -> tuple:
+    """(y, rstd) of rms_norm (rstd keepdim: what its backward reads). ``stats``: (rstd,) as read from the forward
+    (:func:`saved_stat`; ``dtype`` the op's)."""
     dims = tuple(range(-len(normalized_shape), 0))
     with b.steps_of("aten::rms_norm"):
-        ms = b.add("aten::mean.dim", b.call("aten::mul", x, x), dims, True, None)
-        r = b.call("aten::rsqrt", b.call("aten::add", ms, FLOAT32_EPS if eps is None else eps, 1))
+        if stats is not None:
+            r = saved_stat(b, stats[0], dtype)
+        else:
+            ms = b.add("aten::mean.dim", b.call("aten::mul", x, x), dims, True, None)
+            r = b.call("aten::rsqrt", b.call("aten::add", ms, FLOAT32_EPS if eps is None else eps, 1))
         y = b.call("aten::mul", x, r)
         if weight is not None:
             y = b.call("aten::mul", y, weight)
         return y, r
+
+
+def saved_stat(b: ir.Builder, s: ir.Value, dtype: Optional[torch.dtype]) -> ir.Value:
+    """A statistic the forward wrote (in float32 for a float16/bfloat16 input, :func:`stat_output`) as the step
+    that forms it has it: of the normalization's ``dtype``, held unrounded (a step: called within ``b.steps_of``).
+    The cast reads no element-level value, so the statistic stays one value a row (a row-level input of the row
+    kernel: ``fuser.rows.plan.row_inputs``)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return s
+    return b.add("aten::_to_copy", s, ir.SCALAR_TYPE_CODE[dtype], None, None, None, False, None)
+
+
+def stat_output(b: ir.Builder, s: ir.Value, reduced: bool) -> ir.Value:
+    """A statistic (a step's value) as a group output: in float32 where the input is float16/bfloat16 (``reduced``),
+    as eager's CUDA kernels save it, so that it reaches the backward unrounded (the step holds it in float)."""
+    if not reduced:
+        return s
+    with b.steps_of(""):
+        return b.add("aten::_to_copy", s, ir.SCALAR_TYPE_CODE[torch.float32], None, None, None, False, None)
 
 
 def rms_norm(b: ir.Builder, x: ir.Value, normalized_shape: Sequence[int], weight: Optional[ir.Value],
@@ -145,5 +176,39 @@ def expand(group: ir.Group) -> ir.Group:
         else:
             with b.steps_of(n.origin):
                 env[n.out.id] = b.add(n.op, *args)
-    got = group._cache["expanded"] = b.build([env[v.id] for v in group.outputs])
+    got = group._cache["expanded"] = _shared_steps(b.build([env[v.id] for v in group.outputs]))
     return got
+
+
+def _shared_steps(g: ir.Group) -> ir.Group:
+    """``g`` with each step that repeats an earlier one (the same op, arguments and origin: a forward that writes a
+    normalization's statistics forms them as steps beside the op's own, ``fuser.backward.forward_group``) read from
+    the earlier one, so that the kernel forms it once. Nodes that are no step, and random ones, are left as they
+    are."""
+    seen: dict = {}
+    same: dict[int, ir.Value] = {}
+
+    def arg(a):
+        if isinstance(a, ir.Value):
+            return same.get(a.id, a)
+        return tuple(arg(x) for x in a) if isinstance(a, tuple) else a
+
+    nodes = []
+    for n in g.nodes:
+        args = tuple(arg(a) for a in n.args)
+        key = None
+        if n.origin and not getattr(ops.of(n.op), "random", False):
+            try:
+                key = (n.op, args, n.origin)
+                hash(key)
+            except TypeError:
+                key = None
+        if key is not None and key in seen:
+            same[n.out.id] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = n.out
+        nodes.append(n if args == n.args else ir.Node(n.op, args, n.out, n.origin))
+    if not same:
+        return g
+    return ir.Group(g.inputs, tuple(nodes), tuple(same.get(v.id, v) for v in g.outputs))

@@ -18,7 +18,7 @@ from .. import codegen, ir, settings
 from . import codegen as row_codegen
 from . import decompose
 from . import templates as t
-from .plan import RowPlan, column_sum_form
+from .plan import RowPlan, column_sum_form, with_row_inputs
 
 
 @dataclass
@@ -40,8 +40,9 @@ def kernel_name(spec_text: str, key) -> str:
 def kernel_group(spec, p) -> ir.Group:
     """The group whose nodes a row or column kernel of ``spec`` computes (``p.types``' nodes): its composite ops'
     steps, less a row plan's column sums (``plan.column_sum_form``), those it sums and those it writes whole."""
-    return column_sum_form(decompose.expand(spec.group),
-                           tuple(sorted(getattr(p.key, "sums", ()) + getattr(p.key, "apart", ()))))
+    return with_row_inputs(column_sum_form(decompose.expand(spec.group),
+                                           tuple(sorted(getattr(p.key, "sums", ()) + getattr(p.key, "apart", ())))),
+                           getattr(p.key, "row_inputs", ()))
 
 
 def source_for(spec, p: RowPlan) -> tuple[str, str]:

@@ -364,6 +364,8 @@ class RowKey:
     steps: Optional[tuple[int, ...]] = None
     # the outputs that are column sums the kernel writes whole, summed after it by eager's sum (RowPlan.apart)
     apart: tuple[int, ...] = ()
+    # the tensor inputs (group input positions) that hold one value a row, loaded once a row (with_row_inputs)
+    row_inputs: tuple[int, ...] = ()
 
 
 @dataclass
@@ -384,10 +386,11 @@ class RowPlan:
 
 
 def row_level(group: ir.Group) -> frozenset:
-    """ids of the row-level values (see the module's doc); every other value is element-level."""
+    """ids of the row-level values (see the module's doc); every other value is element-level. A group made by
+    :func:`with_row_inputs` counts those inputs among them."""
     got = group._cache.get("row_level")
     if got is None:
-        rows: set = set()
+        rows: set = set(group._cache.get("row_inputs", ()))
         floats = {v.id for v in group.inputs if not v.is_tensor}  # the same for every row and element
         for n in group.nodes:
             ids = {v.id for v in n.values} - floats
@@ -396,6 +399,31 @@ def row_level(group: ir.Group) -> frozenset:
                 rows.add(n.out.id)
         got = group._cache["row_level"] = frozenset(rows)
     return got
+
+
+def with_row_inputs(group: ir.Group, positions: tuple[int, ...]) -> ir.Group:
+    """``group`` (a copy) whose tensor inputs at ``positions`` are row-level values: one value a row, as a
+    [rows..., 1...] input gives them (a normalization's statistics saved by its forward, ``RowKey.row_inputs``). The
+    kernel loads each once a row and computes what depends only on them and the reductions once a row too, where
+    an element-level input of that shape was loaded, and what it reads computed, at every element."""
+    if not positions:
+        return group
+    copy = ir.Group(group.inputs, group.nodes, group.outputs)
+    copy._cache["row_inputs"] = frozenset(group.inputs[j].id for j in positions)
+    return copy
+
+
+def row_inputs(group: ir.Group, shape: dict, full: tuple, k: int) -> tuple[int, ...]:
+    """The positions of ``group``'s tensor inputs that hold one value a row (of shape [rows..., 1...], the row's
+    dims all 1, where the row is longer than 1), where no reduction then reads a row-level value."""
+    keep = tuple(full[:len(full) - k]) + (1,) * k
+    if keep == tuple(full):
+        return ()
+    got = tuple(j for j, v in enumerate(group.inputs) if v.is_tensor and shape[v.id] == keep)
+    if not got:
+        return ()
+    rows = row_level(with_row_inputs(group, got))
+    return () if any(ops.reduction(n.op) is not None and n.args[0].id in rows for n in group.nodes) else got
 
 
 SUM = "aten::sum.dim_IntList"
@@ -620,6 +648,10 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: 
                           _types(group, args, metas_list, values))
     lead_shape = full[:nd - k]
     keep, drop = lead_shape + (1,) * k, lead_shape
+    seeded = row_inputs(group, shape, full, k)
+    if seeded:
+        group = with_row_inputs(group, seeded)
+        rows_v = row_level(group)
 
     def broadcasts(s) -> bool:
         return broadcasts_to(s, full)
@@ -687,7 +719,7 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: 
         out_shapes[m], out_dtypes[m] = s, dt
     steps = tuple(st[-1] for st in strides) if vec_ok and settings.cuda_vector_rows else None
     key = RowKey(target, device.index, tuple((t.dtype, t.dim() == 0) for t in tensors), cuda_sh, sums, steps,
-                 tuple(m for m, _, _ in kept_apart))
+                 tuple(m for m, _, _ in kept_apart), seeded)
     return RowPlan(key, tensors, scalars, rows, cols, lead, strides, out_shapes, out_dtypes, types, vec_ok,
                    vec_align, kept_apart)
 
