@@ -212,10 +212,10 @@ WORKLOADS += tuple(
 
 
 # ---- issue 12: normalizations forward + backward (fuser/derivatives.py's softmax, layer_norm and rms_norm: the
-# backward a row group of its own, recomputing the row's statistics from x). The forward rows' sources above, as
-# training steps: gradients of x and of the weight and bias vectors (those summed over the rows: on the CPU inside
-# the backward row kernel, fuser/rows/plan.py's column sums; on CUDA by a column kernel, fuser/grad_sums.py, and by
-# eager's sum_to_size for bfloat16), at [16384 x 4096] and rows of 512, 16384 and 65536 elements.
+# backward a row group of its own, reading the row statistics the forward saved). The forward rows' sources above,
+# as training steps: gradients of x and of the weight and bias vectors (those summed over the rows: inside the
+# backward row kernel, fuser/rows/plan.py's column sums, or by a column kernel, fuser/grad_sums.py, where the row
+# takes several trips on CUDA), at [16384 x 4096] and rows of 512, 16384 and 65536 elements.
 NORM_TRAIN_WORKLOADS = tuple(
     Workload(f"{op}{suffix}_train", src.format(name=f"{op}{suffix}_train", cols=cols), _norm_shapes(rows, cols),
              _norm_inputs(_NORM_VECTORS[op]), train=True, dtypes=(torch.float32, torch.bfloat16))

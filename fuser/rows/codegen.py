@@ -31,8 +31,12 @@ from .plan import CudaShape, held_values, kept_values, needed as _needed, row_le
 CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU row kernel splits its rows across threads
 _SUM = ops.reduction("aten::sum.dim_IntList")  # (a column sum accumulates as a sum does)
 CPU_MAX_PARTS = 64  # a CPU row kernel's parts of the rows at most, each with its partial row of column sums
-CPU_PART_ROWS = 16  # rows a part at least (its partial row is zeroed, then read by the second stage)...
-CPU_PART_WORK = 2 ** 16  # ...or fewer where its rows hold this many elements (a few long rows still split)
+CPU_PART_ROWS = 16  # rows a part at least (its partial row is zeroed, then read by the second stage: parts x cols)...
+# ...except that rows of CPU_PART_WORK elements or more make up to CPU_MIN_PARTS parts of fewer rows, so that a few
+# long rows still split across threads (one part a row made the partial rows as large as the gradient: [64 x 65536]
+# bfloat16, two threads, 17.6-18.3 ms a backward against torch.compile's 2.6-3.3, most of it in page faults)
+CPU_PART_WORK = 2 ** 16
+CPU_MIN_PARTS = 4
 # ops whose results a CPU row kernel keeps in a scratch row for later passes rather than computing them again
 # (plan.kept_values): a SLEEF call or more per element
 CPU_KEPT_OPS = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "tanh", "sigmoid", "erf", "erfc",
@@ -528,7 +532,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     if sums:
         part_t = {m: compute_type(out_dtypes[m]) for m in sums}
         parts = t.CPU_PARTS.substitute(parallel_threshold=threshold, max_parts=CPU_MAX_PARTS,
-                                       part_rows=CPU_PART_ROWS, part_work=CPU_PART_WORK, alloc="\n".join(
+                                       part_rows=CPU_PART_ROWS, part_work=CPU_PART_WORK, min_parts=CPU_MIN_PARTS,
+                                       alloc="\n".join(
             f"  {part_t[m]}* const fz_pb{m} = new {part_t[m]}[fz_parts * cols > 0 ? fz_parts * cols : 1];"
             for m in sums))
         loop += "\n" + t.CPU_PARTS_LOOP.substitute(zero="\n".join(

@@ -179,15 +179,17 @@ CPU_FOR = Template("  fz_for(${cond}, ${count}, [&](int64_t ${var}) FZ_BODY {")
 CPU_SHARE_FOR = Template("  for (int64_t ${var} = ${count} * fz_tid / fz_nt, fz_end = ${count} * (fz_tid + 1) / fz_nt;"
                          " ${var} < fz_end; ++${var}) {")
 
-# column sums (fuser.rows.plan.column_sum_form): the rows in parts of consecutive rows (${part_rows} at least, or
-# fewer where they hold ${part_work} elements: a few long rows), their number fixed by the row and column counts
+# column sums (fuser.rows.plan.column_sum_form): the rows in parts of consecutive rows (${part_rows} at least, or up
+# to ${min_parts} parts of fewer rows where there are ${part_work} elements a part: a few long rows; each part's
+# partial row costs cols more elements to zero and add up), their number fixed by the row and column counts
 # (not by the threads, so the sums do not depend on how many there are), each part adding
 # its rows' values into a partial row of its own (in the values' compute type); then the partial rows added
 # in order into the first, 256 columns at a time (independent adds along the columns: vector code, where a
 # column's chain of adds would wait on each), and stored
-CPU_PARTS = Template(r"""  const int64_t fz_pw = cols > 0 ? (${part_work} + cols - 1) / cols : 1;
-  const int64_t fz_prows = fz_pw < ${part_rows} ? fz_pw : ${part_rows};
-  const int64_t fz_parts = rows * cols < ${parallel_threshold} || rows < 2 * fz_prows ? 1 : rows / fz_prows < ${max_parts} ? rows / fz_prows : ${max_parts};
+CPU_PARTS = Template(r"""  const int64_t fz_pw = rows * cols / ${part_work} < rows ? rows * cols / ${part_work} : rows;
+  const int64_t fz_pm = fz_pw < ${min_parts} ? fz_pw : ${min_parts};
+  const int64_t fz_pr = rows / ${part_rows} > fz_pm ? rows / ${part_rows} : fz_pm;
+  const int64_t fz_parts = rows * cols < ${parallel_threshold} || fz_pr < 2 ? 1 : fz_pr < ${max_parts} ? fz_pr : ${max_parts};
 ${alloc}""")
 CPU_PARTS_LOOP = Template(r"""${zero}
   for (int64_t row = rows * part / fz_parts, row_end = rows * (part + 1) / fz_parts; row < row_end; ++row) {""")
