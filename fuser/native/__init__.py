@@ -88,7 +88,8 @@ def offer(key: int, digest: str, spec, args: Sequence, tensors: Sequence[torch.T
     kernel = getattr(geo, "kernel", None)  # None: the executor found no kernel for these inputs
     if kernel is not None and call is not None and call.forward is not spec:  # the kernel's extra outputs (call.save),
         n = len(outputs)  # as it allocates them
-        outputs = [*outputs, *(geo.new_outputs()[n:] if hasattr(geo, "new_outputs") else  # (a row kernel's)
+        outputs = [*outputs, *((torch.empty(sz, dtype=dt, device=geo.device) for sz, dt in  # (a row kernel's)
+                                zip(geo.out_shapes[n:], geo.out_dtypes[n:])) if hasattr(geo, "out_shapes") else
                                (torch.empty_strided(sz, st, dtype=dt, device=geo.device) for sz, st, dt in
                                 zip(geo.out_sizes[n:], geo.out_strides[n:], geo.out_dtypes[n:])))]
     got = None if kernel is None or not settings.fusion_enabled(geo.device.type) or (

@@ -15,8 +15,7 @@ import torch
 
 from .. import ir, ops
 
-FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
-FLOAT32_CODE = 6  # c10::ScalarType::Float, as a ScalarType argument of the IR holds it  # rms_norm's eps when None, below float64 (see rms_norm)
+FLOAT32_EPS = float(torch.finfo(torch.float32).eps)  # rms_norm's eps when None, below float64 (see rms_norm)
 
 
 def _dims(dim: int) -> tuple:
