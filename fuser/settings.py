@@ -43,6 +43,11 @@ cuda_no_clusters: set = set()
 # are not aligned for vectors runs the row kernel with the choice, built then (fuser/rows/launch.py). On by default;
 # FUSER_CUDA_VECTOR_ROWS=0 turns it off. Read when a row kernel is planned.
 cuda_vector_rows: bool = os.environ.get("FUSER_CUDA_VECTOR_ROWS", "1") != "0"
+# A CUDA row kernel of a row read again by each pass (too long for registers, no cluster) keeps the inputs that several
+# passes read in shared memory, so that the row comes from global memory once (fuser/rows/plan.py's staged_inputs):
+# vectors-only kernels, while the rows of a block fit the device's shared memory. On by default;
+# FUSER_CUDA_STAGED_ROWS=0 turns it off. Read when a row kernel is planned.
+cuda_staged_rows: bool = os.environ.get("FUSER_CUDA_STAGED_ROWS", "1") != "0"
 # On the CPU, a group's backward reads the transcendental values the cost model picks from its forward instead of
 # recomputing them (fuser/saving.py). On by default; FUSER_CPU_SAVE=0 turns it off. Read on each forward call under
 # autograd that Python runs (the native hot path keeps what a signature was prepared with: fuser.native.clear()).

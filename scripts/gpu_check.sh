@@ -69,8 +69,8 @@ if ! skipped memcheck; then
   if command -v compute-sanitizer > /dev/null; then
     t=$(date +%s)
     compute-sanitizer --tool memcheck --leak-check no --print-limit 200 \
-      "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_native.py tests/test_layouts.py tests/test_normalizations.py tests/test_outer_reductions.py -p no:cacheprovider -x -k \
-      "test_native or cuda_row_kernel_matches_eager or column_vectors_on_the_gpu or cuda_column_kernel_is_deterministic or gpu_tiled or gpu_outputs_have_eagers_strides or layouts or concat_on_cuda or rand_like_on_cuda or lstm_cell_with_chunk or signed_zero or mixed_dtypes or side_stream or (op_cuda_vs_eager and float16 and (add-Tensor or where-self or clamp-Tensor or lerp-Tensor or addcmul or sigmoid or pow-Tensor_Scalar))" \
+      "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_native.py tests/test_layouts.py tests/test_normalizations.py tests/test_outer_reductions.py tests/test_staged_rows.py -p no:cacheprovider -x -k \
+      "test_native or cuda_row_kernel_matches_eager or staged_rows_on_the_gpu or column_vectors_on_the_gpu or cuda_column_kernel_is_deterministic or gpu_tiled or gpu_outputs_have_eagers_strides or layouts or concat_on_cuda or rand_like_on_cuda or lstm_cell_with_chunk or signed_zero or mixed_dtypes or side_stream or (op_cuda_vs_eager and float16 and (add-Tensor or where-self or clamp-Tensor or lerp-Tensor or addcmul or sigmoid or pow-Tensor_Scalar))" \
       > "$OUT/memcheck.log" 2>&1
     rc=$?
     errors=$("$PY" - "$OUT/memcheck.log" <<'EOF'
@@ -111,9 +111,13 @@ if ! skipped memcheck; then
       -k "sums_in_the_row_kernel_on_the_gpu and in_row and (7x32 or 300x36 or 4096x1024 or 300x33)" \
       >> "$OUT/racecheck.log" 2>&1
     rc=$(( rc > $? ? rc : $? ))
+    # rows kept in shared memory (fuser/rows/plan.py's staged_inputs)
+    compute-sanitizer --tool racecheck "$PY" -m pytest -q -m gpu tests/test_staged_rows.py -p no:cacheprovider -x \
+      -k "staged_rows_on_the_gpu and (softmax-16392 or layer_norm_block-16392)" >> "$OUT/racecheck.log" 2>&1
+    rc=$(( rc > $? ? rc : $? ))
     summary=$(grep -E "RACECHECK SUMMARY" "$OUT/racecheck.log" | tr -s ' ' | paste -sd ';')
     note "racecheck: rc=$rc, $(( $(date +%s) - t ))s: $summary"
-    { [ $rc -eq 0 ] && [ "$(grep -c "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" "$OUT/racecheck.log")" = 2 ]; } || status=1
+    { [ $rc -eq 0 ] && [ "$(grep -c "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" "$OUT/racecheck.log")" = 3 ]; } || status=1
   fi
 fi
 

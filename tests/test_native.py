@@ -920,7 +920,7 @@ def _cuda_record_tail(rec: list) -> tuple:
     """A CUDA launch record read as hotpath.cpp's parse reads it (from the function on): (head, align, raw bytes,
     form, buffers, later kernels), after checking its last value, the random flag, is 0 (these kernels draw no
     random numbers)."""
-    head, rest = rec[:9], rec[9:]
+    head, rest = rec[:10], rec[10:]
     align, rest = rest[1:1 + rest[0]], rest[1 + rest[0]:]
     raw, rest = bytes(rest[1:1 + rest[0]]), rest[1 + rest[0]:]
     form, rest = rest[0], rest[1:]
@@ -970,17 +970,32 @@ def test_cuda_records_of_row_sums_and_column_kernels(monkeypatch):
     head, align, raw, form, temps, then = _cuda_record_tail(rec)
     grid, slots = launch.part_layout(300, p.key.shape, 3)
     assert owner is backend and grid == 3 and slots == 3 * backend.rows_per_block
-    assert head[:6] == [0x1000, backend.block, grid, grid, int(p.vec_ok), 0x77] and len(align) == n_in + n_out
+    assert head[:7] == [0x1000, backend.block, 0, grid, grid, int(p.vec_ok), 0x77] and len(align) == n_in + n_out
     assert form == record.FORM_ROW_SUMS and then == [(0x2000, launch.parts_grid(40), launch.PARTS_BLOCK, -1, 0)]
     assert temps == [(record.scalar_type(torch.float32), slots * 40)] * 2
     a = backend.struct.from_buffer_copy(raw)
     assert (a.rows, a.cols, a.slots) == (300, 40, slots) and list(a.ptrs[n_in + n_out:]) == [None, None]
-    assert head[6] == backend.struct.ptrs.offset and head[6] + 8 * (len(align) + len(temps)) <= len(raw)
+    assert head[7] == backend.struct.ptrs.offset and head[7] + 8 * (len(align) + len(temps)) <= len(raw)
     # a vectors-only kernel (fuser.rows.plan.RowKey.steps, with its kernel for launches without vectors): the vector
     # field says so, and hotpath.cpp hands a call whose pointers are not aligned to Python
     backend.any_launch = launch.AnyLaunch(fused.spec, p)
     rec, _, _ = record._row_or_column_cuda(geo, True, p.tensors, p.scalars, outputs, [], [])
-    assert _cuda_record_tail(rec)[0][4] == record.VECTORS_ONLY == 2
+    assert _cuda_record_tail(rec)[0][5] == record.VECTORS_ONLY == 2
+    # a staged row kernel (fuser.rows.plan.CudaShape.staged): its launch's shared memory, a block's rows of them
+    b = ir.Builder()
+    x = b.input()
+    sspec = STORE.get(STORE.register(b.build([b.add("aten::softmax.int", b.call("aten::mul", x, 0.5), -1, None)])))
+    sargs = [torch.randn(20, 65536, dtype=torch.bfloat16)]
+    p = row_plan(sspec, sargs, target="cuda")
+    assert p.key.shape.staged == (0,) and launch.plan_stage_bytes(p) == 65536 * 2
+    backend = object.__new__(launch.RowCudaKernel)
+    backend.kernel, backend.second, backend.shape, backend.sums = fn, None, p.key.shape, ()
+    backend.struct = launch.args_struct(1, 2, len(p.scalars))
+    backend.block, backend.rows_per_block = p.key.shape.block, 1
+    backend.stage_sizes, backend._stage_blocks, backend.sms = (2,), {65536 * 2: 7}, 132
+    geo = RowGeometry(p, launch.RowKernel("k", "", "cuda", tuple(p.out_dtypes), backend))
+    rec, _, _ = record._row_or_column_cuda(geo, True, p.tensors, p.scalars, geo.new_outputs(), [], [])
+    assert _cuda_record_tail(rec)[0][:5] == [0x1000, 1024, 65536 * 2, 7, 7]
 
     b = ir.Builder()
     x, y = b.input(), b.input()
@@ -997,7 +1012,7 @@ def test_cuda_records_of_row_sums_and_column_kernels(monkeypatch):
     head, align, raw, form, temps, then = _cuda_record_tail(rec)
     g = outer_launch.cuda_grid(4096, 64, 1, 132, 65535, p.key.cvec)
     assert g.grid1 > 0 and g.workspace > 0 and geo.hot_path
-    assert head[:5] == [0x1000, cuda_launch.BLOCK_SIZE, g.grid0, g.grid0, int(p.key.cvec > 1)] and len(align) == 3
+    assert head[:6] == [0x1000, cuda_launch.BLOCK_SIZE, 0, g.grid0, g.grid0, int(p.key.cvec > 1)] and len(align) == 3
     assert form == record.FORM_COLUMNS and temps == [(record.scalar_type(torch.float64), g.workspace)]
     assert then == [(0x1000, g.grid1, cuda_launch.BLOCK_SIZE, backend.struct.stage.offset, 1)]
     a = backend.struct.from_buffer_copy(raw)

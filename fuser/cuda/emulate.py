@@ -14,7 +14,8 @@ never imports it. Data flows one way:
   ``cuLaunchKernel`` (sizes, magic/shift dividers, strides, rank, the vector flag from the pointers'
   alignment, pointers, float arguments, the Philox state);
 * host build: each source's ``templates.PRELUDE`` is swapped for ``host_prelude.PRELUDE``, and its
-  ``templates.CLUSTER`` (thread block clusters), where it has one, for ``host_prelude.CLUSTER`` (the kernel's
+  ``templates.CLUSTER`` (thread block clusters) and its ``templates.STAGE`` (dynamic shared memory), where it has
+  them, for ``host_prelude.CLUSTER`` and ``host_prelude.STAGE`` (the kernel's
   own text is untouched), and wrapped in a namespace of its own. Kernels compile in batches, one object per
   batch and the batches in parallel, linked with the fiber runtime and a request server into one executable:
   ``g++ -O0 -fsanitize=address,undefined -fno-sanitize-recover=all -ffp-contract=off``;
@@ -87,10 +88,13 @@ def host_source(source: str) -> str:
     n = source.count(templates.PRELUDE)
     if n != 1:
         raise ValueError(f"expected fuser.cuda.templates.PRELUDE once in the kernel source, found it {n} times")
-    n = source.count(templates.CLUSTER)
-    if n > 1:
-        raise ValueError(f"expected fuser.cuda.templates.CLUSTER at most once in the kernel source, found it {n} times")
-    return source.replace(templates.PRELUDE, host_prelude.PRELUDE).replace(templates.CLUSTER, host_prelude.CLUSTER)
+    for piece in ("CLUSTER", "STAGE"):
+        n = source.count(getattr(templates, piece))
+        if n > 1:
+            raise ValueError(f"expected fuser.cuda.templates.{piece} at most once in the kernel source, found it {n} "
+                             "times")
+    return (source.replace(templates.PRELUDE, host_prelude.PRELUDE).replace(templates.CLUSTER, host_prelude.CLUSTER)
+            .replace(templates.STAGE, host_prelude.STAGE))
 
 
 def compiler_command() -> str:
@@ -275,9 +279,10 @@ class Emulator:
             self.compile_cpu_seconds += cpu.ru_utime + cpu.ru_stime - cpu0.ru_utime - cpu0.ru_stime
 
     def run(self, name: str, grid: int, block: int, args: bytes, tensors: Sequence[tuple],
-            cluster: int = 1) -> list[bytes]:
+            cluster: int = 1, shared: int = 0) -> list[bytes]:
         """Launch kernel ``name`` on ``grid`` blocks of ``block`` threads with FzArgs bytes ``args``, in
-        clusters of ``cluster`` blocks (1 to 16, dividing ``grid``; a kernel's ``__cluster_dims__`` is not read).
+        clusters of ``cluster`` blocks (1 to 16, dividing ``grid``; a kernel's ``__cluster_dims__`` is not read),
+        with ``shared`` bytes of dynamic shared memory a block.
         ``tensors``: per pointer, (address in ``args``, span in bytes, the input's bytes or None for an output).
         Returns the outputs' bytes."""
         with self._lock:
@@ -286,7 +291,7 @@ class Emulator:
                     raise KeyError(f"no kernel {name} registered with this emulator")
                 self.compile_pending()
             parts = [struct.pack("<I", len(name)), name.encode(),
-                     struct.pack("<IIII", grid, block, cluster, len(args)), args, struct.pack("<I", len(tensors))]
+                     struct.pack("<IIIII", grid, block, cluster, shared, len(args)), args, struct.pack("<I", len(tensors))]
             for address, size, data in tensors:
                 parts.append(struct.pack("<QQI", address, size, data is None))
                 if data is not None:

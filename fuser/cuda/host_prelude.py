@@ -18,7 +18,9 @@ scheduler runs a block's fibers in turn; ``__syncthreads()`` parks the calling f
 waits, the barrier opens and the next phase runs them in the reverse order (a kernel that needs a barrier
 it lacks sees its writes in another order). A fiber that returns while others wait is an error (CUDA
 leaves it undefined). ``__shared__`` is ``static``: one copy that a block's fibers share; blocks run one
-after another, so that is one copy per block. (Dynamic ``extern __shared__`` arrays are not provided yet.)
+after another, so that is one copy per block. Dynamic shared memory (a source's ``templates.STAGE``, swapped for
+:data:`STAGE`) is a heap block of exactly the launch's bytes per CTA, filled with 0xbe bytes when its cluster starts
+(a read before any write shows) and freed when the cluster ends, so an access past it is an ASan error.
 
 Thread block clusters (sm_90): a source's ``templates.CLUSTER`` is swapped for :data:`CLUSTER`, and a launch in
 clusters of N blocks runs one cluster after another, a fiber per thread of its N CTAs. They take turns: CTA 0 runs
@@ -65,6 +67,8 @@ unsigned cluster_rank();
 void cluster_sync();
 void cluster_put(const void* slot, const void* value, size_t size);
 void cluster_get(const void* slot, unsigned rank, void* value, size_t size);
+// dynamic shared memory (STAGE below): the running CTA's
+unsigned char* dyn_smem();
 typedef void (*entry_fn)(const void* args);
 // what the server needs to know of one kernel: how to call it and where its FzArgs keeps the pointers
 struct KernelInfo { const char* name; entry_fn entry; size_t args_size; size_t ptrs_offset; size_t n_ptrs; };
@@ -163,6 +167,20 @@ template <class A> __device__ __forceinline__ A fz_cluster_get(const A* p, unsig
 }
 """
 
+# replaces templates.STAGE where a kernel's source has it: the running CTA's dynamic shared memory
+STAGE = r"""// fuser: dynamic shared memory, on the host (fuser/cuda/host_prelude.py)
+__device__ __forceinline__ unsigned char* fz_dyn_smem() { return fz_emu::dyn_smem(); }
+template <int B> __device__ __forceinline__ void fz_cp(void* dst, const void* src) {
+  static_assert(B == 4 || B == 8 || B == 16, "copies of 4, 8 or 16 bytes");
+  if (reinterpret_cast<uintptr_t>(dst) % B || reinterpret_cast<uintptr_t>(src) % B) {
+    fprintf(stderr, "fuser emulation: a copy of %d bytes into shared memory is not aligned to them\n", B);
+    abort();
+  }
+  memcpy(dst, src, B);
+}
+__device__ __forceinline__ void fz_cp_wait() {}
+"""
+
 # one kernel: its host source in a namespace of its own (preludes define the same names), and a
 # non-template entry the server calls with a pointer to the FzArgs bytes
 KERNEL_UNIT = Template(r"""namespace fzk_${name} {
@@ -194,7 +212,7 @@ extern const size_t fz_batch_${index}_size;""")
 # the fiber runtime and the server: requests on stdin, results on stdout (fuser.cuda.emulate writes and
 # reads this protocol; all numbers little-endian)
 #   request:  u32 name length, name, u32 grid, u32 block, u32 cluster (CTAs per cluster, 1 to 16, dividing
-#             grid), u32 args length, FzArgs bytes, u32 tensors,
+#             grid), u32 dynamic shared memory bytes a CTA, u32 args length, FzArgs bytes, u32 tensors,
 #             per tensor: u64 address the launcher put in FzArgs, u64 bytes, u32 is output, then an input's
 #             bytes (the span of memory its view may address)
 #   response: u32 0, then per output u64 bytes and the bytes; or u32 1, u32 length, a message
@@ -237,6 +255,9 @@ unsigned cluster_base = 0, cluster_ctas = 1, rank = 0;
 // what each CTA of the running cluster put, by slot address (a CTA's entries go when it exits)
 std::vector<std::unordered_map<const void*, uint64_t>> puts;
 std::vector<bool> exited;
+// the launch's dynamic shared memory a CTA, and the running cluster's blocks of it (one a CTA)
+uint32_t smem_bytes = 0;
+std::vector<unsigned char*> smem;
 
 void to_scheduler(bool finished) {
   void* fake_stack = nullptr;
@@ -317,6 +338,13 @@ void run_cluster(unsigned c) {
   }
   puts.assign(cluster_ctas, {});
   exited.assign(cluster_ctas, false);
+  smem.assign(cluster_ctas, nullptr);
+  for (unsigned r = 0; r < cluster_ctas; ++r) {
+    smem[r] = static_cast<unsigned char*>(malloc(smem_bytes + (smem_bytes == 0)));
+    if (!smem[r]) fail("no memory for dynamic shared memory");
+    memset(smem[r], 0xbe, smem_bytes);
+  }
+  struct FreeSmem { ~FreeSmem() { for (unsigned char* b : smem) free(b); smem.clear(); } } free_smem;
   std::vector<unsigned> phases(cluster_ctas, 0);
   for (unsigned round = 0;; ++round) {
     for (unsigned k = 0; k < cluster_ctas; ++k) {
@@ -347,6 +375,11 @@ void syncthreads() {
 
 unsigned cluster_rank() { return rank; }
 
+unsigned char* dyn_smem() {
+  if (smem_bytes == 0) fail("a kernel uses dynamic shared memory, and its launch gave it none");
+  return smem[rank];
+}
+
 void cluster_sync() {
   fibers[current].state = AT_CLUSTER;
   to_scheduler(false);
@@ -366,7 +399,7 @@ void cluster_get(const void* slot, unsigned r, void* value, size_t size) {
   memcpy(value, &found->second, size);
 }
 
-void launch(const KernelInfo& k, const void* args, unsigned grid, unsigned block, unsigned cluster) {
+void launch(const KernelInfo& k, const void* args, unsigned grid, unsigned block, unsigned cluster, uint32_t shared) {
   while (fibers.size() < (size_t)cluster * block) {
     void* stack = mmap(nullptr, kStackSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                        -1, 0);
@@ -379,6 +412,7 @@ void launch(const KernelInfo& k, const void* args, unsigned grid, unsigned block
   grid_dim = {grid, 1, 1};
   block_dim = {block, 1, 1};
   cluster_ctas = cluster;
+  smem_bytes = shared;
   for (unsigned c = 0; c < grid / cluster; ++c) run_cluster(c);
   running = "(none)";
 }
@@ -439,6 +473,7 @@ int main() {
     if (!read_exact(&name[0], name_size)) return 3;
     const uint32_t grid = read_value<uint32_t>(), block = read_value<uint32_t>();
     const uint32_t cluster = read_value<uint32_t>();
+    const uint32_t shared = read_value<uint32_t>();
     const uint32_t args_size = read_value<uint32_t>();
     std::vector<char> args(args_size);
     if (!read_exact(args.data(), args_size)) return 3;
@@ -505,7 +540,7 @@ int main() {
       continue;
     }
     alarm(${timeout_s});  // a kernel that never ends is killed (SIGALRM) rather than hanging the tests
-    fz_emu::launch(info, launch_args, grid, block, cluster);
+    fz_emu::launch(info, launch_args, grid, block, cluster, shared);
     alarm(0);
     free(launch_args);
     for (uint32_t k = 0; k < n_tensors; ++k)

@@ -457,3 +457,30 @@ template <class A> __device__ __forceinline__ A fz_cluster_get(const A* p, unsig
   return v;
 }
 """
+
+
+# dynamic shared memory (a staged row kernel's, fuser/rows/templates.py's CUDA_STAGE: the launch gives its bytes) and
+# copies into it from global memory that do not pass through registers (cp.async, sm_80 and later: a thread has
+# as many in flight as it issues; before sm_80 plain copies), waited for by the issuing thread (fz_cp_wait); the host
+# emulation swaps this for host_prelude.STAGE
+STAGE = r"""// fuser: dynamic shared memory
+__device__ __forceinline__ unsigned char* fz_dyn_smem() {
+  extern __shared__ __align__(16) unsigned char fz_dsmem[];
+  return fz_dsmem;
+}
+template <int B> __device__ __forceinline__ void fz_cp(void* dst, const void* src) {
+  static_assert(B == 4 || B == 8 || B == 16, "copies of 4, 8 or 16 bytes");
+#if __CUDA_ARCH__ >= 800
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  if (B == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
+  else asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" :: "r"(d), "l"(src), "n"(B) : "memory");
+#else
+  *reinterpret_cast<fz_vec<unsigned char, B>*>(dst) = *reinterpret_cast<const fz_vec<unsigned char, B>*>(src);
+#endif
+}
+__device__ __forceinline__ void fz_cp_wait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+"""

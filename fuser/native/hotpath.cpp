@@ -104,6 +104,7 @@ struct Launch {
   // CUDA: the by-value argument struct with everything but pointers, the vector flag and float arguments
   std::vector<uint8_t> args;
   int64_t ptrs_off = 0, vec_off = 0, scalars_off = 0, block = 0, grid_vec = 0, grid_scalar = 0;
+  int64_t smem = 0;  // the first kernel's dynamic shared memory (a staged row kernel's)
   int64_t vec_shape = 0;  // 0: no vectors; 1: where the pointers are aligned; 2: vectors only (else Python's)
   void* ctx = nullptr;
   std::vector<int64_t> align;  // per pointer (inputs, outputs): bytes the vector path needs, 0: any
@@ -372,7 +373,8 @@ bool launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sc
   void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(l.device).native_handle();
   void* params[1] = {base};
   timer.mark(kPack);
-  int err = cu_launch(l.fn, grid, 1, 1, static_cast<unsigned>(l.block), 1, 1, 0, stream, params, nullptr);
+  int err = cu_launch(l.fn, grid, 1, 1, static_cast<unsigned>(l.block), 1, 1, static_cast<unsigned>(l.smem), stream,
+                      params, nullptr);
   TORCH_CHECK(err == 0, "fuser: cuLaunchKernel failed with CUresult ", err);
   for (const Then& t : l.then) {  // (cuLaunchKernel copied the arguments: they may change for the next)
     if (t.patch_off >= 0) std::memcpy(base + t.patch_off, &t.patch, 4);
@@ -961,6 +963,8 @@ std::shared_ptr<Launch> parse(const std::vector<int64_t>& sig, const std::vector
       load_driver();
       TORCH_CHECK(cu_launch && cu_ctx_get_current, "fuser native: libcuda.so.1 has no cuLaunchKernel");
       l->block = r.next();
+      l->smem = r.next();
+      TORCH_CHECK(0 <= l->smem && l->smem < (int64_t(1) << 31), "fuser native record: shared memory");
       l->grid_vec = r.next();
       l->grid_scalar = r.next();
       l->vec_shape = r.next();

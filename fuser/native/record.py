@@ -95,7 +95,7 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
     struct = type(loc.args)
     raw = ctypes.string_at(ctypes.addressof(loc.args), ctypes.sizeof(loc.args))
     ctx = cuda_launch.primary_context_handle(backend.device_index)
-    rec += [backend._function_ptr, cuda_launch.BLOCK_SIZE, backend.grid(geo, True), backend.grid(geo, False),
+    rec += [backend._function_ptr, cuda_launch.BLOCK_SIZE, 0, backend.grid(geo, True), backend.grid(geo, False),
             int(bool(geo.vec_shape)), ctx, struct.ptrs.offset, struct.vec.offset, struct.scalars.offset,
             len(backend.vec_align), *backend.vec_align, len(raw), *raw]
     # a random kernel (not under autograd, as on the CPU) gets its launch state drawn per call by hotpath.cpp from
@@ -132,7 +132,7 @@ def _row_or_column_cuda(geo, rows: bool, tensors, scalars, outputs, rec: list, f
         from ..rows import launch as row_launch
         kernel, struct = backend.kernel, backend.struct
         temps, then, form, slots = [], [], FORM_PLAIN, 0
-        grid = backend.grid(geo)
+        grid, smem = backend.grid(geo), backend.smem(geo)  # (a staged row kernel's shared memory)
         if backend.sums:  # (slots and the grid follow from the rows: fixed per signature)
             grid, slots, dtypes = backend.parts(geo)
             temps = [(scalar_type(dt), slots * geo.cols) for dt in dtypes]
@@ -147,7 +147,7 @@ def _row_or_column_cuda(geo, rows: bool, tensors, scalars, outputs, rec: list, f
         from ..rows import outer_launch
         kernel, struct = backend.kernel, backend.struct
         g = backend.grid_for(geo)
-        grid, block, vec_shape, form = g.grid0, cuda_launch.BLOCK_SIZE, geo.cvec > 1, FORM_COLUMNS
+        grid, block, vec_shape, form, smem = g.grid0, cuda_launch.BLOCK_SIZE, geo.cvec > 1, FORM_COLUMNS, 0
         temps = [(scalar_type(torch.float64), g.workspace)]  # (none: a null pointer)
         then = [(kernel._function_ptr, g.grid1, block, struct.stage.offset, 1)] if g.grid1 else []
         args = outer_launch.fill_args(struct, geo, g, 0, tensors, scalars, outputs, 0)
@@ -155,7 +155,7 @@ def _row_or_column_cuda(geo, rows: bool, tensors, scalars, outputs, rec: list, f
     if len(align) != n_ptrs:
         return None
     raw = ctypes.string_at(ctypes.addressof(args), ctypes.sizeof(args))
-    rec += [kernel._function_ptr, block, grid, grid, int(vec_shape),
+    rec += [kernel._function_ptr, block, smem, grid, grid, int(vec_shape),
             cuda_launch.primary_context_handle(kernel.device_index), struct.ptrs.offset, struct.vec.offset,
             struct.scalars.offset, len(align), *align, len(raw), *raw]
     rec += _cuda_tail(form, temps, then)

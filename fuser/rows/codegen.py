@@ -199,6 +199,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     # h_<name>[items]; the pass being generated is counted in npass
     holds = held_values(group) if cuda and shape.held else [frozenset()] * len(row_passes(group))
     npass = [0]
+    assert not shape or not shape.staged or steps is not None, "a staged row kernel takes whole vectors only"
     producer = {n.out.id: n for n in group.nodes}
     # CPU: per pass, the values it reads from scratch rows and those it writes there (plan.kept_values): costly
     # ones, and those that read two tensor inputs or more (x + bias + residual: one scratch row read instead of
@@ -246,6 +247,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         full = str(shape.full).lower()
 
         def load(k: int) -> str:
+            if k in shape.staged:  # copied into shared memory at the row's start (CUDA_STAGE's fz_row_fetch)
+                return f"fz_row_staged<{n}, {shape.vec}, {shape.tpr}, {full}>(xl{k}, fz_sg{k}, {at}, lane, cols);"
             if steps is not None:
                 return (f"fz_row_vec<{n}, {shape.vec}, {shape.tpr}, {full}, {steps[k]}>(xl{k}, t{k}, off{k}, {at}, "
                         f"lane, cols);")
@@ -491,12 +494,21 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         if cl:  # the CTA's segment: its inputs' offsets start at its first column
             offsets += "".join(f"\n    off{kk} += (long long)fz_c0 * cs{kk};" for kk in range(n_in))
         offsets += row_loads
+        if shape.staged:  # each thread's vectors of the row's staged inputs, in flight at once
+            offsets += "".join(f"\n    fz_row_fetch<{shape.vec}, {shape.tpr}>(fz_sg{k}, t{k}, off{k}, lane, cols);"
+                               for k in shape.staged) + "\n    fz_cp_wait();"
         n_sh = max(1, shape.block // 32) + (2 if cl else 0)
+        stage = []
+        if shape.staged:  # (plan.stage_row_bytes's layout)
+            row = [f"((size_t)cols * sizeof({storage_type(inputs[k])}) + 15) / 16 * 16" for k in shape.staged]
+            stage = [t.CUDA_STAGE.substitute(tpr=shape.tpr, row_bytes=" + ".join(row), pointers="\n".join(
+                f"  {storage_type(inputs[k])}* const fz_sg{k} = ({storage_type(inputs[k])}*)(fz_stage"
+                + "".join(f" + {r}" for r in row[:i]) + ");" for i, k in enumerate(shape.staged)))]
         return t.CUDA_KERNEL.substitute(
             sums_decl=sums_decl, sums_store=t.CUDA_CLUSTER_END if cl else sums_store, parts_kernel=parts_kernel,
-            name=name, prelude=cuda_t.PRELUDE + (cuda_t.CLUSTER if cl else ""),
+            name=name, prelude=cuda_t.PRELUDE + (cuda_t.CLUSTER if cl else "") + (cuda_t.STAGE if shape.staged else ""),
             row_prelude=t.ROW_PRELUDE.substitute(
-                fn="__device__ __forceinline__", row_reduce=t.ROW_REDUCE + (t.CLUSTER_REDUCE if cl else "")),
+                fn="__device__ __forceinline__", row_reduce=t.ROW_REDUCE + (t.CLUSTER_REDUCE if cl else "") + (t.ROW_FETCH if shape.staged else "")),
             cluster_dims=f"__cluster_dims__({shape.cluster}, 1, 1) " if cl else "",
             cols=t.CUDA_CLUSTER_COLS.substitute(seg=shape.tpr * shape.items) if cl else t.CUDA_COLS,
             first_block=f"(blockIdx.x / {shape.cluster})" if cl else "blockIdx.x",
@@ -506,7 +518,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             min_blocks=f", {shape.min_blocks}" if shape.min_blocks > 1 else "",
             tpr=shape.tpr, rpb=shape.block // shape.tpr,
             items=shape.items, vec=shape.vec, params="\n".join(params),
-            shared="\n".join(f"  __shared__ {a} fz_sh_{a}[{n_sh}];" for a in sorted(shared)),
+            shared="\n".join([f"  __shared__ {a} fz_sh_{a}[{n_sh}];" for a in sorted(shared)] + stage),
             offsets=offsets, cache="\n".join(cache), phases="\n".join(phases))
     if vector is not None and not vector.on:  # some pass has no vector form: scalar loops throughout
         return generate(group, inputs, node_types, target, name, n_scalar_slots, vectorize=False,

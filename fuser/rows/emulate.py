@@ -75,7 +75,8 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
                             slots)
     spans = _spans(p.tensors, empty=0) + [(o.data_ptr(), max(1, o.numel()) * o.element_size(), None)
                                           for o in (*outputs, *parts)]
-    results = emulator.run(name, grid, block, bytes(args), spans, cluster=p.key.shape.cluster)
+    results = emulator.run(name, grid, block, bytes(args), spans, cluster=p.key.shape.cluster,
+                           shared=launch.plan_stage_bytes(p))
     _copy_back([*outputs, *parts], results)
     if sums:  # the second kernel: reads the partial rows, writes the sums, leaves the other outputs alone
         spans = _spans(p.tensors, empty=0) + [

@@ -18,7 +18,7 @@ from .. import codegen, ir, settings
 from . import codegen as row_codegen
 from . import decompose
 from . import templates as t
-from .plan import RowPlan, column_sum_form, with_row_inputs
+from .plan import RowPlan, column_sum_form, stage_bytes, with_row_inputs
 
 
 @dataclass
@@ -69,8 +69,20 @@ def build(spec, p: RowPlan) -> Optional[RowKernel]:
 
 
 def any_plan(p: RowPlan) -> RowPlan:
-    """The plan of a vectors-only kernel (``RowKey.steps``) for the kernel with the launch's ``args.vec`` checked."""
-    return dataclasses.replace(p, key=dataclasses.replace(p.key, steps=None))
+    """The plan of a vectors-only kernel (``RowKey.steps``) for the kernel with the launch's ``args.vec`` checked
+    (which keeps no input in shared memory: ``CudaShape.staged``)."""
+    shape = p.key.shape and dataclasses.replace(p.key.shape, staged=())
+    return dataclasses.replace(p, key=dataclasses.replace(p.key, steps=None, shape=shape))
+
+
+def element_sizes(dtypes) -> tuple:
+    return tuple(torch.empty((), dtype=dt).element_size() for dt in dtypes)
+
+
+def plan_stage_bytes(p: RowPlan) -> int:
+    """The dynamic shared memory of a launch of ``p``'s CUDA row kernel (``plan.stage_bytes``)."""
+    sh = p.key.shape
+    return stage_bytes(sh, p.cols, element_sizes(p.key.inputs[k][0] for k in sh.staged)) if sh else 0
 
 
 class AnyLaunch:
@@ -221,7 +233,7 @@ def _load_cuda(source: str, name: str, p: RowPlan):
     second = cuda_launch.CudaKernel(name + "_sum", image, index, False, 0, n_in + n_out, len(p.scalars), 1,
                                     (0,) * (n_in + n_out)) if n_sums else None
     return RowCudaKernel(kernel, args_struct(n_in, n_in + n_out + n_sums, len(p.scalars)), p.key.shape,
-                         p.key.sums, second), compiled
+                         p.key.sums, second, element_sizes(p.key.inputs[k][0] for k in p.key.shape.staged)), compiled
 
 
 def grid_for(rows: int, shape, max_blocks: int) -> int:
@@ -265,17 +277,28 @@ class RowCudaKernel:
     device holds at once)."""
 
     any_launch = None  # a vectors-only kernel's: the kernel for launches without vectors (AnyLaunch)
+    stage_sizes: tuple = ()  # a staged kernel's: its staged inputs' element sizes (CudaShape.staged)
 
-    def __init__(self, kernel, struct, shape, sums: tuple = (), second=None):
+    def __init__(self, kernel, struct, shape, sums: tuple = (), second=None, stage_sizes: tuple = ()):
         from cuda.bindings import driver
         from ..cuda import launch as cuda_launch
         self.kernel, self.struct, self.shape = kernel, struct, shape
         self.sums, self.second = sums, second  # column sums, and the kernel adding their partial rows
         self.block, self.rows_per_block = shape.block, shape.block // shape.tpr
+        self.stage_sizes = stage_sizes  # the staged inputs' element sizes (CudaShape.staged)
+        self._stage_blocks: dict = {}  # a staged kernel's max_blocks by its launch's shared memory
         with torch.cuda.device(kernel.device_index):
+            if shape.staged:  # up to the device's opt-in limit less the kernel's static arrays
+                static = cuda_launch.call(driver.cuFuncGetAttribute,
+                                          driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                                          kernel._function)
+                optin = torch.cuda.get_device_properties(kernel.device_index).shared_memory_per_block_optin
+                cuda_launch.call(driver.cuFuncSetAttribute, kernel._function,
+                                 driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                 optin - static)
             per_sm = cuda_launch.call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, kernel._function,
                                       self.block, 0)
-        sms = torch.cuda.get_device_properties(kernel.device_index).multi_processor_count
+        sms = self.sms = torch.cuda.get_device_properties(kernel.device_index).multi_processor_count
         self.max_blocks = 2 ** 31 - 1 if shape.uncapped else max(1, per_sm) * sms * ROW_WAVES
         if shape.cluster > 1:  # the clusters that fit the device at once (GPCs bound them), in CLUSTER_WAVES
             clusters = max_active_clusters(kernel, shape)
@@ -288,8 +311,23 @@ class RowCudaKernel:
         self.parts_blocks = max(1, per_sm) * sms  # column sums: one wave, a partial row per slot
         self._local = threading.local()
 
+    def smem(self, geo) -> int:
+        """The dynamic shared memory of a launch over ``geo``'s rows (a staged kernel's rows, else 0)."""
+        return stage_bytes(self.shape, geo.cols, self.stage_sizes)
+
     def grid(self, geo) -> int:
-        return grid_for(geo.rows, self.shape, self.max_blocks)
+        if not self.shape.staged:
+            return grid_for(geo.rows, self.shape, self.max_blocks)
+        smem = self.smem(geo)  # the blocks an SM holds with this launch's shared memory, in ROW_WAVES waves
+        top = self._stage_blocks.get(smem)
+        if top is None:
+            from cuda.bindings import driver
+            from ..cuda import launch as cuda_launch
+            with torch.cuda.device(self.kernel.device_index):
+                per_sm = cuda_launch.call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, self.kernel._function,
+                                          self.block, smem)
+            top = self._stage_blocks[smem] = max(1, per_sm) * self.sms * ROW_WAVES
+        return grid_for(geo.rows, self.shape, top)
 
     def parts(self, geo) -> tuple[int, int, tuple]:
         """Column sums: (the row kernel's grid, its slots, the partial-row buffers' dtypes; each [slots, cols]), as
@@ -313,7 +351,7 @@ class RowCudaKernel:
         loc.args, loc.params, loc.params_addr = a, params, ctypes.addressof(params)
         index = self.kernel.device_index
         with torch.cuda.device(index):
-            self._do_launch(loc, self.grid(geo), index)
+            self._do_launch(loc, self.grid(geo), index, self.smem(geo))
 
     def _launch_sums(self, geo, tensors, scalars, outputs, vec: bool) -> None:
         """The row kernel on one wave of blocks, each slot writing its partial rows, then the second kernel adding
@@ -340,7 +378,7 @@ class RowCudaKernel:
                     from cuda.bindings import driver
                     cuda_launch.check(driver.CUresult(err), "cuLaunchKernel")
 
-    def _do_launch(self, loc, grid: int, index: int) -> None:
+    def _do_launch(self, loc, grid: int, index: int, smem: int = 0) -> None:
         from ..cuda import launch as cuda_launch
         k = self.kernel
         if not loc.context_ready:
@@ -348,9 +386,9 @@ class RowCudaKernel:
             loc.context_ready = True
         stream = cuda_launch._raw_stream(index)
         if k._raw_launch is not None:
-            err = k._raw_launch(k._function_ptr, grid, 1, 1, self.block, 1, 1, 0, stream, loc.params_addr, None)
+            err = k._raw_launch(k._function_ptr, grid, 1, 1, self.block, 1, 1, smem, stream, loc.params_addr, None)
         else:
-            err, = k._launch(k._function, grid, 1, 1, self.block, 1, 1, 0, stream, loc.params_addr, 0)
+            err, = k._launch(k._function, grid, 1, 1, self.block, 1, 1, smem, stream, loc.params_addr, 0)
             err = 0 if err == k._success else int(err)
         if err:
             from cuda.bindings import driver

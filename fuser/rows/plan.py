@@ -79,7 +79,9 @@ class CudaShape:
     ``uncapped``: the launch takes a block per ``block // tpr`` rows however many that is, rather than at most
     ``launch.ROW_WAVES`` waves of resident blocks grid-striding over the rows (:data:`HELD_BYTES`).
     ``compensated``: a thread adds more than :data:`COMPENSATED_PER_THREAD` of a row's elements, so its float sums
-    carry their rounding error along (Kahan) rather than lose it."""
+    carry their rounding error along (Kahan) rather than lose it. ``staged``: a row read again by each pass keeps
+    these tensor inputs (positions among the tensor inputs) in shared memory: copied there at each row's start
+    (asynchronous copies, all in flight at once), and read back by every pass (:func:`staged_inputs`)."""
 
     tpr: int
     items: int
@@ -89,6 +91,7 @@ class CudaShape:
     cluster: int = 1
     uncapped: bool = False
     compensated: bool = False
+    staged: tuple[int, ...] = ()
 
     @property
     def block(self) -> int:
@@ -246,6 +249,81 @@ def cluster_shape(cols: int, sizes: Sequence[int], width: int, first_loads: int 
         n = -(-cols // span)
         return CudaShape(sh.tpr, sh.items, sh.vec, True, cols == n * span, n)
     return None
+
+
+# a row read again (CudaShape.held False, no cluster) keeps the inputs that several of its passes read, and that
+# differ from row to row, in shared memory while they fit (STAGE_RESERVE bytes left for the kernel's own arrays)
+STAGE_RESERVE = 1024
+STAGE_EMULATED_BYTES = 232448  # the host emulation plans for an H100/H200's shared memory a block (opt-in)
+_STAGE_DEVICES: dict = {}
+
+
+def stage_limit(device: torch.device) -> int:
+    """Bytes of shared memory a block of a staged row kernel may take (``CudaShape.staged``): the device's opt-in
+    limit a block less :data:`STAGE_RESERVE`; 0 where staging is off (``settings.cuda_staged_rows``)."""
+    if not settings.cuda_staged_rows:
+        return 0
+    if device.type != "cuda":
+        return STAGE_EMULATED_BYTES - STAGE_RESERVE
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    got = _STAGE_DEVICES.get(index)
+    if got is None:
+        props = torch.cuda.get_device_properties(index)
+        got = _STAGE_DEVICES[index] = max(0, getattr(props, "shared_memory_per_block_optin", 0) - STAGE_RESERVE)
+    return got
+
+
+def stage_row_bytes(cols: int, sizes: Sequence[int]) -> int:
+    """Shared memory of one row of a staged row kernel: a row of each staged input (element sizes ``sizes``), each
+    rounded up to 16 bytes (the kernel lays them out so: ``fz_stage_row``)."""
+    return sum(-(-cols * s // 16) * 16 for s in sizes)
+
+
+def stage_bytes(shape: CudaShape, cols: int, sizes: Sequence[int]) -> int:
+    """The dynamic shared memory of a launch of a staged row kernel: a staged row per row of its block."""
+    return (shape.block // shape.tpr) * stage_row_bytes(cols, sizes) if shape.staged else 0
+
+
+# Staged rows are one CTA's: the CTAs of a cluster sharing a staged row (a segment of at most 64 KB each, 512 threads
+# a CTA, so that an SM holds three) were slower on an H200 (2026-11-29, fuser alone, staging on / off alternating,
+# two rounds, fraction of the copy floor): softmax(x * 0.125) over rows of 65536 bfloat16 0.42-0.43 against 0.48-0.49
+# read again, layer_norm(x) * w + b 0.40 against 0.55-0.56 (0.64-0.65 staged by one CTA), float32 rows of 65536
+# 0.61-0.73 against 0.71-0.84 held in registers by a cluster
+def staged_shape(group: ir.Group, shape: CudaShape, cols: int, sizes: Sequence[int], strides: Sequence,
+                 limit: int) -> Optional[CudaShape]:
+    """``shape`` (a row read again) keeping in shared memory the inputs :func:`staged_inputs` picks, or None where
+    it picks none. ``sizes``: the tensor inputs' element sizes; ``strides``: theirs (over the row dims, then along the
+    row)."""
+    staged = staged_inputs(group, shape, cols, sizes, strides, limit)
+    return CudaShape(shape.tpr, shape.items, shape.vec, False, shape.full, compensated=shape.compensated,
+                     staged=staged) if staged else None
+
+
+def staged_inputs(group: ir.Group, shape: CudaShape, cols: int, sizes: Sequence[int], strides: Sequence,
+                  limit: int) -> tuple[int, ...]:
+    """The tensor inputs (positions) a row read again keeps in shared memory (``CudaShape.staged``): those that two
+    passes or more read (:func:`row_passes`), that step by 1 along the row (a vectors-only kernel's) and differ
+    from row to row (a weight broadcast over the rows stays in the caches), the most-read first while a block's
+    rows of them fit ``limit`` bytes. ``sizes``: the tensor inputs' element sizes; ``strides``: theirs over the
+    row dims, then along the row."""
+    if shape.held or shape.cluster > 1 or limit <= 0:
+        return ()
+    passes = row_passes(group)
+    tensor_inputs = [v for v in group.inputs if v.is_tensor]
+    reads = []
+    for k, v in enumerate(tensor_inputs):
+        st = strides[k]
+        if st[-1] != 1 or not any(st[:-1]):
+            continue
+        n = sum(v.id in needed(group, w) for w in passes)
+        if n >= 2:
+            reads.append((-n, k))
+    chosen: list[int] = []
+    rpb = shape.block // shape.tpr
+    for _, k in sorted(reads):
+        if rpb * stage_row_bytes(cols, [sizes[j] for j in (*chosen, k)]) <= limit:
+            chosen.append(k)
+    return tuple(sorted(chosen))
 
 
 def needed(group: ir.Group, wanted: Sequence[ir.Value], held: frozenset = frozenset(),
@@ -701,9 +779,12 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: 
                 cuda_sh = cluster_shape(cols, sizes, *pass_width(group, True)) or cuda_sh
             if not cuda_sh.held:  # each pass loads what it reads
                 cuda_sh = _cuda_row_shape(group, cols, sizes, 0, held=False)
+                # or keeps in shared memory what several passes read (a vectors-only kernel's: RowKey.steps below)
+                if settings.cuda_vector_rows and _vectors(cols, strides, cuda_sh.vec):
+                    cuda_sh = staged_shape(group, cuda_sh, cols, sizes[:len(tensors)], strides,
+                                           stage_limit(device)) or cuda_sh
         vec = cuda_sh.vec
-        vec_ok = cols > 0 and cols % vec == 0 and all(st[-1] in (0, 1) and (st[-1] == 0 or all(x % vec == 0 for x in st[:-1]))
-                                         for st in strides)
+        vec_ok = _vectors(cols, strides, vec)
         size = lambda dt: min(16, torch.empty((), dtype=dt).element_size() * vec)  # noqa: E731
         vec_align = tuple(size(t.dtype) if st[-1] == 1 else 0 for t, st in zip(tensors, strides)) + tuple(
             size(dt) if v.id not in rows_v and m not in sums else 0
@@ -722,6 +803,13 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: 
                  tuple(m for m, _, _ in kept_apart), seeded)
     return RowPlan(key, tensors, scalars, rows, cols, lead, strides, out_shapes, out_dtypes, types, vec_ok,
                    vec_align, kept_apart)
+
+
+def _vectors(cols: int, strides: Sequence, vec: int) -> bool:
+    """Whether rows of ``cols`` elements of inputs of ``strides`` (over the row dims, then along the row) may be
+    read in whole vectors of ``vec`` elements (``RowPlan.vec_ok``)."""
+    return cols > 0 and cols % vec == 0 and all(
+        st[-1] in (0, 1) and (st[-1] == 0 or all(x % vec == 0 for x in st[:-1])) for st in strides)
 
 
 def _cuda_row_shape(group: ir.Group, cols: int, sizes: Sequence[int], n_sums: int, held: bool = True) -> CudaShape:

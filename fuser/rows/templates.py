@@ -127,7 +127,40 @@ template <int NV, int V, int TPR, bool FULL, int STEP, class C, class S> __devic
     for (int v = 0; v < V; ++v) dst[i * V + v] = (C)fz_ld(w.v[v]);
   }
 }
+template <int NV, int V, int TPR, bool FULL, class C, class S> __device__ __forceinline__ void fz_row_staged(
+    C* dst, const S* st, int tb, int lane, int cols) {
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int cb = tb + (i * TPR + lane) * V;
+    if (FULL || cb < cols) {
+      const fz_vec<S, V> w = *reinterpret_cast<const fz_vec<S, V>*>(st + cb);
+#pragma unroll
+      for (int v = 0; v < V; ++v) dst[i * V + v] = (C)fz_ld(w.v[v]);
+    } else {
+#pragma unroll
+      for (int v = 0; v < V; ++v) dst[i * V + v] = (C)0;
+    }
+  }
+}
 """
+
+# a staged kernel's copies of its rows into shared memory (with fuser/cuda/templates.py's STAGE, which it calls)
+ROW_FETCH = r"""// a staged input (fuser.rows.plan.CudaShape.staged) in a vectors-only kernel: at a row's start each thread copies
+// the vectors of the row it will read (those of its lane in every trip) into the row's copy in shared memory, st[cb],
+// all of them in flight at once (fz_cp), and waits for its own (fz_cp_wait); the passes read them back
+// (fz_row_staged). A thread reads only what it copied, so no barrier is needed, and a vector past the row's end (the
+// row length is a whole number of vectors) is neither copied nor read: its elements are 0 and not used.
+template <int V, int TPR, class S> __device__ __forceinline__ void fz_row_fetch(S* st, const S* __restrict__ p,
+                                                                               long long off, int lane, int cols) {
+  for (int cb = lane * V; cb < cols; cb += TPR * V) fz_cp<V * sizeof(S)>(st + cb, p + off + cb);
+}
+"""
+
+# a staged kernel's copies of its rows in shared memory (CudaShape.staged): per row of the block, a row of each
+# staged input, each rounded up to 16 bytes (fuser.rows.plan.stage_row_bytes); fz_sg<k>: this thread's row's copy
+# of input k
+CUDA_STAGE = Template(r"""  unsigned char* const fz_stage = fz_dyn_smem() + (size_t)(threadIdx.x / ${tpr}) * (size_t)(${row_bytes});
+${pointers}""")
 
 # a row held by the N CTAs of a thread block cluster (fuser.rows.plan.cluster_shape; a block is one row, TPR its
 # threads): each CTA reduces its segment (fz_row_reduce), thread 0 puts the result into a slot of its shared
