@@ -6,7 +6,9 @@ CUDA combined across the row's threads. Then the row-level nodes whose operands 
 stores the element-level outputs; the row-level outputs are stored once per row. On CUDA a row that fits a
 thread's registers (``plan.CudaShape.held``) is read once: the inputs that several passes read are loaded into
 registers first, and the passes read those; a row held by the CTAs of a cluster (``plan.CudaShape.cluster``) the
-same, each CTA its segment, its reductions combined across the CTAs; a longer row is read again by each pass.
+same, each CTA its segment, its reductions combined across the CTAs; a longer row is read again by each pass,
+its inputs that several passes read copied into shared memory at the row's start where they fit
+(``plan.CudaShape.staged``).
 Each node's statement is the pointwise codegen's (``codegen.body.node_statement``), so an op means the same in
 both kinds of kernel.
 """

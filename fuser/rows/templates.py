@@ -6,8 +6,10 @@ const int64_t* sizes, const int64_t* strides, void* const* ptrs, const double* s
 stride along the row. CUDA: one by-value ``FzArgs`` (mirrored by ``fuser.rows.launch.args_struct``); a row is
 shared by a power of two of consecutive threads (``fuser.rows.plan.CudaShape``), a block holds one or more rows and
 grid-strides over them; or (``CudaShape.cluster``) the CTAs of a thread block cluster share a row, a segment each
-(:data:`CUDA_CLUSTER_COLS`, :data:`CLUSTER_REDUCE`), a cluster per row in turn. Both kernels start from their target's pointwise prelude (so the CUDA host
-emulation swaps it as for every CUDA kernel) and add :data:`ROW_PRELUDE`.
+(:data:`CUDA_CLUSTER_COLS`, :data:`CLUSTER_REDUCE`), a cluster per row in turn. A staged kernel
+(``CudaShape.staged``) keeps rows of some inputs in dynamic shared memory (:data:`CUDA_STAGE`, :data:`ROW_FETCH`).
+Both kernels start from their target's pointwise prelude (so the CUDA host emulation swaps it as for every CUDA
+kernel) and add :data:`ROW_PRELUDE`.
 """
 from string import Template
 
