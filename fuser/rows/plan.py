@@ -275,7 +275,7 @@ def stage_limit(device: torch.device) -> int:
 
 def stage_row_bytes(cols: int, sizes: Sequence[int]) -> int:
     """Shared memory of one row of a staged row kernel: a row of each staged input (element sizes ``sizes``), each
-    rounded up to 16 bytes (the kernel lays them out so: ``fz_stage_row``)."""
+    rounded up to 16 bytes (the kernel lays them out so: ``templates.CUDA_STAGE``)."""
     return sum(-(-cols * s // 16) * 16 for s in sizes)
 
 
