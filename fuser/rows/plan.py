@@ -18,7 +18,7 @@ own: a column kernel that recomputes the summed values from the inputs).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -295,8 +295,7 @@ def staged_shape(group: ir.Group, shape: CudaShape, cols: int, sizes: Sequence[i
     it picks none. ``sizes``: the tensor inputs' element sizes; ``strides``: theirs (over the row dims, then along the
     row)."""
     staged = staged_inputs(group, shape, cols, sizes, strides, limit)
-    return CudaShape(shape.tpr, shape.items, shape.vec, False, shape.full, compensated=shape.compensated,
-                     staged=staged) if staged else None
+    return replace(shape, staged=staged) if staged else None
 
 
 def staged_inputs(group: ir.Group, shape: CudaShape, cols: int, sizes: Sequence[int], strides: Sequence,
