@@ -111,7 +111,7 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
     """Generate and compile the kernel of ``spec`` for ``arg_spec``; None where fusion is not possible
     for these inputs (the caller falls back).
 
-    ``load(source, name, arg_spec, n_strided, kernel_dtypes, n_scalar_slots, vec) -> (backend, compiled)``
+    ``load(source, name, arg_spec, n_strided, kernel_dtypes, n_scalar_slots, vec, waves) -> (backend, compiled)``
     turns the source into the kernel's backend; default: the arg spec's device's (g++ for the CPU, NVRTC and
     the driver for CUDA). The CUDA emulator passes its own (``fuser.cuda.emulate``), and ``probe_device`` (where
     the type probe runs; default: the arg spec's device) for its CPU tensors.
@@ -150,8 +150,10 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
     vector = codegen.has_vector_path(arg_spec.inputs, target, arg_spec.outputs)
     vec = codegen.vector_width(arg_spec.inputs, kernel_dtypes) if vector else 1
     n_slots = len(spec.input_is_tensor) - spec.n_tensor_inputs + (rng.N_STATE if spec.random else 0)
+    waves = codegen.grid_waves([ops.of(n.op).name if ops.of(n.op) else n.op for n in spec.group.nodes],
+                               arg_spec.inputs, vec, target, arg_spec.outputs)
     load = load or (_load_cpu if target == "cpu" else _load_cuda)
-    backend, compiled = load(source, name, arg_spec, n_strided, kernel_dtypes, n_slots, vec)
+    backend, compiled = load(source, name, arg_spec, n_strided, kernel_dtypes, n_slots, vec, waves)
     if compiled:
         _count_compile()
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0", "explain"):  # explain: fuser.explain's tables

@@ -19,7 +19,7 @@ from helpers import (interpret, NAN_SELF_NE_IR, NAN_THRESHOLD_IR, POW_MINUS_TWO_
                      SIGMOID_GT_IR, assert_op_result, assert_same, assert_same_comparison, build, cases, eager,
                      expect_fused, make_args, random_tensor, sigmoid_gt_reference)
 
-from fuser import bench, compiler, executor, fallback, graph_fuser, ops, rng
+from fuser import bench, codegen, compiler, executor, fallback, graph_fuser, ops, rng
 from fuser.cuda import emulate, templates
 from fuser.kernel_cache import STORE
 from fuser.ts_ir import lower
@@ -886,3 +886,47 @@ def test_pow_rounds_its_scalar_exponent_to_a_reduced_dtype():
         for out in (emulate.run_graph(g, [x, y]), executor.run(STORE.get(STORE.register(lower(g))), [x, y])):
             assert out is not None
             torch.testing.assert_close(out[0], ref[0], equal_nan=True, rtol=1e-3, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# the launch's waves (codegen.grid_waves)
+
+MIXED_WIDTH_IR = """graph(%x : Tensor, %col : Tensor, %row : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %a : Tensor = aten::mul(%x, %col)
+  %b : Tensor = aten::add(%a, %row, %one)
+  %c : Tensor = aten::gt(%b, %x)
+  return (%b, %c)
+"""
+
+
+GELU_BIAS_IR = """graph(%x : Tensor, %b : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %none : str = prim::Constant[value="none"]()
+  %a : Tensor = aten::add(%x, %b, %one)
+  %g : Tensor = aten::gelu(%a, %none)
+  return (%g)
+"""
+
+
+def _waves(ir_text: str, inputs) -> object:
+    spec = STORE.get(STORE.register(lower(torch.parse_ir(ir_text))))
+    p = executor.plan(spec, inputs, target="cuda")
+    chosen = []
+    compiler.build(spec, p.arg_spec, load=lambda *a: (chosen.append(a[7]), (None, False))[1], probe_device="cpu")
+    return chosen[0]
+
+
+def test_cheap_walking_kernels_launch_one_trip_a_thread():
+    """codegen.grid_waves: a broadcast affine over float32 or a float16 tensor plus a float32 bias (4-element vectors,
+    cheap ops) launch a block per 256 vectors; a GELU, 8-element float16 vectors and a transposed (tiled) input
+    keep the launcher's default waves."""
+    col, row = random_tensor((61, 1), torch.float32), random_tensor((128,), torch.float32)
+    affine = MIXED_WIDTH_IR.replace("  %c : Tensor = aten::gt(%b, %x)\n", "").replace("return (%b, %c)", "return (%b)")
+    assert _waves(affine, [random_tensor((61, 128), torch.float32), col, row]) == codegen.CHEAP_WAVES
+    assert _waves(MIXED_WIDTH_IR, [random_tensor((61, 128), torch.float16), col, row]) == codegen.CHEAP_WAVES
+    assert _waves(affine, [random_tensor((61, 128), torch.float16), col.half(), row.half()]) is None  # 8 elements
+    assert _waves(GELU_BIAS_IR, [random_tensor((61, 128), torch.float32), row]) is None
+    residual = random_tensor((61, 128), torch.float32)
+    assert _waves(affine, [random_tensor((128, 61), torch.float32).t(), col, residual]) is None  # the tiled path
+    assert codegen.grid_waves(["mul", "add"], [], 4, "cpu") is None

@@ -647,3 +647,33 @@ def test_an_expanded_attention_mask_runs_the_memory_efficient_kernel():
             for _ in range(3):  # the profiling executor's runs, then the optimized graph
                 out = traced(q, keep)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+AFFINE_IR = """graph(%x : Tensor, %col : Tensor, %row : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %a : Tensor = aten::mul(%x, %col)
+  %b : Tensor = aten::add(%a, %row, %one)
+  %r : Tensor = aten::relu(%b)
+  return (%r)
+"""
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=str)
+def test_cheap_walking_kernels_launch_a_block_per_256_vectors(dtype):
+    """codegen.grid_waves on the device: a float32 affine with broadcast operands (4-element vectors, cheap ops)
+    takes a block per 256 vectors, past the 8 waves a walking kernel got before; float16 (8-element vectors) keeps
+    8 waves of grid-striding blocks. Both against eager over 16M elements."""
+    x = random_tensor((4096, 4096), dtype, "cuda")
+    col, row = random_tensor((4096, 1), dtype, "cuda"), random_tensor((4096,), dtype, "cuda")
+    spec = STORE.get(STORE.register(lower(torch.parse_ir(AFFINE_IR))))
+    out = executor.run(spec, [x, col, row])
+    assert_same(out[0], interpret(torch.parse_ir(AFFINE_IR), [x.double(), col.double(), row.double()])[0].to(dtype),
+                dtype)
+    (kernel,) = [k for k in spec.kernels().values() if k is not None]
+    backend = kernel.backend
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    blocks = backend.grid(executor.Geometry(executor.plan(spec, [x, col, row]), kernel), True)
+    if dtype == torch.float32:
+        assert backend.max_blocks > backend.per_sm * sms * 8 and blocks == x.numel() // 4 // 256
+    else:
+        assert blocks == backend.max_blocks == backend.per_sm * sms * 8

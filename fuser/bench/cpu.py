@@ -22,6 +22,7 @@ CPU_LARGE.update({f"{op}{suffix}": (2 ** 22 // cols, cols) for op in ("softmax_s
                   for suffix, cols in (("", 4096), ("_r512", 512), ("_r16k", 16384), ("_r64k", 65536))})
 CPU_LARGE["bias_residual_layer_norm"] = (1024, 4096)
 CPU_LARGE["sum0_mul"] = (1024, 4096)  # issue 12's sum over dim 0: 4M elements
+CPU_LARGE["channels_last_affine_relu"] = (32, 256, 56, 56)  # the GPU's row takes batch 64
 CPU_DTYPES = (torch.float32, torch.bfloat16)
 
 

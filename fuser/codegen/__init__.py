@@ -13,12 +13,13 @@ The package: ``common.py`` (options, value types, literals, layout facts) → ``
 statement per node) → ``cpu_vector.py`` (the CPU vector path's lines) → ``emit.py`` (the kernel text per target).
 """
 from .body import generate
-from .common import (CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_VECTORS_PER_TRIP, REDUCED, TARGETS,
-                     TILE_SCALAR, VECTOR_BYTES, KernelOptions, NodeTypes, NotFusable, has_tiled_path, has_vector_path,
-                     literal, strided_operands, tile_shape, tiled_vector, value_type, vector_width)
+from .common import (CHEAP_OPS, CHEAP_WAVES, CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_VECTORS_PER_TRIP,
+                     REDUCED, TARGETS, TILE_SCALAR, VECTOR_BYTES, KernelOptions, NodeTypes, NotFusable, grid_waves,
+                     has_tiled_path, has_vector_path, literal, strided_operands, tile_shape, tiled_vector, value_type,
+                     vector_width)
 from .cpu_vector import VECTOR_TYPES, vector_ready, vector_template
 
-__all__ = ["CPU_PARALLEL_MIN", "CPU_PARALLEL_WORK", "CPU_ROW_CHUNK", "CPU_VECTORS_PER_TRIP", "REDUCED", "TARGETS",
+__all__ = ["CHEAP_OPS", "CHEAP_WAVES", "CPU_PARALLEL_MIN", "CPU_PARALLEL_WORK", "CPU_ROW_CHUNK", "CPU_VECTORS_PER_TRIP", "REDUCED", "TARGETS",
            "TILE_SCALAR", "VECTOR_BYTES", "VECTOR_TYPES", "KernelOptions", "NodeTypes", "NotFusable", "generate",
-           "has_tiled_path", "has_vector_path", "literal", "strided_operands", "tile_shape", "tiled_vector",
+           "grid_waves", "has_tiled_path", "has_vector_path", "literal", "strided_operands", "tile_shape", "tiled_vector",
            "value_type", "vector_ready", "vector_template", "vector_width"]

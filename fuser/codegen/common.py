@@ -192,3 +192,32 @@ def vector_width(inputs: Sequence[TensorDesc], out_dtypes: Sequence[torch.dtype]
     sizes += [torch.empty((), dtype=d).element_size() for d in out_dtypes]
     return max(1, min(16, VECTOR_BYTES // max(sizes))) if sizes else 1
 
+
+# Ops of a few instructions an element: no special function, division or long sequence (a kernel of only these is
+# bound by memory, not by its instructions; see grid_waves)
+CHEAP_OPS = frozenset({
+    "abs", "add", "addcmul", "cast", "ceil", "clamp", "clamp_max", "clamp_max_tensor", "clamp_min", "clamp_min_tensor",
+    "clamp_tensor", "eq", "floor", "frac", "ge", "gt", "hardsigmoid", "hardswish", "hardtanh", "le", "leaky_relu",
+    "lerp", "lt", "maximum", "minimum", "mul", "ne", "neg", "relu", "relu6", "round", "rsub", "sub", "threshold",
+    "trunc", "type_as", "where"})
+# Blocks a CUDA pointwise kernel with an index walk (a broadcast or chunked operand) launches, in waves of what the
+# GPU holds at once (fuser.cuda.launch.CudaKernel; 0: a block per 256 vectors, one trip a thread). Walking kernels
+# took 8 waves (launch.GRID_WAVES), as the 2-byte GELU rows, bound by their instructions, ran fastest so; cheap bodies
+# over 4-element vectors run fastest with one trip a thread. H200 (2026-11-29, fuser alone, two rounds, fraction of
+# the copy floor, 8 waves / one trip): float16 + float32 bias (reduced_plus_float_bias) 0.91-0.93 / 0.94-0.96,
+# outer_affine float32 0.95-0.98 / 0.97-1.00, channels_last affine + relu float32 0.93 / 0.94-0.96 (at batch 128:
+# 0.96-0.98 / 1.00); where 8 waves stay: the GELU float16/bfloat16 0.87-0.91 / 0.80-0.82, float32 0.96-0.97 /
+# 0.93-0.96, channels_last float16/bfloat16 (8-element vectors) 0.86-0.88 / 0.82-0.86; the LSTM cell float32 1.00-1.02
+# / 1.03-1.04 (sigmoids and tanhs: kept at 8 waves, the rule's simplest side).
+CHEAP_WAVES = 0
+
+
+def grid_waves(op_names: Sequence[str], inputs: Sequence[TensorDesc], vec: int, target: str,
+               out_layouts: Sequence[str] = ()) -> Optional[int]:
+    """The launch's waves for a kernel of these ops and inputs (``CHEAP_WAVES`` where its vectors hold 2 to 4
+    elements, every op is in ``CHEAP_OPS`` and it has no tiled path), or None: the launcher's default."""
+    if (target == "cuda" and 2 <= vec <= 4 and all(n in CHEAP_OPS for n in op_names)
+            and not has_tiled_path(inputs, target, out_layouts)):
+        return CHEAP_WAVES
+    return None
+

@@ -220,7 +220,7 @@ class Emulator:
             if name not in self._where:
                 self._pending[name] = source
 
-    def _load(self, source, name, arg_spec, n_strided, kernel_dtypes, n_slots, vec) -> tuple:
+    def _load(self, source, name, arg_spec, n_strided, kernel_dtypes, n_slots, vec, waves) -> tuple:
         self.add(name, source)
         n_ptrs = len(arg_spec.inputs) + len(kernel_dtypes)
         backend = EmulatedKernel(self, name, arg_spec.index32, n_strided, n_ptrs, n_slots, vec,

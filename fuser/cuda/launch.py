@@ -11,6 +11,7 @@ import functools
 import os
 import threading
 import weakref
+from typing import Optional
 
 import torch
 
@@ -27,7 +28,10 @@ BLOCK_SIZE = 256
 # float32 0.93-0.95 / 0.96 / 0.97-0.98, reduced_plus_float_bias 0.89-0.90 / 0.90-0.92 / 0.93-0.94, but gelu_bias
 # float16 and bfloat16 (bound by arithmetic) 0.80-0.84 / 0.81-0.84 / 0.78-0.82; one trip per thread gave those two
 # 0.70-0.76 on another H200 that day.
+# (codegen.grid_waves picks one trip a thread for cheap bodies over 4-element vectors, unless the environment sets
+# FUSER_GRID_WAVES_STRIDED)
 GRID_WAVES = int(os.environ.get("FUSER_GRID_WAVES_STRIDED", "8"))
+_WAVES_SET = "FUSER_GRID_WAVES_STRIDED" in os.environ or "FUSER_GRID_WAVES_DENSE" in os.environ
 GRID_WAVES_DENSE = int(os.environ.get("FUSER_GRID_WAVES_DENSE", "0"))
 # The launch itself: "cuda-python" uses the binding with a prebuilt parameter array; "ctypes" calls libcuda's
 # cuLaunchKernel directly. On an H200 host the binding took 3.9 us a launch and ctypes 5.2 us.
@@ -140,10 +144,12 @@ def primary_context_handle(device_index: int) -> int:
 
 
 class CudaKernel:
-    """A loaded kernel of one arg spec; :meth:`launch` runs it for a :class:`fuser.executor.Plan`."""
+    """A loaded kernel of one arg spec; :meth:`launch` runs it for a :class:`fuser.executor.Plan`. ``waves``: the
+    most blocks a launch takes, in multiples of what the GPU holds at once (0: one trip a thread; None: GRID_WAVES
+    for a kernel with strided operands, GRID_WAVES_DENSE otherwise)."""
 
     def __init__(self, name: str, image: bytes, device_index: int, index32: bool, n_strided: int,
-                 n_ptrs: int, n_scalars: int, vec: int, vec_align: tuple):
+                 n_ptrs: int, n_scalars: int, vec: int, vec_align: tuple, waves: Optional[int] = None):
         from cuda.bindings import driver
         self.name, self.device_index, self.vec = name, device_index, vec
         self.vec_align = vec_align  # per pointer: bytes it must be aligned to for the vector path (0: any)
@@ -157,7 +163,8 @@ class CudaKernel:
             per_sm = call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, self._function, BLOCK_SIZE, 0)
         self.per_sm = max(1, per_sm)  # blocks of BLOCK_SIZE threads an SM holds at once
         props = torch.cuda.get_device_properties(device_index)
-        waves = GRID_WAVES if n_strided else GRID_WAVES_DENSE
+        if waves is None or _WAVES_SET:  # codegen.grid_waves's choice, unless the environment sets the waves
+            waves = GRID_WAVES if n_strided else GRID_WAVES_DENSE
         self.max_blocks = self.per_sm * props.multi_processor_count * waves if waves > 0 else 2 ** 31 - 1
         self._struct = args_struct(index32, n_strided, n_ptrs, n_scalars)
         self._local = threading.local()
@@ -244,13 +251,13 @@ def cached_image(source: str, name: str, index: int) -> tuple[bytes, bool]:
 
 
 def load_kernel(source: str, name: str, arg_spec, n_strided: int, out_dtypes, n_scalars: int,
-                vec: int) -> tuple[CudaKernel, bool]:
+                vec: int, waves: Optional[int] = None) -> tuple[CudaKernel, bool]:
     """Compile ``source`` with NVRTC for the arg spec's device (or take it from the disk cache) and load it.
-    Returns the kernel and whether NVRTC ran."""
+    Returns the kernel and whether NVRTC ran. ``waves``: see :class:`CudaKernel`."""
     index = arg_spec.device_index if arg_spec.device_index is not None else torch.cuda.current_device()
     image, compiled = cached_image(source, name, index)
     kernel = CudaKernel(name, image, index, arg_spec.index32, n_strided, len(arg_spec.inputs) + len(out_dtypes),
-                        n_scalars, vec, vector_alignment(arg_spec, out_dtypes, vec))
+                        n_scalars, vec, vector_alignment(arg_spec, out_dtypes, vec), waves)
     return kernel, compiled
 
 
