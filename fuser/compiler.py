@@ -132,7 +132,8 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
     options = codegen.KernelOptions(index32=arg_spec.index32,
                                     fast_reduced=os.environ.get("FUSER_FAST_REDUCED", "1") != "0",
                                     round_reduced=settings.round_reduced,
-                                    vectorize=target == "cuda" or _cpu_vectorize(), tile_vec=settings.cuda_tile_vec)
+                                    vectorize=target == "cuda" or _cpu_vectorize(), tile_vec=settings.cuda_tile_vec,
+                                    vml=_cpu_vml_ops() if target == "cpu" else ())
     # deterministic across processes (the disk cache keys on the source, which holds the name); the options change
     # the source, so they are part of it: one name, one source
     name = "fused_" + hashlib.sha256(f"{spec.text}\n{arg_spec!r}\n{target}\n{options!r}".encode()).hexdigest()[:16]
@@ -167,6 +168,12 @@ def _cpu_vectorize() -> bool:
     """Whether CPU kernels get vector loops (the at::vec toolchain is usable on this machine)."""
     from .cpu import compiler as cpu_compiler
     return cpu_compiler.toolchain() is not None
+
+
+def _cpu_vml_ops() -> tuple:
+    """The ops whose float32 results CPU kernels take from MKL's VML, as eager does (fuser.cpu.vml)."""
+    from .cpu import vml
+    return vml.eager_ops()
 
 
 def _load_cpu(source: str, name: str, *_) -> tuple:

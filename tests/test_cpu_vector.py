@@ -14,6 +14,7 @@ import fuser
 from fuser import codegen, compiler, executor, ops
 from fuser.cpu import compiler as cpu_compiler
 from fuser.cpu import templates as cpu_t
+from fuser.cpu import vml
 from fuser.descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, ArgSpec, TensorDesc
 from fuser.kernel_cache import KernelStore
 from fuser.ts_ir import lower
@@ -192,11 +193,14 @@ BITWISE = {"abs", "ceil", "cosh", "expm1", "floor", "frac", "lgamma", "log1p", "
 
 @needs_vectors
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
-@pytest.mark.parametrize("case", [c for c in cases() if c.op in BITWISE or c.id == "gelu-default-tanh"],
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [c for c in cases() if c.op in BITWISE or c.op in cpu_t.VML_FUNCTIONS
+                                  or c.id == "gelu-default-tanh"], ids=lambda c: c.id)
 def test_bitwise_eager_where_eager_computes_alike(case, dtype):
     """4096 contiguous elements: eager's own vector loop covers them all (it leaves a scalar tail of < 2
-    vectors per chunk, and chunks only above 32768 elements)."""
+    vectors per chunk, and chunks only above 32768 elements). The ops eager computes with MKL's VML in float32
+    (cpu_t.VML_FUNCTIONS) call the same functions where this torch exports them (fuser.cpu.vml)."""
+    if dtype == torch.float32 and case.op in cpu_t.VML_FUNCTIONS and case.op not in vml.eager_ops():
+        pytest.skip(f"this torch's libtorch_cpu has no {cpu_t.VML_FUNCTIONS[case.op]} giving eager's bits")
     b = build(case)
     store = KernelStore()
     spec = store.get(store.register(lower(b.graph)))
@@ -348,3 +352,34 @@ def test_the_row_kernels_lane_combines_compile_for_both_isas(isa, tmp_path):
                         *cpu_compiler.ISA_FLAGS[isa], f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}",
                         "-I", str(cpu_compiler._torch_include()), str(src)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@needs_vectors
+@pytest.mark.parametrize("op", sorted(cpu_t.VML_FUNCTIONS))
+@pytest.mark.parametrize("shape", [(5, 77), (3, 16), (2, 5)], ids=str)
+def test_vml_ops_give_eagers_bits_in_trips_single_vectors_and_tails(op, shape):
+    """``op(x + b)`` over float32 rows of 77 (a trip of four vectors, a partial vector), 16 (single vectors) and 5
+    elements (partial vectors alone), b a row: every loop of the kernel calls the op's VML function, so the results
+    are eager's add and op, bit for bit."""
+    if op not in vml.eager_ops():
+        pytest.skip(f"this torch's libtorch_cpu has no {cpu_t.VML_FUNCTIONS[op]} giving eager's bits")
+    ir = f"""graph(%x : Tensor, %b : Tensor):
+      %one : int = prim::Constant[value=1]()
+      %a : Tensor = aten::add(%x, %b, %one)
+      %r : Tensor = aten::{op}(%a)
+      return (%r)
+    """
+    x, b = torch.randn(shape) * 3, torch.randn(shape[1:])
+    if op in ("log", "log10", "log2"):
+        x, b = x.abs() * 10, b.abs()
+    elif op in ("asin", "acos"):
+        x, b = torch.rand(shape) - 0.5, torch.rand(shape[1:]) - 0.5
+    x.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    store = KernelStore()
+    spec = store.get(store.register(lower(torch.parse_ir(ir))))
+    got = executor.run(spec, [x, b])[0]
+    (kernel,) = [k for k in spec.kernels().values() if k is not None]
+    assert f"fz_vml_{op}f(" in kernel.source
+    expected = getattr(torch, op)(x + b)
+    same = (got.view(torch.int32) == expected.view(torch.int32)) | (got.isnan() & expected.isnan())
+    assert bool(same.all()), (int((~same).sum()), got[~same][:4], expected[~same][:4])

@@ -662,17 +662,18 @@ AFFINE_IR = """graph(%x : Tensor, %col : Tensor, %row : Tensor):
 def test_cheap_walking_kernels_launch_a_block_per_256_vectors(dtype):
     """codegen.grid_waves on the device: a float32 affine with broadcast operands (4-element vectors, cheap ops)
     takes a block per 256 vectors, past the 8 waves a walking kernel got before; float16 (8-element vectors) keeps
-    8 waves of grid-striding blocks. Both against eager over 16M elements."""
-    x = random_tensor((4096, 4096), dtype, "cuda")
-    col, row = random_tensor((4096, 1), dtype, "cuda"), random_tensor((4096,), dtype, "cuda")
+    8 waves of grid-striding blocks. Both against eager over 32M elements (past 8 waves of either width)."""
+    x = random_tensor((4096, 8192), dtype, "cuda")
+    col, row = random_tensor((4096, 1), dtype, "cuda"), random_tensor((8192,), dtype, "cuda")
     spec = STORE.get(STORE.register(lower(torch.parse_ir(AFFINE_IR))))
     out = executor.run(spec, [x, col, row])
     assert_same(out[0], interpret(torch.parse_ir(AFFINE_IR), [x.double(), col.double(), row.double()])[0].to(dtype),
                 dtype)
-    (kernel,) = [k for k in spec.kernels().values() if k is not None]
+    p = executor.plan(spec, [x, col, row])
+    kernel = spec.kernels()[p.arg_spec]  # (the spec holds a kernel per dtype: each parameter's run adds one)
     backend = kernel.backend
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    blocks = backend.grid(executor.Geometry(executor.plan(spec, [x, col, row]), kernel), True)
+    blocks = backend.grid(executor.Geometry(p, kernel), True)
     if dtype == torch.float32:
         assert backend.max_blocks > backend.per_sm * sms * 8 and blocks == x.numel() // 4 // 256
     else:

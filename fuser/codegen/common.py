@@ -52,6 +52,7 @@ class KernelOptions:
     fast_reduced: bool = True  # CUDA: ops.OpDef.fast expressions for float16/bfloat16 results
     round_reduced: bool = False  # round each eager op's float16/bfloat16 result as eager stores it (settings.py)
     tile_vec: bool = True  # CUDA: the tiled path's vector form where it applies (settings.cuda_tile_vec)
+    vml: tuple = ()  # CPU vector path: the ops whose float32 results come from MKL's VML, as eager's (fuser.cpu.vml)
 
 
 def literal(value, ctype: str) -> str:

@@ -53,7 +53,8 @@ class CpuVector:
         self.vtype = VECTOR_TYPES.get(self.ctype)
         self.masks = {f"x{k}" for k, d in enumerate(inputs) if d.dtype == torch.bool}  # values that are masks
         # per node: (result name, template, its arguments with every group value as a _ref tuple)
-        self.nodes: list[tuple[str, string.Template, dict]] = []
+        self.nodes: list[tuple[str, string.Template, dict, Optional[str], str]] = []
+        self.vml = frozenset(options.vml)
         self.outputs: list[tuple] = []
 
     def stop(self) -> None:
@@ -93,7 +94,10 @@ class CpuVector:
             args[arg] = (name_, forms[consts[arg]], name_ in self.masks and i not in op.keep_args)
         if mask:
             self.masks.add(out)
-        self.nodes.append((out, tmpl, args, round_to))
+        # a float32 result of an op eager computes with MKL's VML: the same call (bfloat16/float16 results: eager's
+        # at::vec loops, as the template)
+        vml = op.name if op.name in self.vml and nt.result == torch.float32 == nt.compute else ""
+        self.nodes.append((out, tmpl, args, round_to, vml))
 
     def finish(self, group: ir.Group, out_dtypes, vname: dict, vdtype: dict) -> Optional["CpuVector"]:
         """This, with the kernel outputs set; None: no vector path."""
@@ -121,7 +125,16 @@ class CpuVector:
     def lines(self, copies: int) -> list[str]:
         """The ops on ``copies`` vectors, interleaved op by op."""
         out = []
-        for name_, tmpl, args, round_to in self.nodes:
+        for name_, tmpl, args, round_to, vml in self.nodes:
+            if vml:
+                # the copies' vectors in one VML call, as eager makes it: eager's bits, and the call's own cost
+                # (tens of ns) spread over a trip's vectors
+                a = args["a"]
+                ins = ", ".join(self.value(a, c) if isinstance(a, tuple) else a for c in range(copies))
+                out += [f"const fz_vf {name_}_in[{copies}] = {{{ins}}};", f"fz_vf {name_}_out[{copies}];",
+                        f"fz_vml_{vml}f({name_}_in, {name_}_out);"]
+                out += [f"const fz_vf {name_}_{c} = {name_}_out[{c}];" for c in range(copies)]
+                continue
             for c in range(copies):
                 subs = {k: self.value(a, c) if isinstance(a, tuple) else a for k, a in args.items()}
                 subs.update({"n" + k: f"(-{subs[k]})" for k, a in args.items() if isinstance(a, tuple)})
