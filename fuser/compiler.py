@@ -151,8 +151,8 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
     vector = codegen.has_vector_path(arg_spec.inputs, target, arg_spec.outputs)
     vec = codegen.vector_width(arg_spec.inputs, kernel_dtypes) if vector else 1
     n_slots = len(spec.input_is_tensor) - spec.n_tensor_inputs + (rng.N_STATE if spec.random else 0)
-    waves = codegen.grid_waves([ops.of(n.op).name if ops.of(n.op) else n.op for n in spec.group.nodes],
-                               arg_spec.inputs, vec, target, arg_spec.outputs)
+    op_names = [getattr(ops.of(n.op), "name", n.op) for n in spec.group.nodes]
+    waves = codegen.grid_waves(op_names, arg_spec.inputs, vec, target, arg_spec.outputs)
     load = load or (_load_cpu if target == "cpu" else _load_cuda)
     backend, compiled = load(source, name, arg_spec, n_strided, kernel_dtypes, n_slots, vec, waves)
     if compiled:

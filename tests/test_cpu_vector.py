@@ -383,3 +383,13 @@ def test_vml_ops_give_eagers_bits_in_trips_single_vectors_and_tails(op, shape):
     expected = getattr(torch, op)(x + b)
     same = (got.view(torch.int32) == expected.view(torch.int32)) | (got.isnan() & expected.isnan())
     assert bool(same.all()), (int((~same).sum()), got[~same][:4], expected[~same][:4])
+
+
+def test_the_vml_probe_runs_outside_a_callers_fake_tensor_mode(monkeypatch):
+    """The first CPU kernel build may come under a tracer's fake-tensor mode: the probe still runs on real tensors
+    and gives what it gives outside (kernels of the process then agree whoever built first)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    outside = vml._probe()
+    monkeypatch.setattr(vml, "_found", [])
+    with FakeTensorMode():
+        assert vml.eager_ops() == outside

@@ -6,8 +6,8 @@ eager's bits."""
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
+import threading
 
 import torch
 
@@ -29,11 +29,24 @@ def _sample(op: str, gen: torch.Generator) -> torch.Tensor:
     return torch.cat([x, torch.rand(1024, generator=gen) * 1e-3, specials])
 
 
-@functools.lru_cache(maxsize=None)
+_lock = threading.Lock()
+_found: list = []  # the probe's answer, once made
+
+
 def eager_ops() -> tuple[str, ...]:
     """The ops of ``VML_FUNCTIONS`` whose VML function libtorch_cpu exports and gives the results of torch's op
     bit for bit on float32 (random values, tiny ones, signed zeros, subnormals, infinities, NaN): those kernels may
-    call (``FUSER_CPU_VML=0``: none)."""
+    call (``FUSER_CPU_VML=0``: none). Probed once per process, outside any mode a caller has on (a fake-tensor or
+    dispatch mode of a tracer), without autograd."""
+    with _lock:
+        if not _found:
+            from torch.utils._python_dispatch import _disable_current_modes
+            with _disable_current_modes(), torch.inference_mode():
+                _found.append(_probe())
+        return _found[0]
+
+
+def _probe() -> tuple[str, ...]:
     if os.environ.get("FUSER_CPU_VML", "1") == "0":
         return ()
     try:
