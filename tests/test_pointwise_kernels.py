@@ -107,3 +107,51 @@ graph(%x : Tensor):
     truth1 = 1 + truth
     err1 = (one_plus.double() - truth1).abs()
     assert (err1 <= (ref_one_plus.double() - truth1).abs() + ulp * truth1.abs()).all()
+
+
+_OFFSET_IR = """
+graph(%x : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %c : float = prim::Constant[value={c}]()
+  %t : Tensor = aten::tanh(%x)
+  %u : Tensor = aten::{op}(%t, %c, %one)
+  return (%u)"""
+
+
+@pytest.mark.parametrize("op, c", [("add", 1.0), ("sub", -0.5), ("rsub", 1.0), ("add", -2.0)])
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_tanh_read_only_by_an_offset_takes_the_absolute_form(op, c, dtype):
+    """A tanh whose result only meets the addition of a constant of magnitude 1/2 or more (GELU's 1 + tanh(u))
+    takes ``fz_tanh_offset`` (``ops.OpDef.fast_offset``, no small-|x| form): over every value of the dtype between
+    -12 and 12, the sum is within an ulp of the float64 truth beyond eager's own error."""
+    g = torch._C.parse_ir(_OFFSET_IR.replace("{c}", repr(c)).replace("{op}", op))
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = bits[torch.isfinite(bits) & (bits.abs() <= 12)]
+    k = emulate.kernel_for(g, [x])
+    assert "fz_tanh_offset(" in k.source.split("extern \"C\"")[1]
+    out, = emulate.run_graph(g, [x])
+    eager = {"add": lambda t: t + c, "sub": lambda t: t - c, "rsub": lambda t: c - t}[op]
+    ref, truth = eager(torch.tanh(x)), eager(torch.tanh(x.double()))
+    ulp = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+    err = (out.double() - truth).abs()
+    assert (err <= (ref.double() - truth).abs() + ulp * truth.abs()).all()
+
+
+@pytest.mark.parametrize("ir", [
+    _OFFSET_IR.replace("{c}", "0.25").replace("{op}", "add"),  # a sum that tanh's absolute error would dominate
+    _OFFSET_IR.replace("{c}", "1.0").replace("{op}", "add").replace("return (%u)", "return (%u, %t)"),  # an output
+    """
+graph(%x : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %t : Tensor = aten::tanh(%x)
+  %u : Tensor = aten::add(%t, %one, %one)
+  %v : Tensor = aten::mul(%t, %u)
+  return (%v)""",  # also read by a product
+])
+def test_tanh_read_otherwise_keeps_its_relative_form(ir):
+    """Any other reader (a small constant, the group's output, a product) keeps ``fz_tanh_fast``, whose error is
+    relative near 0."""
+    g = torch._C.parse_ir(ir)
+    k = emulate.kernel_for(g, [torch.randn(64, dtype=torch.float16)])
+    body = k.source.split("extern \"C\"")[1]
+    assert "fz_tanh_fast(" in body and "fz_tanh_offset(" not in body

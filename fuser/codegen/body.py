@@ -3,6 +3,7 @@ values' compute types, with the op table's expression for the node's target and 
 ``fuser/ops.py``), then the kernel's outputs (a cat's result as its pieces)."""
 from __future__ import annotations
 
+import string
 from typing import Optional, Sequence
 
 import torch
@@ -113,6 +114,41 @@ def generate(group: ir.Group, inputs: Sequence[TensorDesc], node_types: Sequence
                     out_layouts).source()
 
 
+# c + t, t + c, t - c, c - t for a constant c: (op, position of t, position of c, position of alpha or None, whether
+# alpha scales t rather than c)
+_OFFSETS = {"aten::add.Scalar": (0, 1, 2, False), "aten::sub.Scalar": (0, 1, 2, False),
+            "aten::add.Tensor": (0, 1, 2, False), "aten::sub.Tensor": (0, 1, 2, False),
+            "aten::rsub.Scalar": (0, 1, 2, True), "aten::rsub.Tensor": (0, 1, 2, True)}
+
+
+def offset_uses_only(group: ir.Group, v: ir.Value) -> bool:
+    """Whether ``v`` is read only by additions or subtractions of a constant of magnitude 1/2 or more (times an
+    alpha of magnitude at most 1 where alpha scales ``v``), and is no output of the group: then an error of ``v``
+    that is small in absolute terms stays small relative to each sum (``ops.OpDef.fast_offset``)."""
+    if any(o.id == v.id for o in group.outputs):
+        return False
+    readers = [n for n in group.nodes if any(a.id == v.id for a in n.values)]
+    if not readers:
+        return False
+    for n in readers:
+        form = _OFFSETS.get(n.op)
+        if form is None:
+            return False
+        t_at, c_at, alpha_at, alpha_scales_t = form
+        args = n.args
+        if len(args) <= alpha_at or not isinstance(args[t_at], ir.Value) or args[t_at].id != v.id:
+            return False
+        c, alpha = args[c_at], args[alpha_at]
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (c, alpha)):
+            return False
+        if alpha_scales_t:
+            if abs(c) < 0.5 or abs(alpha) > 1:
+                return False
+        elif abs(c * alpha) < 0.5:
+            return False
+    return True
+
+
 def node_statement(group: ir.Group, node: ir.Node, op: ops.OpDef, nt: NodeTypes, j: int, target: str,
                    options: KernelOptions, vname: dict, vtype: dict, vdtype: dict,
                    exact: set) -> tuple[str, object, dict, Optional[str]]:
@@ -127,7 +163,10 @@ def node_statement(group: ir.Group, node: ir.Node, op: ops.OpDef, nt: NodeTypes,
         variant = node.args[op.variant_arg]
     tmpl = op.template(variant, family(nt.compute), target)
     if target == "cuda" and options.fast_reduced and nt.result in REDUCED and family(nt.compute) == "f":
-        tmpl = op.fast_template(variant) or tmpl
+        if op.fast_offset and offset_uses_only(group, node.out):
+            tmpl = string.Template(op.fast_offset)
+        else:
+            tmpl = op.fast_template(variant) or tmpl
     if tmpl is None:
         raise NotFusable(f"{op.name} has no {family(nt.compute)!r} expression ({nt.compute}, variant "
                          f"{variant!r})")
