@@ -315,3 +315,36 @@ def test_the_judge_allows_a_sums_rounding_in_any_order(monkeypatch):
     monkeypatch.setattr(executor, "run", off_by_a_thousandth)
     bad = fuzz.check(g, [x])
     assert not bad.ok and bad.kind == "value", bad
+
+
+_OVERFLOW_COMPARED = """graph(%t0 : Tensor):
+  %c : float = prim::Constant[value=0.1]()
+  %v0 : Tensor = aten::pow(%c, %t0)
+  %v1 : Tensor = aten::mul(%v0, %t0)
+  %v2 : Tensor = aten::mish(%v1)
+  %v3 : Tensor = aten::le(%v2, %v2)
+  return (%v3)
+"""
+
+
+def test_the_judge_takes_the_truth_of_a_comparison_where_eager_overflowed(monkeypatch):
+    """0.1^x for x = -5.06 is 1.2e5, inf in float16: eager's mish of inf * x is NaN and NaN <= NaN is False, where the
+    fused kernel (float intermediates) and the float64 truth give True (the CUDA fuzzer). The judge takes the truth
+    there, only there: an element whose intermediates stay finite, made wrong, is still caught."""
+    _needs_cpu_fusion()
+    g = torch.parse_ir(_OVERFLOW_COMPARED)
+    x = torch.tensor([-5.05859375, 0.5, -1.0, 2.0], dtype=torch.float16)
+    v = fuzz.check(g, [x])
+    assert v.ok and v.fused, v
+    real = executor.run
+
+    def flip(at):
+        def run(spec, a):
+            out = real(spec, a)
+            if out is not None:
+                out[0][at] = ~out[0][at]
+            return out
+        return run
+    monkeypatch.setattr(executor, "run", flip(1))  # an element without overflow, made wrong
+    bad = fuzz.check(g, [x])
+    assert not bad.ok and bad.kind == "value", bad

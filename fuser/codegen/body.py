@@ -209,6 +209,12 @@ def node_statement(group: ir.Group, node: ir.Node, op: ops.OpDef, nt: NodeTypes,
                 round_it = rounding
             else:  # a tensor value not loaded straight from memory in this dtype
                 round_it = (round_values or rounding) and (dt != nt.compute or v.id not in exact)
+                # a tensor of another dtype (an int32 exponent of a bfloat16 pow): eager casts it to the
+                # float16/bfloat16 compute dtype first (259 is 260 in bfloat16, and (-2)^260 is inf where (-2)^259
+                # is -inf: the CUDA fuzzer)
+                # (not inside a decomposed eager op, whose one kernel reads its steps' operands as they are)
+                round_it = round_it or (nt.compute in REDUCED and dt != nt.compute and dt != torch.bool
+                                        and not op.cast and i not in op.keep_args and not node.origin)
             if round_it:
                 consts[arg] = f"fz_ld(fz_st<{storage_type(nt.compute)}>(({ctype}){name_}))"
             elif t == ctype and dt == nt.compute or i in op.keep_args:
