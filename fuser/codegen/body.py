@@ -114,8 +114,7 @@ def generate(group: ir.Group, inputs: Sequence[TensorDesc], node_types: Sequence
                     out_layouts).source()
 
 
-# c + t, t + c, t - c, c - t for a constant c: (op, position of t, position of c, position of alpha or None, whether
-# alpha scales t rather than c)
+# t + c, t - c, c - t for a constant c, by op: (position of t, of c, of alpha, whether alpha scales t rather than c)
 _OFFSETS = {"aten::add.Scalar": (0, 1, 2, False), "aten::sub.Scalar": (0, 1, 2, False),
             "aten::add.Tensor": (0, 1, 2, False), "aten::sub.Tensor": (0, 1, 2, False),
             "aten::rsub.Scalar": (0, 1, 2, True), "aten::rsub.Tensor": (0, 1, 2, True)}
