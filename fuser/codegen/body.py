@@ -148,6 +148,11 @@ def offset_uses_only(group: ir.Group, v: ir.Value) -> bool:
     return True
 
 
+# ops whose eager kernels (CPU and CUDA) read a scalar operand of a float16/bfloat16 op in its original dtype
+# (TensorIterator's original_scalar_value) rather than cast to the op's dtype
+_ORIGINAL_SCALARS = frozenset({"add", "sub", "rsub", "mul", "div"})
+
+
 def node_statement(group: ir.Group, node: ir.Node, op: ops.OpDef, nt: NodeTypes, j: int, target: str,
                    options: KernelOptions, vname: dict, vtype: dict, vdtype: dict,
                    exact: set) -> tuple[str, object, dict, Optional[str]]:
@@ -210,10 +215,13 @@ def node_statement(group: ir.Group, node: ir.Node, op: ops.OpDef, nt: NodeTypes,
                 round_it = (round_values or rounding) and (dt != nt.compute or v.id not in exact)
                 # a tensor of another dtype (an int32 exponent of a bfloat16 pow): eager casts it to the
                 # float16/bfloat16 compute dtype first (259 is 260 in bfloat16, and (-2)^260 is inf where (-2)^259
-                # is -inf: the CUDA fuzzer)
-                # (not inside a decomposed eager op, whose one kernel reads its steps' operands as they are)
+                # is -inf: the CUDA fuzzer). Not for the arithmetic ops whose eager kernels read a 0-dim operand
+                # in its own dtype (``_ORIGINAL_SCALARS``: bfloat16 * a 0-dim float32 0.37 multiplies by 0.37, and
+                # which operands are 0-dim is not known here), not inside a decomposed eager op (its one kernel
+                # reads its steps' operands as they are), not for casts or kept arguments
                 round_it = round_it or (nt.compute in REDUCED and dt != nt.compute and dt != torch.bool
-                                        and not op.cast and i not in op.keep_args and not node.origin)
+                                        and op.name not in _ORIGINAL_SCALARS and not op.cast
+                                        and i not in op.keep_args and not node.origin)
             if round_it:
                 consts[arg] = f"fz_ld(fz_st<{storage_type(nt.compute)}>(({ctype}){name_}))"
             elif t == ctype and dt == nt.compute or i in op.keep_args:
