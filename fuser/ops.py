@@ -72,6 +72,9 @@ class OpDef:
     to a tiny result; used only where the result is read by nothing but additions of a constant of magnitude at
     least 1/2 (GELU's ``1 + tanh(u)``: see ``codegen.body.offset_uses_only``), whose sums then keep a relative
     error near 2e-7, far below a float16/bfloat16 result's rounding.
+    scalars_as_given: eager's kernels read a 0-dim operand of a float16/bfloat16 op in its own dtype
+    (TensorIterator's ``original_scalar_value``: bfloat16 * a 0-dim float32 0.37 multiplies by 0.37), where other ops
+    cast a tensor operand of another dtype to the op's (``codegen.body.node_statement``).
     cast: the op converts its first argument to the result dtype (``aten::_to_copy`` with only ``dtype`` given).
     random: the op draws random numbers (``rand_like``, see ``fuser/rng.py``): ``$r`` is its ordinal among
     the group's random ops, ``$bits`` the random bits its result dtype holds, ``@IDX@`` the element's index in
@@ -97,6 +100,7 @@ class OpDef:
     shape_args: Optional[tuple[int, ...]] = None
     fast: Mapping[Optional[str], str] = field(default_factory=dict)
     fast_offset: Optional[str] = None
+    scalars_as_given: bool = False
     random: bool = False
     concat: bool = False
     cast: bool = False  # converts ``self`` to the dtype argument; the arguments after it are tensor options
@@ -246,25 +250,28 @@ _OPS: list[OpDef] = [
                   "aten::add.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor"),
           # eager (CPU vector and scalar loops, CUDA) computes fma(alpha, other, self): without the fused
           # multiply-add a huge other*alpha overflows where eager's result is finite
-          {None: Exprs("fmaf($c, $b, $a)", "fma($c, $b, $a)", "($T)(FZ_U($a) + FZ_U($c) * FZ_U($b))")}),
+          {None: Exprs("fmaf($c, $b, $a)", "fma($c, $b, $a)", "($T)(FZ_U($a) + FZ_U($c) * FZ_U($b))")},
+          scalars_as_given=True),
     OpDef("sub", ("aten::sub.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
                   "aten::sub.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor"),
           # (-alpha as eager negates the Scalar: $nc, so an int 0 gives +0 and the sign of a zero result is eager's)
-          {None: Exprs("fmaf($nc, $b, $a)", "fma($nc, $b, $a)", "($T)(FZ_U($a) - FZ_U($c) * FZ_U($b))")}),
+          {None: Exprs("fmaf($nc, $b, $a)", "fma($nc, $b, $a)", "($T)(FZ_U($a) - FZ_U($c) * FZ_U($b))")},
+          scalars_as_given=True),
     OpDef("rsub", ("aten::rsub.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
                    "aten::rsub.Scalar(Tensor self, Scalar other, Scalar alpha=1) -> Tensor"),
           # ``1 - x``: eager computes sub(other, self, alpha), i.e. fma(-alpha, self, other)
-          {None: Exprs("fmaf($nc, $a, $b)", "fma($nc, $a, $b)", "($T)(FZ_U($b) - FZ_U($c) * FZ_U($a))")}),
+          {None: Exprs("fmaf($nc, $a, $b)", "fma($nc, $a, $b)", "($T)(FZ_U($b) - FZ_U($c) * FZ_U($a))")},
+          scalars_as_given=True),
     OpDef("mul", ("aten::mul.Tensor(Tensor self, Tensor other) -> Tensor",
                   "aten::mul.Scalar(Tensor self, Scalar other) -> Tensor"),
-          {None: Exprs("($a * $b)", "($a * $b)", "($T)(FZ_U($a) * FZ_U($b))")}),
+          {None: Exprs("($a * $b)", "($a * $b)", "($T)(FZ_U($a) * FZ_U($b))")}, scalars_as_given=True),
     OpDef("div", ("aten::div.Tensor(Tensor self, Tensor other) -> Tensor",
                   "aten::div.Scalar(Tensor self, Scalar other) -> Tensor"),
           {None: Exprs("($a / $b)", "($a / $b)")},
           # CUDA eager divides by a CPU scalar (a Python number, a 0-dim CPU tensor) as a product with its
           # reciprocal in the compute type: x / 1e-40 is x * inf there (0 gives NaN)
           targets={"cuda": {None: Exprs("($scalar_b ? $a * (1.f / $b) : $a / $b)",
-                                        "($scalar_b ? $a * (1.0 / $b) : $a / $b)")}}),
+                                        "($scalar_b ? $a * (1.0 / $b) : $a / $b)")}}, scalars_as_given=True),
     OpDef("atan2", ("aten::atan2(Tensor self, Tensor other) -> Tensor",),
           {None: Exprs("atan2f($a, $b)", "atan2($a, $b)")}),
     OpDef("fmod", ("aten::fmod.Tensor(Tensor self, Tensor other) -> Tensor",

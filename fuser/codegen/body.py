@@ -114,10 +114,9 @@ def generate(group: ir.Group, inputs: Sequence[TensorDesc], node_types: Sequence
                     out_layouts).source()
 
 
-# t + c, t - c, c - t for a constant c, by op: (position of t, of c, of alpha, whether alpha scales t rather than c)
-_OFFSETS = {"aten::add.Scalar": (0, 1, 2, False), "aten::sub.Scalar": (0, 1, 2, False),
-            "aten::add.Tensor": (0, 1, 2, False), "aten::sub.Tensor": (0, 1, 2, False),
-            "aten::rsub.Scalar": (0, 1, 2, True), "aten::rsub.Tensor": (0, 1, 2, True)}
+# t + c, t - c, c - t (args: t, c, alpha) for a constant c, by op: whether alpha scales t rather than c
+_OFFSETS = {"aten::add.Scalar": False, "aten::sub.Scalar": False, "aten::add.Tensor": False,
+            "aten::sub.Tensor": False, "aten::rsub.Scalar": True, "aten::rsub.Tensor": True}
 
 
 def offset_uses_only(group: ir.Group, v: ir.Value) -> bool:
@@ -130,14 +129,12 @@ def offset_uses_only(group: ir.Group, v: ir.Value) -> bool:
     if not readers:
         return False
     for n in readers:
-        form = _OFFSETS.get(n.op)
-        if form is None:
+        alpha_scales_t = _OFFSETS.get(n.op)
+        if alpha_scales_t is None or len(n.args) < 3:
             return False
-        t_at, c_at, alpha_at, alpha_scales_t = form
-        args = n.args
-        if len(args) <= alpha_at or not isinstance(args[t_at], ir.Value) or args[t_at].id != v.id:
+        t, c, alpha = n.args[:3]
+        if not isinstance(t, ir.Value) or t.id != v.id:
             return False
-        c, alpha = args[c_at], args[alpha_at]
         if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (c, alpha)):
             return False
         if alpha_scales_t:
@@ -146,11 +143,6 @@ def offset_uses_only(group: ir.Group, v: ir.Value) -> bool:
         elif abs(c * alpha) < 0.5:
             return False
     return True
-
-
-# ops whose eager kernels (CPU and CUDA) read a scalar operand of a float16/bfloat16 op in its original dtype
-# (TensorIterator's original_scalar_value) rather than cast to the op's dtype
-_ORIGINAL_SCALARS = frozenset({"add", "sub", "rsub", "mul", "div"})
 
 
 def node_statement(group: ir.Group, node: ir.Node, op: ops.OpDef, nt: NodeTypes, j: int, target: str,
@@ -215,12 +207,11 @@ def node_statement(group: ir.Group, node: ir.Node, op: ops.OpDef, nt: NodeTypes,
                 round_it = (round_values or rounding) and (dt != nt.compute or v.id not in exact)
                 # a tensor of another dtype (an int32 exponent of a bfloat16 pow): eager casts it to the
                 # float16/bfloat16 compute dtype first (259 is 260 in bfloat16, and (-2)^260 is inf where (-2)^259
-                # is -inf: the CUDA fuzzer). Not for the arithmetic ops whose eager kernels read a 0-dim operand
-                # in its own dtype (``_ORIGINAL_SCALARS``: bfloat16 * a 0-dim float32 0.37 multiplies by 0.37, and
-                # which operands are 0-dim is not known here), not inside a decomposed eager op (its one kernel
+                # is -inf: the CUDA fuzzer). Not for the ops whose eager kernels read a 0-dim operand in its own
+                # dtype (``ops.OpDef.scalars_as_given``; which operands are 0-dim is not known here), not inside a decomposed eager op (its one kernel
                 # reads its steps' operands as they are), not for casts or kept arguments
                 round_it = round_it or (nt.compute in REDUCED and dt != nt.compute and dt != torch.bool
-                                        and op.name not in _ORIGINAL_SCALARS and not op.cast
+                                        and not op.scalars_as_given and not op.cast
                                         and i not in op.keep_args and not node.origin)
             if round_it:
                 consts[arg] = f"fz_ld(fz_st<{storage_type(nt.compute)}>(({ctype}){name_}))"
