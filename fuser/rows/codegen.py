@@ -28,7 +28,7 @@ from ..codegen.cpu_vector import CpuVector
 from ..codegen import CPU_VECTORS_PER_TRIP as COPIES
 from ..descs import DENSE, TensorDesc, compute_type, storage_type
 from . import templates as t
-from .plan import CudaShape, held_values, kept_values, needed as _needed, row_level, row_passes
+from .plan import CudaShape, held_values, kept_values, needed as _needed, reduction_passes, row_level, row_passes
 
 CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU row kernel splits its rows across threads
 _SUM = ops.reduction("aten::sum.dim_IntList")  # (a column sum accumulates as a sum does)
@@ -199,7 +199,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     # columns, element i * vec + v of its trip, are the same every row
     # CUDA, a row held in registers: per pass, the values it finds in registers (plan.held_values), in arrays
     # h_<name>[items]; the pass being generated is counted in npass
-    holds = held_values(group) if cuda and shape.held else [frozenset()] * len(row_passes(group))
+    holds = held_values(group) if cuda and shape.held else [frozenset()] * len(row_passes(group, merge=cuda))
     npass = [0]
     assert not shape or not shape.staged or steps is not None, "a staged row kernel takes whole vectors only"
     producer = {n.out.id: n for n in group.nodes}
@@ -294,6 +294,9 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     ncols = "fz_ncols" if cl else "cols"
     cpass = 0  # the CPU pass being generated (kept's index)
     centered = centered_means(group)
+    cuda_sets = reduction_passes(group, merge=True) if cuda else []
+    merged: list = []  # CUDA: the pieces of the current pass's reductions (acc_decl, input, accumulate, after)
+    n_sets = 0  # CUDA: the reduction sets emitted so far
     for n, pos, red, nt in reductions:
         u = n.args[0]
         acc_t = accumulator_type(red, nt, target)
@@ -382,12 +385,17 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                     v.id in ready for v in m.values):
                 after.append(statement[m.out.id])
                 ready.add(m.out.id)
+        if cuda:  # the pass is emitted with its set's last reduction (plan.reduction_passes: siblings share one)
+            merged.append((acc_decl + (f" float kc{pos} = 0.0f;" if kahan else ""), u, accumulate, after))
+            if n is cuda_sets[n_sets][-1]:
+                wanted = [m[1] for m in merged]
+                phases.append(cuda_pass(" ".join(m[0] for m in merged), wanted,
+                                        guarded(element_lines(wanted) + [m[2] for m in merged]),
+                                        [ln for m in merged for ln in m[3]]))
+                n_sets, merged = n_sets + 1, []
+            continue
         body = element_lines([u], cpass) + [accumulate]
         cpass += 1
-        if cuda:
-            phases.append(cuda_pass(acc_decl + (f" float kc{pos} = 0.0f;" if kahan else ""), [u], guarded(body),
-                                    after))
-            continue
         vectorized = vector is not None and vector.on
         phases.append(t.PHASE.substitute(
             acc_decl="" if vectorized else f"{acc_t} acc{pos} = {ident};", first=f"c0_{pos}", step="1",
@@ -407,16 +415,23 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         dt = node_types[position[o.id]].result
         return f"o{m}[{at}] = fz_st<{storage_type(dt)}>({vname[o.id]});"
 
+    # a thread's column sum slot of element i * vec + v: in registers, or its own column of a shared array
+    sum_at = (f"(i * {shape.block} + threadIdx.x) * {shape.vec} + v" if shape and shape.sums_shared else
+              f"i * {shape.vec if shape else 1} + v")
     if elem_out and cuda:  # each item's values into a vector per output, stored whole where the launch allows
         out_row = "row * fz_ncols + fz_c0" if cl else "row * cols"
         wanted = [o for _, o in elem_out]
         kept_out = [(m, o) for m, o in elem_out if m not in sums]
         decls = [f"fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}> w{m};" for m, o in kept_out]
         # column sums: a live row's values added into the thread's registers (its columns are the same every row)
+        acc_t = {m: accumulator_type(_SUM, node_types[position[o.id]], target) for m, o in elem_out if m in sums}
+        shared_sums = [(m, o) for m, o in elem_out if m in sums] if shape.sums_shared else []
+        # shared slots: an item's values into a vector (0 for a row past the end), added to its slots whole
+        decls += [f"fz_vec<{acc_t[m]}, {shape.vec}> a{m} = {{}};" for m, _ in shared_sums]
         body = guarded(element_lines(wanted) + [store(m, o, "v").replace(f"o{m}[v]", f"w{m}.v[v]")
                                                 for m, o in kept_out] + [
-            f"if (live) fz_a{m}[i * {shape.vec} + v] += ({accumulator_type(_SUM, node_types[position[o.id]], target)})"
-            f"({vname[o.id]});" for m, o in elem_out if m in sums])
+            f"if (live) a{m}.v[v] = ({acc_t[m]})({vname[o.id]});" if shape.sums_shared else
+            f"if (live) fz_a{m}[{sum_at}] += ({acc_t[m]})({vname[o.id]});" for m, o in elem_out if m in sums])
         stores = [f"if (live{'' if shape.full else ' && cb < cols'}) {{"]
         stores += ["  if (args.vec) {"] if steps is None else []
         stores += [f"    *reinterpret_cast<fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}>*>("
@@ -427,6 +442,11 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             stores += [f"        o{m}[{out_row} + cb + v] = w{m}.v[v];" for m, _ in kept_out]
             stores += ["      }", "    }", "  }"]
         stores += ["}"]
+        for m, _ in shared_sums:
+            vt = f"fz_vec<{acc_t[m]}, {shape.vec}>"
+            stores += [f"{{ {vt}* const s = reinterpret_cast<{vt}*>(fz_a{m} + (i * {shape.block} + threadIdx.x) * "
+                       f"{shape.vec}); {vt} t = *s;", "#pragma unroll",
+                       f"  for (int v = 0; v < {shape.vec}; ++v) t.v[v] += a{m}.v[v];", "  *s = t; }"]
         phases.append(cuda_pass("", wanted, body, [], item_decls=decls, after_item=stores))
     elif elem_out:
         body = element_lines([o for _, o in elem_out], cpass) + [
@@ -476,11 +496,16 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         cache = [f"    {vtype[i]} h_{vname[i]}[{shape.items}];" for i in ever]
         sum_t = {m: accumulator_type(_SUM, node_types[position[group.outputs[m].id]], target) for m in sums}
         n_ptrs = n_in + len(out_dtypes)
-        sums_decl = "\n".join(f"  {sum_t[m]} fz_a{m}[{shape.items}] = {{}};" for m in sums)
+        sums_decl = "\n".join(
+            f"  __shared__ __align__(16) {sum_t[m]} fz_a{m}[{shape.items * shape.block}];  // (a thread's own slots)\n"
+            f"  for (int k = 0; k < {shape.items // shape.vec}; ++k)\n"
+            f"    reinterpret_cast<fz_vec<{sum_t[m]}, {shape.vec}>*>(fz_a{m})[k * {shape.block} + threadIdx.x] = "
+            f"fz_vec<{sum_t[m]}, {shape.vec}>{{}};"
+            if shape.sums_shared else f"  {sum_t[m]} fz_a{m}[{shape.items}] = {{}};" for m in sums)
         sums_store = t.CUDA_PARTS_STORE.substitute(
             nv=shape.items // shape.vec, tpr=shape.tpr, vec=shape.vec, rpb=shape.block // shape.tpr,
             check="true" if shape.full else "cb + v < cols", stores="\n".join(
-                f"        (({sum_t[m]}*)args.ptrs[{n_ptrs + k}])[slot * cols + cb + v] = fz_a{m}[i * {shape.vec} + v];"
+                f"        (({sum_t[m]}*)args.ptrs[{n_ptrs + k}])[slot * cols + cb + v] = fz_a{m}[{sum_at}];"
                 for k, m in enumerate(sums))) if sums else ""
         parts_kernel = t.CUDA_PARTS_KERNEL.substitute(name=name, sums="\n".join(
             f"    {{ {sum_t[m]} s = 0; if (c < cols) for (long long q = g; q < args.slots; q += 8) "

@@ -46,6 +46,10 @@ MIN_TPR = 4
 # and rows of 512 the same or faster (torch.profiler kernel times, one process per setting, same run)
 SUMS_REGISTER_ITEMS = 128
 SUMS_MAX_TPR = 256
+# a held row's column sums go to shared memory (a thread's own slots, no barrier) where a block's take at most this
+# many bytes (static shared memory: 48 KB a block with the reductions' few words): the registers they took hold more
+# of the row, so more rows are in flight an SM
+SUMS_SHARED_BYTES = 40 * 1024
 # Column sums in a CPU row kernel add each row's values into a partial row in memory, a vector store per vector of
 # each sum on top of the row's own stores, where a column kernel keeps its sums in registers and reads x and dy
 # again from the cache. Measured first (2-core EPYC, one thread, layer_norm(x) * w + b backward, medians): [8 x 4096]
@@ -92,6 +96,7 @@ class CudaShape:
     uncapped: bool = False
     compensated: bool = False
     staged: tuple[int, ...] = ()
+    sums_shared: bool = False  # column sums: a thread's partial sums in shared memory rather than registers
 
     @property
     def block(self) -> int:
@@ -307,7 +312,7 @@ def staged_inputs(group: ir.Group, shape: CudaShape, cols: int, sizes: Sequence[
     row dims, then along the row."""
     if shape.held or shape.cluster > 1 or limit <= 0:
         return ()
-    passes = row_passes(group)
+    passes = row_passes(group, merge=True)
     tensor_inputs = [v for v in group.inputs if v.is_tensor]
     reads = []
     for k, v in enumerate(tensor_inputs):
@@ -345,15 +350,39 @@ def needed(group: ir.Group, wanted: Sequence[ir.Value], held: frozenset = frozen
     return need
 
 
-def row_passes(group: ir.Group) -> list:
-    """The passes of a row kernel along the row, in order: per reduction the values it accumulates ([its input];
-    a variance takes two passes, the mean's and the squared deviations'), then the element-level outputs'."""
-    rows_v = row_level(group)
-    passes = []
+def reduction_passes(group: ir.Group, merge: bool) -> list[list[ir.Node]]:
+    """The group's reduction nodes in the passes along the row that accumulate them, in order: one each, or
+    (``merge``, the CUDA kernels') consecutive ones whose inputs do not read each other's results in one pass: a
+    layer_norm backward's sum(dy * w) and sum(dy * w * xhat) load dy and x together and wait for memory once a row,
+    where a pass each loaded x only after the first sum's block reduction. A variance (a pass for its mean, one
+    for the squared deviations) is a pass set of its own."""
+    got = group._cache.get(("reduction_passes", merge))
+    if got is not None:
+        return got
+    got, current = [], []
     for n in group.nodes:
         red = ops.reduction(n.op)
-        if red is not None:
-            passes += [[n.args[0]]] * (2 if red.variance else 1)
+        if red is None:
+            continue
+        upstream = needed(group, [n.args[0]], level=frozenset())
+        if (merge and current and not red.variance and not ops.reduction(current[0].op).variance
+                and not any(m.out.id in upstream for m in current)):
+            current.append(n)
+            continue
+        current = [n]
+        got.append(current)
+    group._cache[("reduction_passes", merge)] = got
+    return got
+
+
+def row_passes(group: ir.Group, merge: bool = False) -> list:
+    """The passes of a row kernel along the row, in order: per set of :func:`reduction_passes` the values it
+    accumulates (its reductions' inputs; a variance takes two passes, the mean's and the squared deviations'),
+    then the element-level outputs'. ``merge``: the CUDA kernels' passes (sibling reductions share one)."""
+    rows_v = row_level(group)
+    passes = []
+    for members in reduction_passes(group, merge):
+        passes += [[n.args[0] for n in members]] * (2 if ops.reduction(members[0].op).variance else 1)
     elem_out = [o for o in group.outputs if o.id not in rows_v]
     if elem_out:
         passes.append(elem_out)
@@ -369,7 +398,7 @@ def held_values(group: ir.Group) -> list:
     got = group._cache.get("held_values")
     if got is not None:
         return got
-    passes = row_passes(group)
+    passes = row_passes(group, merge=True)
     held: frozenset = frozenset()
     got = []
     for i, wanted in enumerate(passes):
@@ -408,7 +437,7 @@ def pass_width(group: ir.Group, held: bool) -> tuple[int, int]:
     """(the most row values a pass of a CUDA row kernel holds per element, the inputs its first pass loads). A held
     row (``held``): the values a pass finds held or holds for later passes (a later pass loads its inputs a
     vector at a time); otherwise every pass loads what it reads, a trip at a time."""
-    passes = row_passes(group)
+    passes = row_passes(group, merge=True)
     holds = held_values(group) if held else [frozenset()] * len(passes)
     tensors = {v.id for v in group.inputs if v.is_tensor}
     width, first = 0, 0
@@ -818,14 +847,15 @@ def _vectors(cols: int, strides: Sequence, vec: int) -> bool:
         st[-1] in (0, 1) and (st[-1] == 0 or all(x % vec == 0 for x in st[:-1])) for st in strides)
 
 
-def _cuda_row_shape(group: ir.Group, cols: int, sizes: Sequence[int], n_sums: int, held: bool = True) -> CudaShape:
+def _cuda_row_shape(group: ir.Group, cols: int, sizes: Sequence[int], n_sums: int, held: bool = True,
+                    sums_shared: bool = False) -> CudaShape:
     """The CUDA row kernel's shape for ``group`` (a column sum form's, with ``n_sums`` column sums) over rows of
     ``cols`` elements, ``sizes`` the inputs' and outputs' element sizes: the row held, or (``held`` False) each pass
-    loading what it reads."""
+    loading what it reads. ``sums_shared``: the held row's column sums take no registers (shared memory)."""
     if not held:
         return cuda_shape(cols, sizes, pass_width(group, False)[0] + n_sums, trip_factor=1 if n_sums else 2)
     width, first = pass_width(group, True)
-    return cuda_shape(cols, sizes, width + n_sums, first,  # (a column sum's registers: a held value's)
+    return cuda_shape(cols, sizes, width + (0 if sums_shared else n_sums), first,  # (a sum's registers: a value's)
                       *((SUMS_REGISTER_ITEMS, SUMS_MAX_TPR) if n_sums else ()))
 
 
@@ -840,8 +870,15 @@ def cuda_sums_in_one_trip(group: ir.Group, sums: tuple[int, ...], cols: int, siz
 
 
 def _cuda_sums_shape(form: ir.Group, cols: int, sizes: Sequence[int], n_sums: int) -> CudaShape:
-    """The CUDA shape of a row kernel with ``n_sums`` column sums (``form``: the column sum form): the row held, else
-    each pass loading what it reads; it sums them only where the row takes one trip (``cols <= tpr * items``)."""
+    """The CUDA shape of a row kernel with ``n_sums`` column sums (``form``: the column sum form): the row held, its
+    sums in shared memory where a block's fit :data:`SUMS_SHARED_BYTES` (double sums where a tensor has 8-byte
+    elements), else in registers; else each pass loading what it reads; it sums them only where the row takes one
+    trip (``cols <= tpr * items``)."""
+    if SUMS_SHARED_BYTES:
+        sh = _cuda_row_shape(form, cols, sizes, n_sums, sums_shared=True)
+        sum_bytes = 8 if max(sizes, default=4) >= 8 else 4
+        if sh.held and sh.block * sh.items * n_sums * sum_bytes <= SUMS_SHARED_BYTES:
+            return replace(sh, sums_shared=True)
     sh = _cuda_row_shape(form, cols, sizes, n_sums)
     return sh if sh.held else _cuda_row_shape(form, cols, sizes, n_sums, held=False)
 
