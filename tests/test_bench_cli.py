@@ -39,3 +39,67 @@ def test_small_rows_break_the_fused_calls_host_time_down(tmp_path, capsys):
         assert "host_phases_us" not in r["cells"]["eager"]
     printed = capsys.readouterr().out
     assert "host time of a small call by phase" in printed and "outside" in printed
+
+
+def test_interleave_is_the_cpu_default_and_needs_systems_that_run_side_by_side():
+    assert cli.parse_args(["--device", "cpu"]).interleave is True
+    assert cli.parse_args(["--device", "cpu", "--no-interleave"]).interleave is False
+    from fuser.bench.systems import INTERLEAVED_SYSTEMS
+    assert "ts_nnc" not in INTERLEAVED_SYSTEMS and "ts_legacy" not in INTERLEAVED_SYSTEMS
+
+
+def test_interleaved_rounds_time_each_system_in_turn_and_rotate(monkeypatch):
+    """A row's systems built and checked first, then a batch of each per round, the order rotated each round;
+    every cell its rounds' samples and their median, its first call checked against eager's; a system that fails
+    in a round keeps its error and leaves the rounds, the others go on."""
+    import statistics
+
+    import torch
+
+    from fuser.bench import rows
+    from fuser.bench.timing import QUICK
+    from fuser.bench.workloads import WORKLOADS
+
+    wl = next(w for w in WORKLOADS if w.name == "mul_add")
+    order, real = [], rows._samples
+
+    def samples(fn, size, sets, device, cfg):
+        assert cfg.batches == 1 and cfg.host_repeats == 1
+        order.append(fn.system)
+        return real(fn, size, sets, device, cfg)
+
+    from fuser.bench import systems as bench_systems
+    contexts = dict(bench_systems.SYSTEM_CONTEXTS)
+
+    def tagged(system, fail_in_round=None):
+        def context(w):
+            import contextlib
+
+            @contextlib.contextmanager
+            def cm():
+                with contexts[system](w) as fn:
+                    def call(*a):
+                        if fail_in_round is not None and order.count(system) > fail_in_round:
+                            raise RuntimeError("planted failure")
+                        return fn(*a)
+                    call.system = system
+                    yield call
+            return cm()
+        return context
+
+    monkeypatch.setattr(rows, "_samples", samples)
+    monkeypatch.setitem(rows.SYSTEM_CONTEXTS, "eager", tagged("eager"))
+    monkeypatch.setitem(rows.SYSTEM_CONTEXTS, "fuser", tagged("fuser"))
+    cfg = QUICK
+    row = rows.run_row(wl, torch.float32, "small", ["eager", "fuser"], torch.device("cpu"), cfg, True, 1e10, True)
+    assert order == [s for r in range(cfg.host_repeats) for s in (("eager", "fuser"), ("fuser", "eager"))[r % 2]]
+    for s in ("eager", "fuser"):
+        cell = row["cells"][s]
+        assert cell["interleaved"] and "error" not in cell and cell["mismatch"] is False
+        assert len(cell["host_us_samples"]) == cfg.host_repeats
+        assert cell["us_per_call"] == statistics.median(cell["host_us_samples"])
+    order.clear()
+    monkeypatch.setitem(rows.SYSTEM_CONTEXTS, "eager", tagged("eager", fail_in_round=1))
+    row = rows.run_row(wl, torch.float32, "small", ["eager", "fuser"], torch.device("cpu"), cfg, True, 1e10, True)
+    assert "planted failure" in row["cells"]["eager"]["error"] and "us_per_call" not in row["cells"]["eager"]
+    assert len(row["cells"]["fuser"]["host_us_samples"]) == cfg.host_repeats and "error" not in row["cells"]["fuser"]

@@ -19,7 +19,7 @@ import fuser
 from .cpu import CPU, CPU_DTYPES, cpu_name, cpu_systems
 from .report import _versions, draw_chart, first_call_table, format_table, fuser_first_calls, host_phases_table
 from .rows import SIZES, run_row
-from .systems import SYSTEMS
+from .systems import INTERLEAVED_SYSTEMS, SYSTEMS
 from .timing import FULL, QUICK, measure_copy_rate
 from .workloads import WORKLOADS
 
@@ -32,6 +32,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "of them, each a substring or, after '=', an exact name (--only =softmax_scale,=sum0_mul)")
     p.add_argument("--sizes", default=",".join(SIZES), help=f"comma list from {','.join(SIZES)}")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list from {','.join(SYSTEMS)}")
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                   help="time a row's systems in interleaved rounds, a batch of each in turn (the default on the CPU, "
+                   "whose shared cores' speed drifts between cells; --no-interleave: one cell after another, the "
+                   "default on CUDA); only where every system is one of " + ",".join(INTERLEAVED_SYSTEMS))
     p.add_argument("--json", default="bench_results.json", help="where to write all raw numbers")
     p.add_argument("--png", default="bench_results.png", help="where to draw the chart (needs matplotlib)")
     p.add_argument("--models", action="store_true",
@@ -55,6 +59,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     unknown = sorted(set(args.systems) - set(systems))
     if unknown or not args.systems:
         p.error(f"unknown systems {unknown}; choose from {','.join(systems)}")
+    if args.interleave is None:
+        args.interleave = args.device == "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available")
     return args
@@ -86,7 +92,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "meta": {"device": device_name, "device_type": device.type, **_versions(),
                      "copy_rate_bytes_per_s": copy_rate, "copy_rate_samples_bytes_per_s": copy_samples,
                      "copy_bytes": cfg.copy_bytes, "config": dataclasses.asdict(cfg), "quick": args.quick,
-                     "systems": args.systems, "fuser_can_fuse_on_gpu": fuser.can_fuse_on_gpu(),
+                     "systems": args.systems, "interleaved": args.interleave,
+                     "fuser_can_fuse_on_gpu": fuser.can_fuse_on_gpu(),
                      "fuser_can_fuse_on_cpu": fuser.can_fuse_on_cpu(), "elapsed_s": time.perf_counter() - started,
                      "complete": complete, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
             "fuser_first_call_ms": {k: v["ms"] for k, v in first.items()},
@@ -102,7 +109,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for size in [s for s in SIZES if s in args.sizes]:
             for dtype in [d for d in wl.dtypes if device.type != "cpu" or d in CPU_DTYPES]:
                 t0 = time.perf_counter()
-                rows.append(run_row(wl, dtype, size, args.systems, device, cfg, args.quick, copy_rate))
+                rows.append(run_row(wl, dtype, size, args.systems, device, cfg, args.quick, copy_rate,
+                                    args.interleave))
                 print(f"  {wl.name:<10} {str(dtype)[6:]:<9} {size:<5} {time.perf_counter() - t0:6.1f}s",
                       file=sys.stderr)
                 write_json(complete=False)

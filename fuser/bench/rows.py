@@ -15,7 +15,7 @@ import fuser
 from fuser import native
 
 from .cpu import cpu_shape
-from .systems import SYSTEM_CONTEXTS
+from .systems import INTERLEAVED_SYSTEMS, SYSTEM_CONTEXTS, systems_side_by_side
 from .timing import (Config, _free, _no_gc, _sync, device_time_per_call_us, host_time_per_call_us,
                      warm_up)
 from .workloads import Workload, _as_list, _python_function, _train_step
@@ -31,6 +31,7 @@ N_ROTATED_SETS = 8
 # max abs error allowed, relative to max |eager output|: fused systems compute half types in float and round
 # once, eager rounds after every op, so a few ulps of the storage type are expected.
 REL_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+FUSER_SYSTEMS = ("fuser", "compile_fuser")
 
 
 def _fuser_build_ms() -> dict:
@@ -71,6 +72,54 @@ def _nbytes(values) -> int:
                for v in values if isinstance(v, torch.Tensor))
 
 
+def _first_call(wl: Workload, system: str, fn, sets: list, ref, device: torch.device, cfg: Config,
+                cell: dict) -> None:
+    """``fn``'s first call, timed (its builds) and checked against eager's ``ref``, then its warm-up; into
+    ``cell``."""
+    kernels_before = fuser.n_compiled_kernels()
+    built_before = set(_fuser_build_ms())
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn(*sets[0])
+    _sync(device)
+    cell["first_call_ms"] = (time.perf_counter() - t0) * 1e3
+    cell["kernels_compiled_first_call"] = fuser.n_compiled_kernels() - kernels_before
+    if system in FUSER_SYSTEMS:  # the kernel builds themselves (types, codegen, NVRTC, load)
+        cell["kernel_build_ms"] = [ms for name, ms in _fuser_build_ms().items() if name not in built_before]
+    cell["max_abs_err"] = max_abs_error(out, ref) if not wl.random else _structure_error(out, ref)
+    del out
+    cell["warmup_calls"] = warm_up(fn, sets, device, cfg)
+    cell["_kernels_before"] = kernels_before
+
+
+def _samples(fn, size: str, sets: list, device: torch.device, cfg: Config) -> tuple[str, list[float]]:
+    """(the cell's key, samples) of ``cfg.batches`` batches (large rows: device time) or ``cfg.host_repeats``
+    repeats (small rows: host time)."""
+    with _no_gc():
+        if size == "large":
+            return "device_us_samples", device_time_per_call_us(fn, sets, device, cfg)
+        return "host_us_samples", host_time_per_call_us(fn, sets, device, cfg)
+
+
+def _finish(system: str, fn, size: str, sets: list, device: torch.device, cfg: Config, cell: dict) -> None:
+    """A timed cell's median, and for fuser's systems the host phases (small rows) and kernels built."""
+    key = "device_us_samples" if size == "large" else "host_us_samples"
+    cell["us_per_call"] = statistics.median(cell[key])
+    if system in FUSER_SYSTEMS:
+        if size != "large":
+            cell.update(_host_phases(fn, sets, device, cfg))
+        cell["fuser_kernels_compiled_total"] = fuser.n_compiled_kernels() - cell["_kernels_before"]
+    del cell["_kernels_before"]
+
+
+def _failed(cell: dict, e: Exception, device: torch.device) -> None:
+    cell["error"] = f"{type(e).__name__}: {e}".strip()[:1000]
+    cell.pop("_kernels_before", None)
+    with contextlib.suppress(Exception):
+        _sync(device)
+    _free(device)
+
+
 def run_cell(wl: Workload, system: str, size: str, sets: list, ref, device: torch.device,
              cfg: Config) -> dict:
     """Build ``system``'s function for ``wl``, check its first call and time it. Never raises: a failure
@@ -80,35 +129,58 @@ def run_cell(wl: Workload, system: str, size: str, sets: list, ref, device: torc
         with SYSTEM_CONTEXTS[system](wl) as fn:
             if wl.train:
                 fn = _train_step(fn)
-            kernels_before = fuser.n_compiled_kernels()
-            built_before = set(_fuser_build_ms())
-            _sync(device)
-            t0 = time.perf_counter()
-            out = fn(*sets[0])
-            _sync(device)
-            cell["first_call_ms"] = (time.perf_counter() - t0) * 1e3
-            cell["kernels_compiled_first_call"] = fuser.n_compiled_kernels() - kernels_before
-            if system in ("fuser", "compile_fuser"):  # the kernel builds themselves (types, codegen, NVRTC, load)
-                cell["kernel_build_ms"] = [ms for name, ms in _fuser_build_ms().items() if name not in built_before]
-            cell["max_abs_err"] = max_abs_error(out, ref) if not wl.random else _structure_error(out, ref)
-            del out
-            cell["warmup_calls"] = warm_up(fn, sets, device, cfg)
-            with _no_gc():
-                if size == "large":
-                    samples = cell["device_us_samples"] = device_time_per_call_us(fn, sets, device, cfg)
-                else:
-                    samples = cell["host_us_samples"] = host_time_per_call_us(fn, sets, device, cfg)
-                    if system in ("fuser", "compile_fuser"):
-                        cell.update(_host_phases(fn, sets, device, cfg))
-            cell["us_per_call"] = statistics.median(samples)
-            if system in ("fuser", "compile_fuser"):
-                cell["fuser_kernels_compiled_total"] = fuser.n_compiled_kernels() - kernels_before
+            _first_call(wl, system, fn, sets, ref, device, cfg, cell)
+            key, cell[key] = _samples(fn, size, sets, device, cfg)
+            _finish(system, fn, size, sets, device, cfg, cell)
     except Exception as e:  # one broken system must not end the run
-        cell["error"] = f"{type(e).__name__}: {e}".strip()[:1000]
-        with contextlib.suppress(Exception):
-            _sync(device)
-        _free(device)
+        _failed(cell, e, device)
     return cell
+
+
+def run_cells_interleaved(wl: Workload, systems: Sequence[str], size: str, sets: list, ref,
+                          device: torch.device, cfg: Config) -> dict:
+    """Every system's function built, checked and warmed up first, all alive at once, then timed in rounds: a
+    round takes one batch (large rows) or one host-time repeat (small rows) of each system in turn, the order
+    rotated from round to round, so that a shared machine's slow seconds fall on every system alike rather than on
+    whichever cell ran then. Each cell's median over the rounds. For systems that can run side by side
+    (:data:`INTERLEAVED_SYSTEMS`); never raises: a failing system is recorded under ``error`` and leaves the
+    rounds."""
+    cells: dict = {s: {} for s in systems}
+    live: dict = {}
+    one = dataclasses.replace(cfg, batches=1, host_repeats=1)
+    with contextlib.ExitStack() as stack, systems_side_by_side():
+        for system in systems:
+            t0 = time.perf_counter()
+            try:
+                fn = stack.enter_context(SYSTEM_CONTEXTS[system](wl))
+                if wl.train:
+                    fn = _train_step(fn)
+                _first_call(wl, system, fn, sets, ref, device, cfg, cells[system])
+                live[system] = fn
+            except Exception as e:
+                _failed(cells[system], e, device)
+            cells[system]["cell_wall_s"] = time.perf_counter() - t0
+        rounds = cfg.batches if size == "large" else cfg.host_repeats
+        for r in range(rounds):
+            order = list(live)
+            order = order[r % len(order):] + order[:r % len(order)] if order else order
+            for system in order:
+                t0 = time.perf_counter()
+                try:
+                    key, got = _samples(live[system], size, sets, device, one)
+                    cells[system].setdefault(key, []).extend(got)
+                except Exception as e:
+                    _failed(cells[system], e, device)
+                    del live[system]
+                cells[system]["cell_wall_s"] += time.perf_counter() - t0
+        for system, fn in live.items():
+            try:
+                _finish(system, fn, size, sets, device, cfg, cells[system])
+            except Exception as e:
+                _failed(cells[system], e, device)
+    for cell in cells.values():
+        cell["interleaved"] = True
+    return cells
 
 
 def _host_phases(fn, sets: list, device: torch.device, cfg: Config) -> dict:
@@ -127,8 +199,9 @@ def _host_phases(fn, sets: list, device: torch.device, cfg: Config) -> dict:
 
 
 def run_row(wl: Workload, dtype: torch.dtype, size: str, systems: Sequence[str], device: torch.device,
-            cfg: Config, quick: bool, copy_rate: float) -> dict:
-    """All systems on one (workload, dtype, size)."""
+            cfg: Config, quick: bool, copy_rate: float, interleave: bool = False) -> dict:
+    """All systems on one (workload, dtype, size): one cell after another, or (``interleave``, where every
+    system is one of :data:`INTERLEAVED_SYSTEMS`) timed in interleaved rounds (:func:`run_cells_interleaved`)."""
     shape = wl.shapes["quick" if quick and size == "large" else size]
     if device.type == "cpu" and size == "large" and not quick:
         shape = cpu_shape(wl.name, shape)
@@ -162,10 +235,16 @@ def run_row(wl: Workload, dtype: torch.dtype, size: str, systems: Sequence[str],
                             for v in (first[:-1] if wl.train else first)],
            "n_input_sets": n_sets, "bytes_per_call": traffic, "floor_us": floor_us, "cells": {}}
     ref_scale = max((r.abs().max().item() for r in _as_list(ref) if r.numel()), default=0.0)
+    if interleave and len(systems) > 1 and set(systems) <= set(INTERLEAVED_SYSTEMS):
+        cells = run_cells_interleaved(wl, systems, size, sets, ref, device, cfg)
+    else:
+        cells = {}
+        for system in systems:
+            t0 = time.perf_counter()
+            cells[system] = run_cell(wl, system, size, sets, ref, device, cfg)
+            cells[system]["cell_wall_s"] = time.perf_counter() - t0
     for system in systems:
-        t0 = time.perf_counter()
-        cell = run_cell(wl, system, size, sets, ref, device, cfg)
-        cell["cell_wall_s"] = time.perf_counter() - t0
+        cell = cells[system]
         if "max_abs_err" in cell:
             cell["mismatch"] = not cell["max_abs_err"] <= REL_TOL[dtype] * max(1.0, ref_scale)
         if size == "large" and "us_per_call" in cell:

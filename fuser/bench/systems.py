@@ -20,6 +20,29 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 SYSTEMS = ("eager", "ts_nnc", "ts_legacy", "compile", "fuser", "compile_fuser")
+# the systems whose functions can be alive at once (the benchmark's interleaved rounds): TorchScript's columns
+# depend on process-global executor flags and on whether fuser's pass is installed
+INTERLEAVED_SYSTEMS = ("eager", "compile", "fuser", "compile_fuser")
+_side_by_side = [False]
+
+
+@contextlib.contextmanager
+def systems_side_by_side() -> Iterator[None]:
+    """While it holds, the torch.compile columns leave Dynamo's caches alone when they open and close (each
+    compiles a fresh code object: their caches do not meet), so one column's function keeps its compiled code
+    while another's opens; Dynamo is reset once before and once after."""
+    torch._dynamo.reset()
+    _side_by_side[0] = True
+    try:
+        yield
+    finally:
+        _side_by_side[0] = False
+        torch._dynamo.reset()
+
+
+def _reset_dynamo() -> None:
+    if not _side_by_side[0]:
+        torch._dynamo.reset()
 
 
 @contextlib.contextmanager
@@ -51,11 +74,11 @@ def _ts_legacy(wl: Workload) -> Iterator[Callable]:
 
 @contextlib.contextmanager
 def _compile(wl: Workload) -> Iterator[Callable]:
-    torch._dynamo.reset()  # drop earlier cells' compiled code and guards
+    _reset_dynamo()  # drop earlier cells' compiled code and guards
     try:
         yield torch.compile(_python_function(wl))
     finally:
-        torch._dynamo.reset()
+        _reset_dynamo()
 
 
 @contextlib.contextmanager
@@ -73,11 +96,11 @@ def _compile_fuser(wl: Workload) -> Iterator[Callable]:
     """torch.compile with fuser's backend (the torch.compile door, fuser/dynamo/); first_call_ms is its compile."""
     import fuser.dynamo  # noqa: F401  (registers backend="fuser" where fuser is not installed)
     native.ensure(block=True)
-    torch._dynamo.reset()
+    _reset_dynamo()
     try:
         yield torch.compile(_python_function(wl), backend="fuser")
     finally:
-        torch._dynamo.reset()
+        _reset_dynamo()
 
 
 SYSTEM_CONTEXTS = {"eager": _eager, "ts_nnc": _ts_nnc, "ts_legacy": _ts_legacy, "compile": _compile,
