@@ -73,9 +73,9 @@ def _nbytes(values) -> int:
 
 
 def _first_call(wl: Workload, system: str, fn, sets: list, ref, device: torch.device, cfg: Config,
-                cell: dict) -> None:
+                cell: dict) -> int:
     """``fn``'s first call, timed (its builds) and checked against eager's ``ref``, then its warm-up; into
-    ``cell``."""
+    ``cell``. Returns the process's compiled kernels before it (for :func:`_finish`)."""
     kernels_before = fuser.n_compiled_kernels()
     built_before = set(_fuser_build_ms())
     _sync(device)
@@ -89,7 +89,7 @@ def _first_call(wl: Workload, system: str, fn, sets: list, ref, device: torch.de
     cell["max_abs_err"] = max_abs_error(out, ref) if not wl.random else _structure_error(out, ref)
     del out
     cell["warmup_calls"] = warm_up(fn, sets, device, cfg)
-    cell["_kernels_before"] = kernels_before
+    return kernels_before
 
 
 def _samples(fn, size: str, sets: list, device: torch.device, cfg: Config) -> tuple[str, list[float]]:
@@ -101,20 +101,19 @@ def _samples(fn, size: str, sets: list, device: torch.device, cfg: Config) -> tu
         return "host_us_samples", host_time_per_call_us(fn, sets, device, cfg)
 
 
-def _finish(system: str, fn, size: str, sets: list, device: torch.device, cfg: Config, cell: dict) -> None:
+def _finish(system: str, fn, size: str, sets: list, device: torch.device, cfg: Config, cell: dict,
+            kernels_before: int) -> None:
     """A timed cell's median, and for fuser's systems the host phases (small rows) and kernels built."""
     key = "device_us_samples" if size == "large" else "host_us_samples"
     cell["us_per_call"] = statistics.median(cell[key])
     if system in FUSER_SYSTEMS:
         if size != "large":
             cell.update(_host_phases(fn, sets, device, cfg))
-        cell["fuser_kernels_compiled_total"] = fuser.n_compiled_kernels() - cell["_kernels_before"]
-    del cell["_kernels_before"]
+        cell["fuser_kernels_compiled_total"] = fuser.n_compiled_kernels() - kernels_before
 
 
 def _failed(cell: dict, e: Exception, device: torch.device) -> None:
     cell["error"] = f"{type(e).__name__}: {e}".strip()[:1000]
-    cell.pop("_kernels_before", None)
     with contextlib.suppress(Exception):
         _sync(device)
     _free(device)
@@ -129,9 +128,9 @@ def run_cell(wl: Workload, system: str, size: str, sets: list, ref, device: torc
         with SYSTEM_CONTEXTS[system](wl) as fn:
             if wl.train:
                 fn = _train_step(fn)
-            _first_call(wl, system, fn, sets, ref, device, cfg, cell)
+            before = _first_call(wl, system, fn, sets, ref, device, cfg, cell)
             key, cell[key] = _samples(fn, size, sets, device, cfg)
-            _finish(system, fn, size, sets, device, cfg, cell)
+            _finish(system, fn, size, sets, device, cfg, cell, before)
     except Exception as e:  # one broken system must not end the run
         _failed(cell, e, device)
     return cell
@@ -147,6 +146,7 @@ def run_cells_interleaved(wl: Workload, systems: Sequence[str], size: str, sets:
     rounds."""
     cells: dict = {s: {} for s in systems}
     live: dict = {}
+    before: dict = {}  # per system: the compiled kernels before its first call
     one = dataclasses.replace(cfg, batches=1, host_repeats=1)
     with contextlib.ExitStack() as stack, systems_side_by_side():
         for system in systems:
@@ -155,7 +155,7 @@ def run_cells_interleaved(wl: Workload, systems: Sequence[str], size: str, sets:
                 fn = stack.enter_context(SYSTEM_CONTEXTS[system](wl))
                 if wl.train:
                     fn = _train_step(fn)
-                _first_call(wl, system, fn, sets, ref, device, cfg, cells[system])
+                before[system] = _first_call(wl, system, fn, sets, ref, device, cfg, cells[system])
                 live[system] = fn
             except Exception as e:
                 _failed(cells[system], e, device)
@@ -175,7 +175,7 @@ def run_cells_interleaved(wl: Workload, systems: Sequence[str], size: str, sets:
                 cells[system]["cell_wall_s"] += time.perf_counter() - t0
         for system, fn in live.items():
             try:
-                _finish(system, fn, size, sets, device, cfg, cells[system])
+                _finish(system, fn, size, sets, device, cfg, cells[system], before[system])
             except Exception as e:
                 _failed(cells[system], e, device)
     for cell in cells.values():

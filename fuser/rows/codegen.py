@@ -423,7 +423,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         wanted = [o for _, o in elem_out]
         kept_out = [(m, o) for m, o in elem_out if m not in sums]
         decls = [f"fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}> w{m};" for m, o in kept_out]
-        # column sums: a live row's values added into the thread's registers (its columns are the same every row)
+        # column sums: a live row's values added into the thread's registers, or its shared slots (its columns are
+        # the same every row)
         acc_t = {m: accumulator_type(_SUM, node_types[position[o.id]], target) for m, o in elem_out if m in sums}
         shared_sums = [(m, o) for m, o in elem_out if m in sums] if shape.sums_shared else []
         # shared slots: an item's values into a vector (0 for a row past the end), added to its slots whole

@@ -364,9 +364,8 @@ def reduction_passes(group: ir.Group, merge: bool) -> list[list[ir.Node]]:
         red = ops.reduction(n.op)
         if red is None:
             continue
-        upstream = needed(group, [n.args[0]], level=frozenset())
         if (merge and current and not red.variance and not ops.reduction(current[0].op).variance
-                and not any(m.out.id in upstream for m in current)):
+                and not {m.out.id for m in current} & needed(group, [n.args[0]], level=frozenset())):
             current.append(n)
             continue
         current = [n]
