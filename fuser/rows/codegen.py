@@ -83,6 +83,9 @@ def rounded_operands(group: ir.Group) -> frozenset:
                      and not n.origin and n.args and isinstance(n.args[0], ir.Value))
 
 
+AUTOGRAD = "autograd"  # the origin of a backward's nodes (fuser.backward)
+
+
 def centered_means(group: ir.Group) -> frozenset:
     """The value ids of means that the group subtracts from their own input (``x - mean(x)``: layer_norm's
     steps). Their kernels make the mean of a row of equal values exact, as eager's Welford mean is: each CUDA
@@ -92,8 +95,11 @@ def centered_means(group: ir.Group) -> frozenset:
     double. A float sum of n equal values rounds: a 71,305-element row of -1234.567 gave a mean off by about 3e-4,
     which the rstd of the zero variance (316 for eps 1e-5) magnified into outputs of up to 0.96, where eager's are
     0. (On an H200 this cost a 65,536-element float32 row 0.56 -> 0.48 of the copy floor, as a sum in double per
-    element did.)"""
-    means = {n.out.id: n.args[0].id for n in group.nodes if getattr(ops.reduction(n.op), "mean", False)}
+    element did.) A backward's means (``Node.origin`` "autograd": layer_norm's mean(dy * w), subtracted from dy * w)
+    are plain sums, as eager's backward kernels form them: they divide no variance, and its shifted sum in double
+    cost each element four more instructions."""
+    means = {n.out.id: n.args[0].id for n in group.nodes if getattr(ops.reduction(n.op), "mean", False)
+             and n.origin != AUTOGRAD}
     return frozenset(m.args[1].id for m in group.nodes if m.op.split(".")[0] == "aten::sub"
                      and all(isinstance(a, ir.Value) for a in m.args[:2]) and means.get(m.args[1].id) == m.args[0].id)
 
@@ -107,6 +113,36 @@ def rooted_variances(group: ir.Group) -> dict:
     var = {n.out.id for n in group.nodes if getattr(ops.reduction(n.op), "variance", False)}
     return {n.args[0].id: n for n in group.nodes if n.origin == "aten::std" and n.op == "aten::sqrt"
             and isinstance(n.args[0], ir.Value) and n.args[0].id in var}
+
+
+def block_parts(shape) -> bool:
+    """Whether a CUDA row kernel with column sums writes one partial row a block (its rows' shared slots added
+    first: ``templates.CUDA_PARTS_STORE_BLOCK``) rather than one a row of the block (``launch.part_layout``)."""
+    return shape.sums_shared and shape.block > shape.tpr
+
+
+def _paired(merged: list, shape) -> bool:
+    """Rewrites, in place, the reduce lines of a CUDA pass's sibling reductions (``merged``) two at a time where they
+    combine alike in the same accumulator type: one ``fz_row_reduce2`` (templates.ROW_REDUCE) for both, the
+    first's line, and the second's dropped, so the pair crosses the block's barriers once. Each value's sum is formed
+    in the same order as alone. Whether any pair was made."""
+    open_: dict = {}  # (combine, accumulator type) -> the merged index waiting for a partner
+    made = False
+    for i, m in enumerate(merged):
+        if m[4] is None:
+            continue
+        combine, acc_t, pos, line = m[4]
+        j = open_.pop((combine, acc_t), None)
+        if j is None:
+            open_[(combine, acc_t)] = i
+            continue
+        first = merged[j]
+        k = first[3].index(first[4][3])
+        first[3][k] = (f"fz_row_reduce2<{combine}, {shape.tpr}, {shape.block // 32}>(acc{first[4][2]}, acc{pos}, "
+                       f"fz_sh_{acc_t});")
+        m[3].remove(line)
+        made = True
+    return made
 
 
 def _finite(expr: str) -> str:
@@ -295,11 +331,14 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     cpass = 0  # the CPU pass being generated (kept's index)
     centered = centered_means(group)
     cuda_sets = reduction_passes(group, merge=True) if cuda else []
-    merged: list = []  # CUDA: the pieces of the current pass's reductions (acc_decl, input, accumulate, after)
+    merged: list = []  # CUDA: the pieces of the current pass's reductions (acc_decl, input, accumulate, after,
+    # pairable: (combine, accumulator type, pos, its reduce line) or None)
+    paired = [False]  # some pass combines two reductions' block results at once (fz_row_reduce2)
     n_sets = 0  # CUDA: the reduction sets emitted so far
     for n, pos, red, nt in reductions:
         u = n.args[0]
         acc_t = accumulator_type(red, nt, target)
+        pairable = None
         x = vname[u.id]
         if vdtype[u.id] != nt.compute:  # eager converts the input to the reduction's dtype first
             x = (f"fz_ld(fz_st<{storage_type(nt.compute)}>(({compute_type(vdtype[u.id])}){x}))"
@@ -364,6 +403,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             shared.add(acc_t)
             after += [f"acc{pos} -= kc{pos};"] if kahan else []
             after.append(f"acc{pos} = {reduce_fn.format(red.combine)}(acc{pos}, fz_sh_{acc_t}{red_tail});")
+            if not cl and not kahan:  # may pair with a sibling's (see _paired)
+                pairable = (red.combine, acc_t, pos, after[-1])
         centered_cpu = not cuda and n.out.id in centered
         if centered_cpu:  # the row's differences from its first value (cref, read before the pass), summed in double
             # by the vector lanes (_Vector.reduction) and the scalar loop; the mean is that value plus their mean, exact
@@ -386,8 +427,10 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                 after.append(statement[m.out.id])
                 ready.add(m.out.id)
         if cuda:  # the pass is emitted with its set's last reduction (plan.reduction_passes: siblings share one)
-            merged.append((acc_decl + (f" float kc{pos} = 0.0f;" if kahan else ""), u, accumulate, after))
+            merged.append((acc_decl + (f" float kc{pos} = 0.0f;" if kahan else ""), u, accumulate, after, pairable))
             if n is cuda_sets[n_sets][-1]:
+                if shape.tpr > 32 and _paired(merged, shape):
+                    paired[0] = True
                 wanted = [m[1] for m in merged]
                 phases.append(cuda_pass(" ".join(m[0] for m in merged), wanted,
                                         guarded(element_lines(wanted) + [m[2] for m in merged]),
@@ -503,14 +546,34 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             f"    reinterpret_cast<fz_vec<{sum_t[m]}, {shape.vec}>*>(fz_a{m})[k * {shape.block} + threadIdx.x] = "
             f"fz_vec<{sum_t[m]}, {shape.vec}>{{}};"
             if shape.sums_shared else f"  {sum_t[m]} fz_a{m}[{shape.items}] = {{}};" for m in sums)
-        sums_store = t.CUDA_PARTS_STORE.substitute(
-            nv=shape.items // shape.vec, tpr=shape.tpr, vec=shape.vec, rpb=shape.block // shape.tpr,
-            check="true" if shape.full else "cb + v < cols", stores="\n".join(
-                f"        (({sum_t[m]}*)args.ptrs[{n_ptrs + k}])[slot * cols + cb + v] = fz_a{m}[{sum_at}];"
-                for k, m in enumerate(sums))) if sums else ""
+        rpb = shape.block // shape.tpr
+        if sums and block_parts(shape):  # the block's rows' slots added first (templates.CUDA_PARTS_STORE_BLOCK)
+            at = f"(i * {shape.block} + {{}}) * {shape.vec} + v"
+            sums_store = t.CUDA_PARTS_STORE_BLOCK.substitute(
+                nv=shape.items // shape.vec, tpr=shape.tpr, vec=shape.vec, block=shape.block,
+                check="true" if shape.full else "cb + v < cols", stores="\n".join(
+                    f"        {{ {sum_t[m]} s = fz_a{m}[{at.format('ln')}];\n"
+                    f"          for (int r = 1; r < {rpb}; ++r) s += fz_a{m}[{at.format(f'r * {shape.tpr} + ln')}];\n"
+                    f"          (({sum_t[m]}*)args.ptrs[{n_ptrs + k}])[(long long)blockIdx.x * cols + cb + v] = s; }}"
+                    for k, m in enumerate(sums)))
+        else:
+            sums_store = t.CUDA_PARTS_STORE.substitute(
+                nv=shape.items // shape.vec, tpr=shape.tpr, vec=shape.vec, rpb=rpb,
+                check="true" if shape.full else "cb + v < cols", stores="\n".join(
+                    f"        (({sum_t[m]}*)args.ptrs[{n_ptrs + k}])[slot * cols + cb + v] = fz_a{m}[{sum_at}];"
+                    for k, m in enumerate(sums))) if sums else ""
         parts_kernel = t.CUDA_PARTS_KERNEL.substitute(name=name, sums="\n".join(
-            f"    {{ {sum_t[m]} s = 0; if (c < cols) for (long long q = g; q < args.slots; q += 8) "
-            f"s += (({sum_t[m]}*)args.ptrs[{n_ptrs + k}])[q * cols + c]; fz_sh{m}[g][lc] = s; }}"
+            f"    {{ const {sum_t[m]}* P = ({sum_t[m]}*)args.ptrs[{n_ptrs + k}];\n"
+            f"      {sum_t[m]} s0 = 0, s1 = 0, s2 = 0, s3 = 0;\n"
+            f"      if (c < cols) {{\n"
+            f"        long long q = g;\n"
+            f"        for (; q + 24 < args.slots; q += 32) {{\n"
+            f"          s0 += P[q * cols + c]; s1 += P[(q + 8) * cols + c]; s2 += P[(q + 16) * cols + c]; "
+            f"s3 += P[(q + 24) * cols + c];\n"
+            f"        }}\n"
+            f"        for (; q < args.slots; q += 8) s0 += P[q * cols + c];\n"
+            f"      }}\n"
+            f"      fz_sh{m}[g][lc] = (s0 + s1) + (s2 + s3); }}"
             for k, m in enumerate(sums)), stores="\n".join(
             f"      {{ {sum_t[m]} s = fz_sh{m}[0][lc]; for (int k = 1; k < 8; ++k) s += fz_sh{m}[k][lc]; "
             f"o{m}[c] = fz_st<{storage_type(out_dtypes[m])}>(({compute_type(out_dtypes[m])})s); }}" for m in sums),
@@ -525,7 +588,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         if shape.staged:  # each thread's vectors of the row's staged inputs, in flight at once
             offsets += "".join(f"\n    fz_row_fetch<{shape.vec}, {shape.tpr}>(fz_sg{k}, t{k}, off{k}, lane, cols);"
                                for k in shape.staged) + "\n    fz_cp_wait();"
-        n_sh = max(1, shape.block // 32) + (2 if cl else 0)
+        n_sh = max(1, shape.block // 32) * (2 if paired[0] else 1) + (2 if cl else 0)
         stage = []
         if shape.staged:  # (plan.stage_row_bytes's layout)
             row = [f"((size_t)cols * sizeof({storage_type(inputs[k])}) + 15) / 16 * 16" for k in shape.staged]

@@ -155,8 +155,8 @@ def expand(group: ir.Group) -> ir.Group:
     if got is not None:
         return got
     if not any(getattr(ops.reduction(n.op), "composite", False) for n in group.nodes):
-        group._cache["expanded"] = group
-        return group
+        got = group._cache["expanded"] = _shared_steps(group)
+        return got
     b = ir.Builder()
     env = {v.id: b.input(v.kind, v.dtype, v.rank) for v in group.inputs}
 
@@ -180,12 +180,16 @@ def expand(group: ir.Group) -> ir.Group:
 
 
 def _shared_steps(g: ir.Group) -> ir.Group:
-    """``g`` with each step that repeats an earlier one (the same op, arguments and origin: a forward that writes a
-    normalization's statistics forms them as steps beside the op's own, ``fuser.backward.forward_group``) read from
-    the earlier one, so that the kernel forms it once. Nodes that are no step, and random ones, are left as they
-    are."""
+    """``g`` with each step that repeats an earlier one (the same op and arguments, both steps of eager ops:
+    ``Node.origin`` set, so both held unrounded) read from the earlier one, so that the kernel forms it once. A
+    forward that writes a normalization's statistics forms them as steps beside the op's own
+    (``fuser.backward.forward_group``); a backward recomputes a normalization's steps (``x - mean``, its product with
+    rstd) and its gradient's formula forms them again (``fuser.backward``). A step of ``aten::std`` stays apart (the
+    CPU kernel roots its variance in double: ``codegen.rooted_variances``), as do nodes that are no step, random
+    ones, and a repeat where both are the group's outputs (each output its own value)."""
     seen: dict = {}
     same: dict[int, ir.Value] = {}
+    outputs = {v.id for v in g.outputs}
 
     def arg(a):
         if isinstance(a, ir.Value):
@@ -198,11 +202,11 @@ def _shared_steps(g: ir.Group) -> ir.Group:
         key = None
         if n.origin and not getattr(ops.of(n.op), "random", False):
             try:
-                key = (n.op, args, n.origin)
+                key = (n.op, args, n.origin if n.origin == "aten::std" else "")
                 hash(key)
             except TypeError:
                 key = None
-        if key is not None and key in seen:
+        if key is not None and key in seen and not (n.out.id in outputs and seen[key].id in outputs):
             same[n.out.id] = seen[key]
             continue
         if key is not None:

@@ -205,10 +205,11 @@ def part_buffers(p_rows: int, p_cols: int, shape, sums: tuple, sum_dtypes: tuple
 
 
 def part_layout(p_rows: int, shape, max_blocks: int) -> tuple[int, int]:
-    """(grid, slots) of a row kernel with column sums: ``max_blocks`` blocks at most, a slot per block's row."""
+    """(grid, slots) of a row kernel with column sums: ``max_blocks`` blocks at most, a slot per block's row, or
+    per block where the block adds its rows' slots first (``codegen.block_parts``)."""
     rpb = shape.block // shape.tpr
     grid = max(1, min(-(-p_rows // rpb), max_blocks))
-    return grid, grid * rpb
+    return grid, grid * (1 if row_codegen.block_parts(shape) else rpb)
 
 
 def part_dtype(dtype: torch.dtype) -> torch.dtype:

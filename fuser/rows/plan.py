@@ -330,6 +330,9 @@ def staged_inputs(group: ir.Group, shape: CudaShape, cols: int, sizes: Sequence[
     return tuple(sorted(chosen))
 
 
+TYPE_AS = "aten::type_as"
+
+
 def needed(group: ir.Group, wanted: Sequence[ir.Value], held: frozenset = frozenset(),
            level: Optional[frozenset] = None) -> set:
     """ids of the element-level values (inputs and nodes) that computing ``wanted`` reads, ``wanted`` included; the
@@ -346,8 +349,16 @@ def needed(group: ir.Group, wanted: Sequence[ir.Value], held: frozenset = frozen
             continue
         need.add(v.id)
         if v.id in producer and v.id not in held:
-            stack.extend(producer[v.id].values)
+            stack.extend(read_values(producer[v.id]))
     return need
+
+
+def read_values(n: ir.Node) -> list:
+    """The group values whose elements ``n`` reads: its values, less ``type_as``'s ``other``, of which it takes
+    only the dtype (a backward's ``type_as(dy, y)``: y is neither computed nor held for it)."""
+    if n.op == TYPE_AS:
+        return [a for a in n.args[:1] if isinstance(a, ir.Value)]
+    return n.values
 
 
 def reduction_passes(group: ir.Group, merge: bool) -> list[list[ir.Node]]:
@@ -406,9 +417,23 @@ def held_values(group: ir.Group) -> list:
         keep: set = set()
         for later in passes[i + 1:]:
             keep |= needed(group, later, has) & has
-        held = frozenset(keep)
+        held = _without_casts(group, keep)
     group._cache["held_values"] = got
     return got
+
+
+CASTS = frozenset((TYPE_AS, "aten::_to_copy"))
+
+
+def _without_casts(group: ir.Group, keep: set) -> frozenset:
+    """``keep`` less each cast of another value in it: the later pass converts again (an instruction or none)
+    rather than holding both (a backward holds dy and ``type_as(dy, y)``, one more register an element)."""
+    keep = set(keep)
+    for vid in sorted(keep, reverse=True):
+        n = group.producer(ir.Value(vid))
+        if n is not None and n.op in CASTS and isinstance(n.args[0], ir.Value) and n.args[0].id in keep:
+            keep.discard(vid)
+    return frozenset(keep)
 
 
 def kept_values(group: ir.Group, keepable: Callable[[int], bool]) -> list:

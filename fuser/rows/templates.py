@@ -75,6 +75,34 @@ ROW_REDUCE = r"""template <class Op, int TPR, class A> __device__ __forceinline_
   return v;
 }
 
+// two values of the rows reduced at once, each as fz_row_reduce forms it (the same order of combining), the block's
+// step crossing the barriers once; sh holds 2 * NW slots (NW: the block's warps)
+template <class Op, int TPR, int NW, class A> __device__ __forceinline__ void fz_row_reduce2(A& a, A& b, A* sh) {
+  constexpr int W = TPR < 32 ? TPR : 32;
+#pragma unroll
+  for (int o = W / 2; o > 0; o >>= 1) {
+    a = Op::f(a, __shfl_xor_sync(0xffffffffu, a, o));
+    b = Op::f(b, __shfl_xor_sync(0xffffffffu, b, o));
+  }
+  a = __shfl_sync(0xffffffffu, a, 0, W);
+  b = __shfl_sync(0xffffffffu, b, 0, W);
+  if (TPR > 32) {
+    if ((threadIdx.x & 31) == 0) {
+      sh[threadIdx.x / 32] = a;
+      sh[NW + threadIdx.x / 32] = b;
+    }
+    __syncthreads();
+    const int first = (threadIdx.x / TPR) * (TPR / 32);
+    a = sh[first];
+    b = sh[NW + first];
+    for (int w = 1; w < TPR / 32; ++w) {
+      a = Op::f(a, sh[first + w]);
+      b = Op::f(b, sh[NW + first + w]);
+    }
+    __syncthreads();  // sh is free for the next reduction
+  }
+}
+
 // a thread's elements of one trip along a row (NV vectors of V elements, vector i at column
 // tb + (i * TPR + lane) * V), as the kernel's value type C, every load issued before any is used: whole vectors
 // where the launch allows them (args.vec: the row starts, the row length and the pointers suit them; a vector
@@ -300,9 +328,24 @@ ${stores}
       }
     }
   }""")
+# ...and where the slots are in shared memory (CudaShape.sums_shared) and a block takes several rows: the block
+# adds its rows' slots first (each column's in row order), and writes one partial row, so the second kernel reads
+# ${rpb} times fewer (the slots of a block of rows of 512 made that kernel the step's third largest)
+CUDA_PARTS_STORE_BLOCK = Template(r"""  __syncthreads();
+  for (int e = threadIdx.x; e < ${nv} * ${tpr}; e += ${block}) {
+    const int i = e / ${tpr}, ln = e % ${tpr};
+    const int cb = (i * ${tpr} + ln) * ${vec};
+#pragma unroll
+    for (int v = 0; v < ${vec}; ++v) {
+      if (${check}) {
+${stores}
+      }
+    }
+  }""")
 CUDA_PARTS_KERNEL = Template(r"""
 // the second kernel: a block takes 32 columns at a time; its 8 warps add every 8th slot's partial rows each (32
-// consecutive columns a load), then the first warp adds the 8 warps' sums in order (a fixed order: deterministic)
+// consecutive columns a load; four sums a warp, four loads in flight), then the first warp adds the 8 warps' sums
+// in order (a fixed order: deterministic)
 extern "C" __global__ void __launch_bounds__(256) ${name}_sum(const FzArgs args) {
   const long long cols = args.cols;
   const int g = threadIdx.x / 32, lc = threadIdx.x % 32;
