@@ -563,17 +563,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                     f"        (({sum_t[m]}*)args.ptrs[{n_ptrs + k}])[slot * cols + cb + v] = fz_a{m}[{sum_at}];"
                     for k, m in enumerate(sums))) if sums else ""
         parts_kernel = t.CUDA_PARTS_KERNEL.substitute(name=name, sums="\n".join(
-            f"    {{ const {sum_t[m]}* P = ({sum_t[m]}*)args.ptrs[{n_ptrs + k}];\n"
-            f"      {sum_t[m]} s0 = 0, s1 = 0, s2 = 0, s3 = 0;\n"
-            f"      if (c < cols) {{\n"
-            f"        long long q = g;\n"
-            f"        for (; q + 24 < args.slots; q += 32) {{\n"
-            f"          s0 += P[q * cols + c]; s1 += P[(q + 8) * cols + c]; s2 += P[(q + 16) * cols + c]; "
-            f"s3 += P[(q + 24) * cols + c];\n"
-            f"        }}\n"
-            f"        for (; q < args.slots; q += 8) s0 += P[q * cols + c];\n"
-            f"      }}\n"
-            f"      fz_sh{m}[g][lc] = (s0 + s1) + (s2 + s3); }}"
+            f"    {{ {sum_t[m]} s = 0; if (c < cols) for (long long q = g; q < args.slots; q += 8) "
+            f"s += (({sum_t[m]}*)args.ptrs[{n_ptrs + k}])[q * cols + c]; fz_sh{m}[g][lc] = s; }}"
             for k, m in enumerate(sums)), stores="\n".join(
             f"      {{ {sum_t[m]} s = fz_sh{m}[0][lc]; for (int k = 1; k < 8; ++k) s += fz_sh{m}[k][lc]; "
             f"o{m}[c] = fz_st<{storage_type(out_dtypes[m])}>(({compute_type(out_dtypes[m])})s); }}" for m in sums),

@@ -344,8 +344,7 @@ ${stores}
   }""")
 CUDA_PARTS_KERNEL = Template(r"""
 // the second kernel: a block takes 32 columns at a time; its 8 warps add every 8th slot's partial rows each (32
-// consecutive columns a load; four sums a warp, four loads in flight), then the first warp adds the 8 warps' sums
-// in order (a fixed order: deterministic)
+// consecutive columns a load), then the first warp adds the 8 warps' sums in order (a fixed order: deterministic)
 extern "C" __global__ void __launch_bounds__(256) ${name}_sum(const FzArgs args) {
   const long long cols = args.cols;
   const int g = threadIdx.x / 32, lc = threadIdx.x % 32;
