@@ -15,8 +15,8 @@ from helpers import check_against_float64, fused_run, reduce_node
 
 from fuser import autodiff, backward, fallback, grad_sums, ir, ops
 from fuser.kernel_cache import STORE
-from fuser.rows import emulate as row_emulate, launch as row_launch
-from fuser.rows.plan import plan, reduction_passes, row_passes
+from fuser.rows import codegen as row_codegen, decompose, emulate as row_emulate, launch as row_launch
+from fuser.rows.plan import held_values, plan, reduction_passes, row_passes
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
 
@@ -102,6 +102,58 @@ def _norm_backward(n: int, dtype):
     bargs = autodiff.backward_args(spec, bw, args, [gy], shapes, dict(enumerate(outs)))
     fused = grad_sums.fused_for(bw, grad_sums.plan(spec, bw, shapes, args[0].shape, sig, bargs))
     return fused, bargs, args, gy
+
+
+def test_repeated_steps_formed_once():
+    """decompose.expand: a step that repeats an earlier one (same op and arguments, both steps of eager ops, whatever
+    those ops) is read from the earlier one; an op of its own (rounded where a step is not), a step of aten::std
+    (rooted in double on the CPU) and a repeat where both are outputs keep their nodes."""
+    b = ir.Builder()
+    x = b.input()
+    with b.steps_of("aten::softmax"):
+        e1 = b.call("aten::exp", x)
+    with b.steps_of("autograd"):
+        e2 = b.call("aten::exp", x)
+        o1 = b.call("aten::neg", x)
+        o2 = b.call("aten::neg", x)
+    e3 = b.call("aten::exp", x)
+    with b.steps_of("aten::std"):
+        s1 = b.call("aten::sqrt", x)
+    with b.steps_of("autograd"):
+        s2 = b.call("aten::sqrt", x)
+    g = b.build([b.call("aten::add", e1, e2, 1), e3, b.call("aten::mul", s1, s2), o1, o2])
+    got = decompose.expand(g)
+    count = lambda op: sum(n.op.startswith(op) for n in got.nodes)
+    assert (count("aten::exp"), count("aten::sqrt"), count("aten::neg")) == (2, 2, 2), got.text()
+    assert len({v.id for v in got.outputs}) == 5
+    add = next(n for n in got.nodes if n.op.startswith("aten::add"))
+    assert add.args[0].id == add.args[1].id
+    args = [torch.randn(6, 5).abs()]
+    torch.testing.assert_close(fallback.run(STORE.get(STORE.register(got)), args),
+                               fallback.run(STORE.get(STORE.register(g)), args))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_norm_backward_holds_three_values(dtype):
+    """layer_norm's backward row kernel: x - mean and its product with rstd formed once (the recomputed forward and
+    the gradient's formula both form them), type_as(dy, y) reading only y's dtype and dy's cast formed again rather
+    than held, so after the pass of its two sums a row holds three values an element (x-hat, dy, dy * w); those two
+    sums are plain (a backward's means are not centered) and cross the block's barriers together."""
+    fused, bargs, _, _ = _norm_backward(4096, dtype)
+    p = plan(fused.spec, bargs, "cuda")
+    g = row_launch.kernel_group(fused.spec, p)
+    assert p.key.shape.held and [len(h) for h in held_values(g)] == [0, 3], held_values(g)
+    assert not row_codegen.centered_means(g)
+    source = row_launch.source_for(fused.spec, p)[1]
+    assert source.count("fz_row_reduce2<fz_rsum") == 1 and "fz_row_reduce<" not in source.split("__global__")[1]
+
+
+def test_forward_means_stay_centered():
+    """A forward layer_norm's mean is centered (a row of equal values gives zeros, as eager's Welford does)."""
+    b = ir.Builder()
+    x = b.input()
+    g = decompose.expand(b.build([b.add("aten::layer_norm", x, (8,), None, None, 1e-5, True)]))
+    assert len(row_codegen.centered_means(g)) == 1
 
 
 @pytest.mark.parametrize("shared", (True, False), ids=("shared", "registers"))
