@@ -158,7 +158,7 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
             accumulate(o.id, D.V(b, gv))
     # the gradient's nodes are steps of eager's backward kernels (gelu_backward computes in float in one kernel):
     # held unrounded, as the legacy fuser held every intermediate
-    b.origin = "autograd"
+    b.origin = ir.AUTOGRAD
     for n in reversed(fwd.nodes):
         if n.out.id not in grads:
             continue

@@ -31,6 +31,7 @@ TENSOR, FLOAT = "Tensor", "float"
 SCALAR_TYPE_CODE = {torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.complex64: 9, torch.complex128: 10,
                     torch.bool: 11, torch.bfloat16: 15, torch.int32: 3, torch.int64: 4}
 CAT = "aten::cat"
+AUTOGRAD = "autograd"  # Node.origin of a generated backward's gradient nodes (fuser.backward)
 
 
 @dataclass(frozen=True)

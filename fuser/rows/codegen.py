@@ -83,9 +83,6 @@ def rounded_operands(group: ir.Group) -> frozenset:
                      and not n.origin and n.args and isinstance(n.args[0], ir.Value))
 
 
-AUTOGRAD = "autograd"  # the origin of a backward's nodes (fuser.backward)
-
-
 def centered_means(group: ir.Group) -> frozenset:
     """The value ids of means that the group subtracts from their own input (``x - mean(x)``: layer_norm's
     steps). Their kernels make the mean of a row of equal values exact, as eager's Welford mean is: each CUDA
@@ -99,7 +96,7 @@ def centered_means(group: ir.Group) -> frozenset:
     are plain sums, as eager's backward kernels form them: they divide no variance, and its shifted sum in double
     cost each element four more instructions."""
     means = {n.out.id: n.args[0].id for n in group.nodes if getattr(ops.reduction(n.op), "mean", False)
-             and n.origin != AUTOGRAD}
+             and n.origin != ir.AUTOGRAD}
     return frozenset(m.args[1].id for m in group.nodes if m.op.split(".")[0] == "aten::sub"
                      and all(isinstance(a, ir.Value) for a in m.args[:2]) and means.get(m.args[1].id) == m.args[0].id)
 
@@ -131,16 +128,15 @@ def _paired(merged: list, shape) -> bool:
     for i, m in enumerate(merged):
         if m[4] is None:
             continue
-        combine, acc_t, pos, line = m[4]
+        combine, acc_t, pos, at = m[4]
         j = open_.pop((combine, acc_t), None)
         if j is None:
             open_[(combine, acc_t)] = i
             continue
-        first = merged[j]
-        k = first[3].index(first[4][3])
-        first[3][k] = (f"fz_row_reduce2<{combine}, {shape.tpr}, {shape.block // 32}>(acc{first[4][2]}, acc{pos}, "
-                       f"fz_sh_{acc_t});")
-        m[3].remove(line)
+        _, _, pos0, at0 = merged[j][4]
+        merged[j][3][at0] = (f"fz_row_reduce2<{combine}, {shape.tpr}, {shape.block // 32}>(acc{pos0}, acc{pos}, "
+                             f"fz_sh_{acc_t});")
+        del m[3][at]
         made = True
     return made
 
@@ -332,8 +328,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     centered = centered_means(group)
     cuda_sets = reduction_passes(group, merge=True) if cuda else []
     merged: list = []  # CUDA: the pieces of the current pass's reductions (acc_decl, input, accumulate, after,
-    # pairable: (combine, accumulator type, pos, its reduce line) or None)
-    paired = [False]  # some pass combines two reductions' block results at once (fz_row_reduce2)
+    # pairable: (combine, accumulator type, pos, its reduce line's index in after) or None)
+    paired = False  # some pass combines two reductions' block results at once (fz_row_reduce2)
     n_sets = 0  # CUDA: the reduction sets emitted so far
     for n, pos, red, nt in reductions:
         u = n.args[0]
@@ -404,7 +400,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             after += [f"acc{pos} -= kc{pos};"] if kahan else []
             after.append(f"acc{pos} = {reduce_fn.format(red.combine)}(acc{pos}, fz_sh_{acc_t}{red_tail});")
             if not cl and not kahan:  # may pair with a sibling's (see _paired)
-                pairable = (red.combine, acc_t, pos, after[-1])
+                pairable = (red.combine, acc_t, pos, len(after) - 1)
         centered_cpu = not cuda and n.out.id in centered
         if centered_cpu:  # the row's differences from its first value (cref, read before the pass), summed in double
             # by the vector lanes (_Vector.reduction) and the scalar loop; the mean is that value plus their mean, exact
@@ -429,8 +425,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         if cuda:  # the pass is emitted with its set's last reduction (plan.reduction_passes: siblings share one)
             merged.append((acc_decl + (f" float kc{pos} = 0.0f;" if kahan else ""), u, accumulate, after, pairable))
             if n is cuda_sets[n_sets][-1]:
-                if shape.tpr > 32 and _paired(merged, shape):
-                    paired[0] = True
+                paired = (shape.tpr > 32 and _paired(merged, shape)) or paired
                 wanted = [m[1] for m in merged]
                 phases.append(cuda_pass(" ".join(m[0] for m in merged), wanted,
                                         guarded(element_lines(wanted) + [m[2] for m in merged]),
@@ -579,7 +574,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         if shape.staged:  # each thread's vectors of the row's staged inputs, in flight at once
             offsets += "".join(f"\n    fz_row_fetch<{shape.vec}, {shape.tpr}>(fz_sg{k}, t{k}, off{k}, lane, cols);"
                                for k in shape.staged) + "\n    fz_cp_wait();"
-        n_sh = max(1, shape.block // 32) * (2 if paired[0] else 1) + (2 if cl else 0)
+        n_sh = max(1, shape.block // 32) * (2 if paired else 1) + (2 if cl else 0)
         stage = []
         if shape.staged:  # (plan.stage_row_bytes's layout)
             row = [f"((size_t)cols * sizeof({storage_type(inputs[k])}) + 15) / 16 * 16" for k in shape.staged]
