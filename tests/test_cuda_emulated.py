@@ -919,14 +919,26 @@ def _waves(ir_text: str, inputs) -> object:
 
 def test_cheap_walking_kernels_launch_one_trip_a_thread():
     """codegen.grid_waves: a broadcast affine over float32 or a float16 tensor plus a float32 bias (4-element vectors,
-    cheap ops) launch a block per 256 vectors; a GELU, 8-element float16 vectors and a transposed (tiled) input
+    cheap ops) launch a block per 256 vectors; a float16 GELU (8-element vectors) and a transposed (tiled) input
     keep the launcher's default waves."""
     col, row = random_tensor((61, 1), torch.float32), random_tensor((128,), torch.float32)
     affine = MIXED_WIDTH_IR.replace("  %c : Tensor = aten::gt(%b, %x)\n", "").replace("return (%b, %c)", "return (%b)")
     assert _waves(affine, [random_tensor((61, 128), torch.float32), col, row]) == codegen.CHEAP_WAVES
     assert _waves(MIXED_WIDTH_IR, [random_tensor((61, 128), torch.float16), col, row]) == codegen.CHEAP_WAVES
     assert _waves(affine, [random_tensor((61, 128), torch.float16), col.half(), row.half()]) is None  # 8 elements
-    assert _waves(GELU_BIAS_IR, [random_tensor((61, 128), torch.float32), row]) is None
+    assert _waves(GELU_BIAS_IR, [random_tensor((61, 128), torch.float16), row.half()]) is None  # 8 elements
     residual = random_tensor((61, 128), torch.float32)
     assert _waves(affine, [random_tensor((128, 61), torch.float32).t(), col, residual]) is None  # the tiled path
     assert codegen.grid_waves(["mul", "add"], [], 4, "cpu") is None
+
+
+def test_heavy_4_element_kernels_launch_more_waves():
+    """codegen.grid_waves: a float32 GELU over rows plus a bias (4-element vectors, an erf) and over two full-size
+    tensors launch HEAVY_WAVES waves (not 8 waves or one trip a thread, the launcher's defaults for walking and
+    dense kernels); float64 (2-element vectors) keeps the launcher's default."""
+    x, row = random_tensor((61, 128), torch.float32), random_tensor((128,), torch.float32)
+    assert codegen.HEAVY_WAVES not in (0, 8)
+    assert _waves(GELU_BIAS_IR, [x, row]) == codegen.HEAVY_WAVES
+    assert _waves(GELU_BIAS_IR, [x, random_tensor((61, 128), torch.float32)]) == codegen.HEAVY_WAVES
+    assert _waves(GELU_BIAS_IR, [x.double(), row.double()]) is None
+    assert codegen.grid_waves(["gelu"], [], 4, "cpu") is None

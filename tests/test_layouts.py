@@ -454,7 +454,8 @@ def _tr(rows, cols, dtype):
 
 
 # name -> (graph, inputs maker); every case takes the tiled path, in its vector form unless a comment says it falls
-# to the scalar form. Sizes: 64 x 64 tiles (or 64 x 32: FUSER_CUDA_TILE_VEC_B), 8-element vectors
+# to the scalar form. Sizes: 64 x 64 tiles of 8-element vectors for 2-byte staged inputs (or 64 x 32:
+# FUSER_CUDA_TILE_VEC_B), 64 x 32 tiles of 4-element vectors for 4-byte ones (the odd sizes are odd for both)
 VEC_CASES = {
     # whole tiles
     "aligned": (ADD_SIGMOID, lambda dt: [_t((128, 192), dt), _tr(128, 192, dt), _t((192,), dt)]),
@@ -502,8 +503,14 @@ VEC_CASES = {
     "mixed_outputs_odd": (MIXED_OUTPUTS, lambda dt: [_t((131, 197), dt), _tr(131, 197, dt),
                                                      _t((131, 197), torch.float32)]),
 }
-VEC_PARAMS = [(n, dt, True) for n in VEC_CASES for dt in (torch.float16, torch.bfloat16)] + [
-    (n, torch.float16, False) for n in VEC_CASES] + [(n, torch.int16, True) for n in ("partial_tiles", "odd_sizes")]
+VEC_PARAMS = [(n, dt, True) for n in VEC_CASES for dt in (torch.float16, torch.bfloat16, torch.float32)] + [
+    (n, torch.float16, False) for n in VEC_CASES] + [(n, dt, True) for n in ("partial_tiles", "odd_sizes")
+                                                     for dt in (torch.int16, torch.int32)]
+
+
+def _vec_tile(dtype) -> tuple[int, int]:
+    """The vector form's tile for staged inputs of ``dtype``."""
+    return (common.TILE_VEC_A, common.TILE_VEC_B) if dtype.itemsize == 2 else (64, 32)
 
 
 @pytest.fixture(scope="module")
@@ -523,7 +530,8 @@ def test_emulated_tiled_vector_form(vec_inputs, name, dtype, index32):
     p = executor.plan(spec, args, target="cuda")
     kernel = emulate.kernel_for(graph, args, index32, em)
     assert executor.Geometry(p, kernel).tile_dim >= 0
-    assert "fz_vec_strides(args.strides" in kernel.source and kernel.tile == (common.TILE_VEC_A, common.TILE_VEC_B)
+    assert "fz_vec_strides(args.strides" in kernel.source and kernel.tile == _vec_tile(dtype)
+    assert f"constexpr int vw = {16 // dtype.itemsize}," in kernel.source
     _assert_like_eager(emulate.run_graph(graph, args, index32, emulator=em), _reference(text, args))
 
 
@@ -553,8 +561,8 @@ def test_tiled_vector_form_compiles_with_nvrtc(arch):
         text, make = VEC_CASES[name]
         graph = torch.parse_ir(text)
         spec = STORE.get(STORE.register(lower(graph)))
-        p = executor.plan(spec, make(torch.bfloat16), target="cuda")
-        for index32 in (True, False):
+        for dtype, index32 in ((torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)):
+            p = executor.plan(spec, make(dtype), target="cuda")
             kernel = compiler.build(spec, replace(p.arg_spec, index32=index32), load=lambda *_: (None, False),
                                     probe_device="cpu")
             assert "fz_vec_strides(args.strides" in kernel.source
@@ -597,7 +605,8 @@ def _on_cuda_aligned_alike(a):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,dtype", [(n, dt) for n in VEC_CASES for dt in (torch.float16, torch.bfloat16)])
+@pytest.mark.parametrize("name,dtype", [(n, dt) for n in VEC_CASES
+                                        for dt in (torch.float16, torch.bfloat16, torch.float32)])
 def test_gpu_tiled_vector_form(name, dtype):
     text, make = VEC_CASES[name]
     host = make(dtype)
@@ -607,7 +616,7 @@ def test_gpu_tiled_vector_form(name, dtype):
     spec = STORE.get(STORE.register(lower(torch.parse_ir(text))))
     p = executor.plan(spec, args)
     kernel = executor.kernel_for(spec, p)
-    assert executor.Geometry(p, kernel).tile_dim >= 0 and kernel.tile == (common.TILE_VEC_A, common.TILE_VEC_B)
+    assert executor.Geometry(p, kernel).tile_dim >= 0 and kernel.tile == _vec_tile(dtype)
     _assert_like_eager(executor.run(spec, args), _reference(text, args))
 
 
@@ -623,7 +632,8 @@ def test_gpu_tiled_path(name, dtype):
 
 def test_tiled_vector_tiles_fit_static_shared_memory():
     """Both forms' shared tiles of a kernel stay within 48 KB: 64 x 64 for up to two staged 2-byte inputs, 64 x 32 for
-    three, the scalar form alone from four (each generated kernel's declared tiles, summed, checked too)."""
+    three, the scalar form alone from four; 64 x 32 for up to two staged 4-byte inputs; staged inputs of both
+    widths: the scalar form."""
     from fuser.descs import STRIDED, TensorDesc
     options = common.KernelOptions()
     want = {1: (64, 64), 2: (64, 64), 3: (64, 32), 4: common.TILE_SCALAR, 5: common.TILE_SCALAR}
@@ -634,3 +644,8 @@ def test_tiled_vector_tiles_fit_static_shared_memory():
             assert common.tile_shape(inputs, options) == shape, n
         vec = common.tile_shape(inputs, options) if common.tiled_vector(inputs, options) else (0, 0)
         assert n * (64 * 33 * 4 + vec[0] * vec[1] * 2) <= common.SHARED_BYTES
+        wide = [TensorDesc(torch.float32, STRIDED)] * n + [TensorDesc(torch.float32, DENSE)]
+        assert common.tiled_vector(wide, options) == (n <= 2)
+        assert common.tile_shape(wide, options) == ((64, 32) if n <= 2 else common.TILE_SCALAR)
+    mixed = [TensorDesc(torch.float16, STRIDED), TensorDesc(torch.float32, STRIDED)]
+    assert not common.tiled_vector(mixed, options) and common.tile_shape(mixed, options) == common.TILE_SCALAR

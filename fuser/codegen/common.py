@@ -108,9 +108,12 @@ def has_tiled_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Seque
 
 # The CUDA tiled path's tiles, (along the map's innermost dim a, along the staged inputs' fastest dim b), in elements.
 # Scalar form (cuda/templates.py's TILED_TRIP): an element per lane and access. Vector form (TILED_TRIP_VEC, for
-# 2-byte staged inputs): TILE_VEC-element vectors along b when staging and along a on the dense side; its shared tile
-# swizzles 8 chunks of 8 elements, so TILE_VEC_A is 64 and TILE_VEC_B 32 or 64 (FUSER_CUDA_TILE_VEC_B, for
-# experiments: it changes the source). From NVRTC on this machine (sm_90, the float16 GELU of a transposed view plus
+# staged inputs all of 2 or all of 4 bytes): vectors of TILE_VEC_BYTES (8 or 4 elements) along b when staging and
+# along a on the dense side; its shared tile swizzles the vectors' chunks along a (8 chunks of 8 elements, 16 of 4), so
+# TILE_VEC_A is 64, and TILE_VEC_B 32 or 64 for 2-byte elements (FUSER_CUDA_TILE_VEC_B, for experiments: it changes
+# the source), 32 for 4-byte ones (the same bytes and vectors a thread as 2-byte elements' 64 x 32). 4-byte elements:
+# H200 (2026-11-29, gelu_transposed_residual float32, fuser alone, the scalar and vector forms in turn, two rounds)
+# 203.2-204.0 / 199.3-202.0 us a call, 198.7 against torch.compile's 195.4 in one run. From NVRTC on this machine (sm_90, the float16 GELU of a transposed view plus
 # a residual; no GPU here, so no timings): 64 x 32 gives each thread one vector a tensor (8 elements: 32 bytes of
 # loads in flight with two tensors, 48 KB an SM at 1536 threads, where HBM3 wants 40-64 KB), about 65 SASS
 # instructions an element in the tile loop (its static count over a thread's elements; the scalar form: 97); 64 x 64 two
@@ -121,12 +124,13 @@ def has_tiled_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Seque
 # us, 64 x 32 164 / 162 us, 64 x 64 149 / 148 us (0.91 of the copy floor; float32 and a transposed input beside a
 # row bias unchanged). So 64 x 64.
 TILE_SCALAR = (64, 32)
-TILE_VEC = 8
+TILE_VEC_BYTES = 16
 TILE_VEC_A = 64
 TILE_VEC_B = int(os.environ.get("FUSER_CUDA_TILE_VEC_B", "64"))
 if TILE_VEC_B not in (32, 64):
     raise ValueError(f"FUSER_CUDA_TILE_VEC_B={TILE_VEC_B} (supported: 32, 64)")
-# Threads an SM a kernel with the vector form asks registers for (__launch_bounds__' minimum blocks; 0: no bound;
+# Threads an SM a kernel with the vector form over 2-byte staged inputs asks registers for (__launch_bounds__' minimum
+# blocks; 0: no bound;
 # FUSER_CUDA_TILE_VEC_THREADS for experiments): 1536, 40 registers. Unbounded, NVRTC gave the GELU at 64 x 64 48
 # registers (5 blocks); bounded, 40, no spills, the index math partly on the uniform datapath. 2048 (32 registers)
 # spilled the transcendental body's kernel, which needs 40 in the scalar form too.
@@ -147,21 +151,30 @@ POINTWISE_THREADS = int(os.environ.get("FUSER_CUDA_POINTWISE_THREADS", "2048"))
 SHARED_BYTES = 48 * 1024
 
 
+def tile_vec_width(inputs: Sequence[TensorDesc]) -> int:
+    """Elements a vector of the tiled path's vector form: 16 bytes of the staged inputs' elements (8 of 2 bytes,
+    4 of 4 bytes)."""
+    return TILE_VEC_BYTES // max(torch.empty((), dtype=d.dtype).element_size() for d in inputs if d.layout == STRIDED)
+
+
 def _vector_tile(inputs: Sequence[TensorDesc], options: KernelOptions) -> Optional[tuple[int, int]]:
     staged = [d for d in inputs if d.layout == STRIDED]
-    if not (options.tile_vec and staged and all(torch.empty((), dtype=d.dtype).element_size() == 2 for d in staged)):
+    sizes = {torch.empty((), dtype=d.dtype).element_size() for d in staged}
+    if not (options.tile_vec and len(sizes) == 1 and sizes <= {2, 4}):
         return None
+    size, = sizes
     scalar = len(staged) * TILE_SCALAR[0] * 33 * 4  # (2-byte dtypes compute in float or int: 4 bytes)
-    for tile_b in dict.fromkeys((TILE_VEC_B, 32)):
-        if scalar + len(staged) * TILE_VEC_A * tile_b * 2 <= SHARED_BYTES:
+    # 4-byte elements: a tile of the same bytes as 2-byte elements' 64 x 32 (the same vectors a thread)
+    for tile_b in dict.fromkeys((TILE_VEC_B, 32) if size == 2 else (32,)):
+        if scalar + len(staged) * TILE_VEC_A * tile_b * size <= SHARED_BYTES:
             return TILE_VEC_A, tile_b
     return None
 
 
 def tiled_vector(inputs: Sequence[TensorDesc], options: KernelOptions) -> bool:
     """Whether a kernel's tiled path (see :func:`has_tiled_path`) takes the vector form: the option on, every
-    staged input (``STRIDED``) of 2-byte elements (float16, bfloat16, int16; float32's scalar form is kept), and
-    both forms' shared tiles within :data:`SHARED_BYTES`."""
+    staged input (``STRIDED``) of 2-byte elements (float16, bfloat16, int16) or every one of 4-byte elements
+    (float32, int32), and both forms' shared tiles within :data:`SHARED_BYTES`."""
     return _vector_tile(inputs, options) is not None
 
 
@@ -207,18 +220,33 @@ CHEAP_OPS = frozenset({
 # over 4-element vectors run fastest with one trip a thread. H200 (2026-11-29, fuser alone, two rounds, fraction of
 # the copy floor, 8 waves / one trip): float16 + float32 bias (reduced_plus_float_bias) 0.91-0.93 / 0.94-0.96,
 # outer_affine float32 0.95-0.98 / 0.97-1.00, channels_last affine + relu float32 0.93 / 0.94-0.96 (at batch 128:
-# 0.96-0.98 / 1.00); where 8 waves stay: the GELU float16/bfloat16 0.87-0.91 / 0.80-0.82, float32 0.96-0.97 /
-# 0.93-0.96, channels_last float16/bfloat16 (8-element vectors) 0.86-0.88 / 0.82-0.86; the LSTM cell float32 1.00-1.02
-# / 1.03-1.04 (sigmoids and tanhs: kept at 8 waves, the rule's simplest side).
+# 0.96-0.98 / 1.00); where 8 waves stay: the GELU float16/bfloat16 0.87-0.91 / 0.80-0.82, channels_last
+# float16/bfloat16 (8-element vectors) 0.86-0.88 / 0.82-0.86.
 CHEAP_WAVES = 0
+# ... and where a body over 4-element vectors is not all cheap ops (sigmoids, tanhs, erfs: float32 GELU, SiLU, the
+# LSTM cell), 32 waves of grid-striding blocks, walking or not. H200 (2026-11-29, fuser alone, one process a setting
+# in turn, two rounds, us a call, float32): walking, 8 / 16 / 32 waves / one trip: lstm_cell 225.0 / 218.9-220.4 /
+# 216.7-216.8 / 216.3-219.0, gelu_bias 133.7 / 132.2-132.4 / 131.3 / 136.0-136.5, gelu_bias_transposed (a walk over
+# the permuted view) 134.8 / 132.2-133.2 / 131.9-132.4 / 137.5; dense silu_scale, one trip / 8 / 16 / 32 waves:
+# 136.9-137.1 / 134.1-135.5 / 132.1-134.2 / 132.0-132.1 (torch.compile in one run with fuser: 216.5, 132.1, 132.1,
+# 131.3). Cheap dense bodies keep one trip a thread (mul_add 242.5 / 247.4 at 8 waves) and 2-byte bodies their 8
+# waves (FUSER_CUDA_HEAVY_WAVES: experiments).
+HEAVY_WAVES = int(os.environ.get("FUSER_CUDA_HEAVY_WAVES", "32"))
 
 
 def grid_waves(op_names: Sequence[str], inputs: Sequence[TensorDesc], vec: int, target: str,
                out_layouts: Sequence[str] = ()) -> Optional[int]:
-    """The launch's waves for a kernel of these ops and inputs (``CHEAP_WAVES`` where its vectors hold 2 to 4
-    elements, every op is in ``CHEAP_OPS`` and it has no tiled path), or None: the launcher's default."""
-    if (target == "cuda" and 2 <= vec <= 4 and all(n in CHEAP_OPS for n in op_names)
-            and not has_tiled_path(inputs, target, out_layouts)):
+    """The launch's waves for a CUDA pointwise kernel of these ops and inputs without a tiled path, or None: the
+    launcher's default (8 waves where the kernel walks, one trip a thread where it does not). Vectors of 2 to 4
+    elements whose ops are all in ``CHEAP_OPS``: ``CHEAP_WAVES``; 4-element vectors of other ops: ``HEAVY_WAVES``."""
+    if target != "cuda" or not 2 <= vec <= 4 or has_tiled_path(inputs, target, out_layouts):
+        return None
+    if all(n in CHEAP_OPS for n in op_names):
         return CHEAP_WAVES
+    return HEAVY_WAVES if vec == 4 else None
+    if all(n in CHEAP_OPS for n in op_names):
+        return CHEAP_WAVES
+    if vec == 4:
+        return HEAVY_WAVES_STRIDED if strided_operands(inputs, out_layouts) else HEAVY_WAVES_DENSE
     return None
 

@@ -10,8 +10,8 @@ from ..cpu import templates as cpu_t
 from ..cuda import templates as cuda_t
 from ..descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, storage_type
 from .common import (CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_TILE_CHUNK, CPU_TILE_ROWS,
-                     CPU_VECTORS_PER_TRIP, POINTWISE_THREADS, TILE_SCALAR, TILE_VEC, TILE_VEC_THREADS, has_tiled_path,
-                     has_vector_path, tile_shape, tiled_vector, value_type, vector_width)
+                     CPU_VECTORS_PER_TRIP, POINTWISE_THREADS, TILE_SCALAR, TILE_VEC_THREADS, has_tiled_path,
+                     has_vector_path, tile_shape, tile_vec_width, tiled_vector, value_type, vector_width)
 
 
 class _Gen:
@@ -213,10 +213,12 @@ class CudaGen(_Gen):
 
     def min_blocks(self) -> str:
         """``__launch_bounds__``' minimum blocks an SM (with its comma), or "": for kernels with the tiled path's
-        vector form, ``common.TILE_VEC_THREADS`` threads; for other kernels whose vector path holds 8 elements a
+        vector form over 2-byte staged inputs, ``common.TILE_VEC_THREADS`` threads; for other kernels whose vector path holds 8 elements a
         thread (2-byte tensors), ``common.POINTWISE_THREADS``."""
         if has_tiled_path(self.inputs, "cuda", self.out_layouts) and tiled_vector(self.inputs, self.options):
-            blocks = TILE_VEC_THREADS // self.options.block_size
+            # (4-byte staged inputs: no bound; at 40 registers ptxas spilled an erf and a tanh over float32 beside a
+            # bool mask, 48 without the bound)
+            blocks = TILE_VEC_THREADS // self.options.block_size if tile_vec_width(self.inputs) == 8 else 0
         elif (self.options.vectorize and has_vector_path(self.inputs, "cuda", self.out_layouts)
               and vector_width(self.inputs, self.out_dtypes) >= 8):
             blocks = POINTWISE_THREADS // self.options.block_size
@@ -279,7 +281,7 @@ class CudaGen(_Gen):
     def _tiled_vector(self, row: dict, staged: list) -> tuple[str, str, list[str], str]:
         """The vector form's condition (``cuda_t.TILED_READY_VEC``), constants, shared tiles and tile work
         (``cuda_t.TILED_TRIP_VEC``)."""
-        vw, block = TILE_VEC, self.options.block_size
+        vw, block = tile_vec_width(self.inputs), self.options.block_size
         tile_a, tile_b = tile_shape(self.inputs, self.options)
         if tile_a * tile_b % (vw * block):
             raise ValueError(f"a {tile_a} x {tile_b} tile is no whole number of {vw}-element vectors per thread of a "

@@ -28,8 +28,8 @@ BLOCK_SIZE = 256
 # float32 0.93-0.95 / 0.96 / 0.97-0.98, reduced_plus_float_bias 0.89-0.90 / 0.90-0.92 / 0.93-0.94, but gelu_bias
 # float16 and bfloat16 (bound by arithmetic) 0.80-0.84 / 0.81-0.84 / 0.78-0.82; one trip per thread gave those two
 # 0.70-0.76 on another H200 that day.
-# (codegen.grid_waves picks one trip a thread for cheap bodies over 4-element vectors, unless the environment sets
-# FUSER_GRID_WAVES_STRIDED)
+# (codegen.grid_waves picks one trip a thread for cheap bodies over 4-element vectors and 32 waves for other bodies
+# over 4-element vectors, unless the environment sets FUSER_GRID_WAVES_STRIDED or FUSER_GRID_WAVES_DENSE)
 GRID_WAVES = int(os.environ.get("FUSER_GRID_WAVES_STRIDED", "8"))
 _WAVES_SET = "FUSER_GRID_WAVES_STRIDED" in os.environ or "FUSER_GRID_WAVES_DENSE" in os.environ
 GRID_WAVES_DENSE = int(os.environ.get("FUSER_GRID_WAVES_DENSE", "0"))

@@ -247,7 +247,7 @@ ${vstores}
 # the occupancy). ncu on the float16 kernel: bound by instruction issue (78% of issue slots, DRAM at 47%); dividing
 # the tile numbers by magic numbers (below) took it to 0.68 / 0.71 (bfloat16), 32 registers, 81% of issue slots:
 # a warp moves 64 bytes of 2-byte elements per instruction. Vector form (TILED_TRIP_VEC, 2-byte staged inputs):
-# 8-element vectors on both sides, see there; it runs where TILED_READY_VEC allows it, the scalar form otherwise.
+# 16-byte vectors on both sides, see there; it runs where TILED_READY_VEC allows it, the scalar form otherwise.
 TILED_LOOP = Template(r"""  if (${condition}) {
     const int bd = args.tile_dim, ad = args.rank - 1;
     const fz_index sa = args.sizes[ad], sb = args.sizes[bd];
@@ -347,17 +347,18 @@ TILED_READY_VEC = Template(r"""  bool fz_vec_tiles = false;
   }
 """)
 
-# the vector form's constants: vw, elements a vector (8: 16 bytes of 2-byte elements); per, a thread's vectors of
-# each tensor per tile
+# the vector form's constants: vw, elements a vector (16 bytes: 8 of 2-byte elements, 4 of 4-byte ones); per, a
+# thread's vectors of each tensor per tile
 TILED_SETUP_VEC = Template(r"""    constexpr int vw = ${vw}, per = tile_a * tile_b / vw / ${block_size};""")
 
 # The vector form's tile (a tile_b x tile_a shared tile of storage-type elements per staged input, b-major). Thread
 # t's vectors are t, t + block, ... of the tile: along b (staging: the vectors of an a-row are consecutive threads)
-# or along a (the dense side). A warp's stage reads cover 4 (tile_b 64) or 8 (tile_b 32) a-rows of 128 or 64
-# contiguous bytes; its dense accesses 4 b-rows of 128 bytes of 2-byte elements. Each stage vector is written to the
-# tile as vw elements of one a-column; the tile's 8-element chunks along a are swizzled by b / 8 (chunk ^ (b / 8)), so
-# that those writes (a warp's lanes: 8 or 4 b-chunks c, 4 or 8 a in one chunk) fall in distinct banks, and so do the
-# dense side's 16-byte reads of a b-row's chunks. Loads: every staged vector, then every other operand's, all in
+# or along a (the dense side). With 2-byte elements a warp's stage reads cover 4 (tile_b 64) or 8 (tile_b 32) a-rows
+# of 128 or 64 contiguous bytes, its dense accesses 4 b-rows of 128 bytes; with 4-byte elements (tile_b 32) 4 a-rows
+# of 128 bytes and 2 b-rows of 256. Each stage vector is written to the tile as vw elements of one a-column; the
+# tile's vw-element chunks along a are swizzled by b / vw (chunk ^ (b / vw)), so that those writes (a warp's lanes:
+# 8 or 4 b-chunks c, 4 or 8 a in one chunk) fall in distinct banks, and so do the dense side's 16-byte reads of a
+# b-row's chunks. Loads: every staged vector, then every other operand's, all in
 # flight before the first is used. Sizes are multiples of vw (TILED_READY_VEC): a vector is all inside or all outside.
 TILED_TRIP_VEC = Template(r"""${stage_loads}
 ${pre_decls}
