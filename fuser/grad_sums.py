@@ -13,14 +13,18 @@ which leading dims are summed), into:
 
 Both are registered in the kernel store and run through the executor like any group.
 
-A row backward (one with reductions along the row: layer_norm's, rms_norm's, softmax's) is first tried in a fused
-form (:class:`Fused`): the backward group with each summed output replaced by its sum over the leading dims, which
-the row plan takes as column sums (``fuser.rows.plan.column_sum_form``): the row kernel that computes x's gradient
-adds the weight's and the bias's per-element gradients into partial rows and a second stage adds those, so x and
-dy are read once (eager's and Inductor's layer_norm backward sum per block, then reduce the blocks, the same way).
-Where that kernel does not run for a signature (its plan fell back: a CUDA row of several trips, float32 on the
-CPU past ``fuser.rows.plan.CPU_MAX_SUMMED`` elements where that is set, sums over some of the row dims only), that
-call and the later ones of that signature take the split. Where a pattern does not split (dims that are not leading, a random or cat
+A backward is first tried in a fused form (:class:`Fused`): the backward group with each summed output replaced
+by its sum over the leading dims (kept beside it where an input takes it whole). A row backward's (one with
+reductions along the row: layer_norm's, rms_norm's, softmax's) the row plan takes as column sums
+(``fuser.rows.plan.column_sum_form``): the row kernel that computes x's gradient adds the weight's and the bias's
+per-element gradients into partial rows and a second stage adds those, so x and dy are read once (eager's and
+Inductor's layer_norm backward sum per block, then reduce the blocks, the same way). A pointwise backward's is a
+column group (``fuser/rows/outer.py``) that writes x's gradient and sums the bias's as it goes, so the split's main
+group does not write a gradient that its column group then reads again (gelu(x + b)'s training step on an H200,
+float32 [16384 x 4096]: see the README's benchmark notes); on CUDA only (:func:`_fused_first`). Where that kernel does not run for a signature (its plan
+fell back: a CUDA row of several trips, float32 on the CPU past ``fuser.rows.plan.CPU_MAX_SUMMED`` elements where
+that is set, sums over some of the row dims only, sums over two sets of dims), that call and the later ones of that
+signature take the split. Where a pattern does not split (dims that are not leading, a random or cat
 group, float16/bfloat16 statistics that would be rounded in memory, an empty shape, autograd recording the
 backward), or where a column kernel did not run for a signature (its plan fell back: that call and the later ones of
 that signature, so that a backward run twice gives the same values), the caller keeps the old path: the whole
@@ -315,8 +319,7 @@ def run(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: to
     signature = (bw.spec.key, tuple(shapes), sig, device)  # (a kernel may run on one device and not another)
     whole: list = [None] * len(dims)
     summed: list = [None] * len(dims)
-    if bw.spec.has_reduction and signature not in _no_fused and (
-            device.type != "cuda" or settings.cuda_column_sums):  # a row backward: the sums inside its row kernel
+    if signature not in _no_fused and _fused_first(bw, device):
         fused = fused_for(bw, dims)
         outs = None if fused is None else launch(fused.spec, args)
         if outs is not None:
@@ -374,12 +377,12 @@ def _takes(spec: KernelSpec, bw, dims: tuple, shapes, full) -> list[tuple[int, i
 
 def fused_plan(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: torch.Size,
                sig: tuple) -> Optional[tuple[KernelSpec, list[tuple[int, int]]]]:
-    """For the native hot path, which prepares a backward before it runs: where :func:`run` would take a row
+    """For the native hot path, which prepares a backward before it runs: where :func:`run` would take a
     backward's fused form for arguments like ``args`` and its kernel serves them (planned and compiled now), the
     fused group and, per forward input with a gradient, (its index, the fused group's output that is its gradient,
     summed or taken whole); else None (Python's backward decides per call, as before)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if not bw.spec.has_reduction or not tensors:
+    if not tensors:
         return None
     dims = plan(spec, bw, shapes, full, sig, args)
     if dims is None or _fused_declines(bw, dims, tensors, args, (bw.spec.key, tuple(shapes), sig, tensors[0].device)):
@@ -394,11 +397,22 @@ def fused_plan(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], f
     return fused.spec, takes
 
 
+def _fused_first(bw, device: torch.device) -> bool:
+    """Whether a backward on ``device`` tries its fused form before the split: a row backward's, and on CUDA (with
+    ``settings.cuda_column_sums``) a pointwise backward's too. On the CPU a pointwise backward keeps the split: its
+    vectorized pointwise kernel and a column kernel over the gradient beat one column kernel there (gelu(x + b)'s
+    training step over [1024 x 4096], the CPU benchmark's row, a 2-core Xeon, two rounds: float32 10.2-10.5 ms
+    split, 11.1-11.4 ms fused; bfloat16 6.0 against 6.7-6.8 ms)."""
+    if device.type == "cuda":
+        return settings.cuda_column_sums
+    return bw.spec.has_reduction
+
+
 def _fused_declines(bw, dims: tuple, tensors: Sequence[torch.Tensor], args: list, signature: tuple) -> bool:
-    """Whether :func:`run` takes a row backward's split for such arguments (``signature``: :func:`run`'s): its fused
+    """Whether :func:`run` takes a backward's split for such arguments (``signature``: :func:`run`'s): its fused
     form is off (CUDA without ``settings.cuda_column_sums``), there is none, or its kernel does not serve them (a
     fallback: :func:`run` takes the split from then on)."""
-    if signature in _no_fused or (tensors[0].device.type == "cuda" and not settings.cuda_column_sums):
+    if signature in _no_fused or not _fused_first(bw, tensors[0].device):
         return True
     fused = fused_for(bw, dims)
     return fused is None or (len(fused.spec.group.inputs) == len(args)
@@ -408,7 +422,7 @@ def _fused_declines(bw, dims: tuple, tensors: Sequence[torch.Tensor], args: list
 def split_plan(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], full: torch.Size,
                sig: tuple) -> Optional[tuple[list, list]]:
     """For the native hot path, which prepares a backward before it runs: where :func:`run` would take the split of a
-    backward (its main group, a group apart, the column groups; a row backward's where :func:`_fused_declines`) for
+    backward (its main group, a group apart, the column groups) where :func:`_fused_declines`, for
     arguments like ``args`` and a kernel serves every part (planned and compiled now; no float argument limits, which
     would send a call to the old path), (steps, takes); else None (Python's backward decides per call, as before).
     Steps, in :func:`run`'s order: (group, 0 or 2 for a column group, its inputs as (-1, the backward's argument) or
@@ -420,7 +434,7 @@ def split_plan(spec: KernelSpec, bw, args: list, shapes: Sequence[torch.Size], f
     dims = plan(spec, bw, shapes, full, sig, args)
     signature = (bw.spec.key, tuple(shapes), sig, tensors[0].device)
     if dims is None or signature in _no_kernel or _rounded_statistics(spec, bw, dims, sig) or (
-            bw.spec.has_reduction and not _fused_declines(bw, dims, tensors, args, signature)):
+            not _fused_declines(bw, dims, tensors, args, signature)):
         return None
     split = split_for(bw, dims)
     if split is None:

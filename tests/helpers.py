@@ -768,10 +768,11 @@ class SumsWatch:
         stats = native.stats()
         return (stats["fused_backwards"], stats["column_sums"]) if stats else (0, 0)
 
-    def summed(self, row_backward: bool) -> bool:
-        """Whether the sums ran as expected: a row backward's inside its row kernel (tests/test_row_partial_sums.py),
-        the others' by one column kernel; sum_to_size never."""
-        want = (0, 1) if row_backward else (1, 0)
+    def summed(self, fused: bool) -> bool:
+        """Whether the sums ran as expected: in the fused form where ``fused`` (inside the kernel that computes the
+        gradients: a row backward's row kernel, tests/test_row_partial_sums.py, or on CUDA a pointwise backward's
+        column kernel), else by one column group after the main group; sum_to_size never."""
+        want = (0, 1) if fused else (1, 0)
         fused, columns, _ = self.took()
         return (columns, fused) == want and self.sum_to_size == 0
 

@@ -315,32 +315,50 @@ def _emulated(spec, args):
     return out
 
 
+def _check_emulated_sums(case, n: int, lead: tuple, launch) -> None:
+    """grad_sums.run on float32 inputs of ``case`` ([*lead, n]) with ``launch`` running its groups: eager's float64
+    gradients."""
+    args = _leaves(_inputs(case, torch.float32, n, lead))
+    args64 = _leaves([a.detach().double() for a in args])
+    ref = case.eager(*args64)
+    grads = [torch.randn_like(r) for r in ref]
+    want = torch.autograd.grad(ref, args64, grads)
+    spec = _spec(case, n)
+    sig = tuple((a.dtype, False) for a in args)
+    bw = autodiff.backward_for(spec, (True,) * len(args), (True,), sig)
+    shapes = [a.shape for a in args]
+    outputs = {k: r.detach().float() for k, r in enumerate(ref)}  # (a softmax's backward reads its output)
+    bargs = autodiff.backward_args(spec, bw, [a.detach() for a in args], [g.float() for g in grads], shapes, outputs)
+    got = grad_sums.run(spec, bw, bargs, shapes, args[0].shape, sig, launch=launch)
+    assert got is not None
+    got = dict(got)
+    for j, w in enumerate(want):
+        g = got[j]
+        g = g.reshape(w.shape) if g.shape != w.shape else g
+        assert g.shape == w.shape and g.numel() == w.numel()
+        _assert_grads([g], [w], torch.float32)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_cuda_kernels_emulated_sum_as_eager(case, monkeypatch):
     """The CUDA kernels (emulated) on float32 inputs, the split or a row backward's fused form (the sums in its row
     kernel: tests/test_row_partial_sums.py): eager's float64 gradients."""
     monkeypatch.setattr(grad_sums, "_no_fused", set())  # (a decline of these CPU tensors would be this test's)
     for n in (31, 1024):
-        args = _leaves(_inputs(case, torch.float32, n, (3, 5)))
-        args64 = _leaves([a.detach().double() for a in args])
-        ref = case.eager(*args64)
-        grads = [torch.randn_like(r) for r in ref]
-        want = torch.autograd.grad(ref, args64, grads)
-        spec = _spec(case, n)
-        sig = tuple((a.dtype, False) for a in args)
-        bw = autodiff.backward_for(spec, (True,) * len(args), (True,), sig)
-        shapes = [a.shape for a in args]
-        outputs = {k: r.detach().float() for k, r in enumerate(ref)}  # (a softmax's backward reads its output)
-        bargs = autodiff.backward_args(spec, bw, [a.detach() for a in args], [g.float() for g in grads], shapes,
-                                       outputs)
-        got = grad_sums.run(spec, bw, bargs, shapes, args[0].shape, sig, launch=_emulated)
-        assert got is not None
-        got = dict(got)
-        for j, w in enumerate(want):
-            g = got[j]
-            g = g.reshape(w.shape) if g.shape != w.shape else g
-            assert g.shape == w.shape and g.numel() == w.numel()
-            _assert_grads([g], [w], torch.float32)
+        _check_emulated_sums(case, n, (3, 5), _emulated)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.row_backward], ids=lambda c: c.id)
+def test_cuda_fused_pointwise_backward_emulated(case, monkeypatch):
+    """The fused form of a pointwise backward as CUDA takes it (grad_sums._fused_first: on CUDA a pointwise backward
+    too), its column kernel emulated: one kernel writes x's gradient and sums the bias's (and the weight's), eager's
+    float64 gradients over rows of 31, 1024 and 8 elements and 15 to 600 of them."""
+    monkeypatch.setattr(grad_sums, "_no_fused", set())
+    monkeypatch.setattr(grad_sums, "_fused_first", lambda bw, device: True)
+    for n, lead in ((31, (3, 5)), (1024, (67,)), (8, (600,))):
+        ran = []
+        _check_emulated_sums(case, n, lead, lambda sp, a: ran.append(sp.key) or _emulated(sp, a))
+        assert len(ran) == 1 and ran[0] in grad_sums.fused_keys, (n, lead, ran)
 
 
 # ------------------------------------------------------------------------------------------- on a GPU
@@ -349,8 +367,9 @@ def test_cuda_kernels_emulated_sum_as_eager(case, monkeypatch):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_broadcast_gradients_are_summed_by_a_column_kernel_on_the_gpu(case, dtype, watch):
-    """As on the CPU; a row backward's sums in its row kernel where the row takes one trip, by the column
-    kernel otherwise (fuser/rows/plan.py). (rms_norm's forward is left to eager on CUDA in float64 and over row
+    """As on the CPU, but a pointwise backward's sums in the column kernel that writes x's gradient (the fused form,
+    on CUDA only: grad_sums._fused_first); a row backward's in its row kernel where the row takes one trip, by the
+    split's column kernel otherwise (fuser/rows/plan.py). (rms_norm's forward is left to eager on CUDA in float64 and over row
     lengths that are not a multiple of 4: its gradients are eager's own there, checked against float64 without
     asking the path.)"""
     for n in LENGTHS + (4096,):
@@ -367,7 +386,7 @@ def test_broadcast_gradients_are_summed_by_a_column_kernel_on_the_gpu(case, dtyp
                 continue
             got, want = _fused_and_eager64(case, spec, args, watch)
             _assert_grads(got, want, dtype)
-            assert watch.summed(False) or (case.row_backward and watch.summed(True)), (n, lead, watch.took())
+            assert watch.summed(True) or (case.row_backward and watch.summed(False)), (n, lead, watch.took())
 
 
 # ------------------------------------------------------------------------- column groups under autograd
@@ -415,7 +434,8 @@ def test_a_column_group_under_autograd_runs_its_generated_backward(form, dtype, 
 
 def _check_column_autograd(form, dtype, shape, device, ran):
     """The group of ``form`` on fresh inputs of ``shape``: wrapped, eager's float64 gradients; ``ran`` (backward
-    groups that ran as kernels) holds a column group where the form is not amax's."""
+    groups that ran as kernels) holds a column kernel that sums y's gradient where the form is not amax's (a column
+    group's, or on CUDA the fused form's)."""
     spec = STORE.get(STORE.register(_column_group(*form)))
     args = _leaves([torch.randn(s, dtype=dtype, device=device) for s in (shape, shape[-1:], shape[-1:])])
     args64 = _leaves([a.detach().double() for a in args])
@@ -430,8 +450,8 @@ def _check_column_autograd(form, dtype, shape, device, ran):
         assert (g is None) == (w is None)
         if g is not None:
             _assert_grads([g], [w], dtype)
-    if form[0] != "amax":
-        assert any(s.key in grad_sums.column_keys for s in ran), shape
+    if form[0] != "amax":  # (on CUDA the fused form's column kernel where no gradient is computed apart)
+        assert any(s.key in grad_sums.column_keys | grad_sums.fused_keys for s in ran), shape
 
 
 def test_a_column_group_with_mixed_dtypes_and_double_backward():

@@ -855,19 +855,23 @@ def _cuda_broadcast_ids():
             _BROADCASTS]
 
 
-# per case of _BROADCASTS, the column groups that run as column kernels (a sum over every dim, of a bias shaped
-# [1, 1, 1] or [], is a row kernel over one row)
+# per case of _BROADCASTS, the column kernels that run (a sum over every dim, of a bias shaped [1, 1, 1] or [], is a
+# row kernel over one row), and (fused forms, column groups) per backward: on CUDA a pointwise backward takes the
+# fused form (grad_sums._fused_first) where one kernel takes its sums, the split where they are over two sets of dims
 _COLUMN_KERNELS = (1, 1, 0, 0, 0, 2, 1)
+_CUDA_SUMS = ((1, 0), (1, 0), (1, 0), (1, 0), (0, 0), (0, 2), (1, 0))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", range(len(_BROADCASTS)), ids=_cuda_broadcast_ids())
 def test_cuda_broadcast_gradients_summed_by_native_column_kernels(case, dtype, monkeypatch):
-    """gelu(x + bias) (and times a third input) training steps on CUDA: the native backward runs the main group and
-    the column groups itself, launching the column kernels (cuda_column_kernels grows by those), nothing handed to
-    Python in the steady state; eager's float64 gradients on fresh inputs every call."""
-    fn, shapes, n_columns = _BROADCASTS[case]
+    """gelu(x + bias) (and times a third input) training steps on CUDA: the native backward runs the fused form (one
+    kernel writes x's gradient and sums the bias's) or the main group and the column groups itself, launching the
+    column kernels (cuda_column_kernels grows by those), nothing handed to Python in the steady state; eager's float64
+    gradients on fresh inputs every call."""
+    fn, shapes, _ = _BROADCASTS[case]
+    n_fused, n_columns = _CUDA_SUMS[case]
     ff = fuser.fuse(torch.jit.script(fn))
     handed = _python_backwards(monkeypatch)
     for step in range(6):
@@ -879,6 +883,7 @@ def test_cuda_broadcast_gradients_summed_by_native_column_kernels(case, dtype, m
             assert y.grad_fn.name() == "FusedGroupBackward"
             _steady(before, after, handed, handed_before)
             assert after["cuda_column_kernels"] - before["cuda_column_kernels"] == _COLUMN_KERNELS[case]
+            assert after["fused_backwards"] - before["fused_backwards"] == n_fused
             assert after["column_sums"] - before["column_sums"] == n_columns
 
 

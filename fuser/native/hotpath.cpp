@@ -80,7 +80,7 @@ struct Backward;
 
 // One group a summing backward launches (see Backward::steps).
 struct SumStep {
-  int64_t key = 0, kind = 0, n_out = 0;  // kind: 0 a part, 1 a fused row backward, 2 a column group
+  int64_t key = 0, kind = 0, n_out = 0;  // kind: 0 a part, 1 a fused form, 2 a column group
   std::string digest;
   std::vector<std::pair<int64_t, int64_t>> inputs;  // (-1, the backward's input) or (an earlier step, its output)
 };

@@ -247,8 +247,8 @@ def train_record(spec, call, launch: Optional[tuple], outputs: Sequence[torch.Te
 
 
 def _summing_steps(spec, bw, args: list, shapes, full, sig) -> Optional[tuple[list, list]]:
-    """``grad_sums``' launches for a backward that sums inputs' gradients, as steps (group, kind: 0 a part, 1 a fused
-    row backward, 2 a column group; inputs as (-1, backward argument) or (step, output)) and takes (forward input,
+    """``grad_sums``' launches for a backward that sums inputs' gradients, as steps (group, kind: 0 a part, 1 a
+    fused form, 2 a column group; inputs as (-1, backward argument) or (step, output)) and takes (forward input,
     step, output); None where Python's backward must decide per call."""
     from .. import grad_sums
     fused = grad_sums.fused_plan(spec, bw, args, shapes, full, sig)
