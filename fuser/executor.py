@@ -15,6 +15,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from . import codegen, compiler, layout, rng, settings, views
+from .cpu import pages
 from .cuda import templates as cuda_t
 from .descs import DENSE, DTYPES, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, ArgSpec, TensorDesc
 from .kernel_cache import KernelSpec
@@ -445,19 +446,25 @@ def kernel_geometry(spec: KernelSpec, tensors: Sequence[torch.Tensor], args: Seq
     return None if geo is None or geo is _NOT_FUSABLE else geo
 
 
+_HUGE_NUMEL = pages.HUGE_MIN // 8  # (no output of fewer elements reaches pages.HUGE_MIN bytes)
+
+
 def _allocated(geo: Geometry, tensors: Sequence[torch.Tensor], device) -> tuple[list, list]:
-    """A pointwise kernel's outputs for ``tensors``, and the tensors it writes (a cat's pieces)."""
+    """A pointwise kernel's outputs for ``tensors``, and the tensors it writes (a cat's pieces); large CPU ones with
+    huge pages asked for (fuser/cpu/pages.py)."""
     if geo.out_like is not None:
         empty_like = torch.empty_like
-        outputs = [empty_like(tensors[k]) if dt is None else empty_like(tensors[k], dtype=dt)
-                   for k, dt in geo.out_like]
-        return outputs, outputs
-    if geo.concat is None:
+        outputs = written = [empty_like(tensors[k]) if dt is None else empty_like(tensors[k], dtype=dt)
+                             for k, dt in geo.out_like]
+    elif geo.concat is None:
         empty_strided = torch.empty_strided
-        outputs = [empty_strided(sz, st, dtype=dt, device=device)
-                   for sz, st, dt in zip(geo.out_sizes, geo.out_strides, geo.out_dtypes)]
-        return outputs, outputs
-    return concat_outputs(geo, device)
+        outputs = written = [empty_strided(sz, st, dtype=dt, device=device)
+                             for sz, st, dt in zip(geo.out_sizes, geo.out_strides, geo.out_dtypes)]
+    else:
+        outputs, written = concat_outputs(geo, device)
+    if geo.numel >= _HUGE_NUMEL:
+        pages.advise(outputs)
+    return outputs, written
 
 
 def outputs_like(geo, tensors: Sequence[torch.Tensor]) -> list:

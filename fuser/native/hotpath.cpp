@@ -23,11 +23,13 @@
 #include <torch/library.h>
 
 #include <dlfcn.h>
+#include <sys/mman.h>
 
 #include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -163,6 +165,32 @@ std::shared_mutex table_mutex;
 std::unordered_map<int64_t, Group> table;
 std::atomic<int64_t> n_hits{0}, n_misses{0}, n_handed{0}, n_fused{0}, n_columns{0}, n_split{0};
 std::atomic<int64_t> n_cuda_row_sums{0}, n_cuda_column_kernels{0};  // CUDA launches of those forms
+
+// A CPU output of kHugeMin bytes or more asks the kernel for transparent huge pages (madvise MADV_HUGEPAGE over its
+// whole 2 MB pages) before the kernel first writes it: a fresh allocation of that size is a new mapping (glibc maps
+// blocks above 32 MB on their own), and its first touch faults a page at a time. Where THP is in "madvise" mode (the
+// usual default) that is 512 times fewer faults; in "always" mode the pages are huge already, in "never" the hint does
+// nothing. On a 2-core Xeon VM (madvise mode), allocating and filling 256 MB of float32: 144-156 ms, with the hint
+// 40-58 ms. FUSER_CPU_HUGE_PAGES=0 turns it off (read once).
+constexpr size_t kHugePage = size_t(2) << 20, kHugeMin = size_t(32) << 20;
+
+bool huge_pages_on() {
+  static const bool on = [] {
+    const char* v = std::getenv("FUSER_CPU_HUGE_PAGES");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+
+void advise_huge_pages(const at::Tensor& t) {
+#ifdef MADV_HUGEPAGE
+  const size_t n = t.storage().nbytes();
+  if (n < kHugeMin || !huge_pages_on()) return;
+  const auto p = reinterpret_cast<uintptr_t>(t.storage().data());
+  const uintptr_t first = (p + kHugePage - 1) & ~(kHugePage - 1), end = (p + n) & ~(kHugePage - 1);
+  if (end > first) madvise(reinterpret_cast<void*>(first), end - first, MADV_HUGEPAGE);  // a hint: a failure is none
+#endif
+}
 
 // The host time of a served call by phase (fuser.native.PHASES; the benchmark's breakdown): off unless
 // _native_phases turned it on, when each served call adds its phases' steady-clock times (one branch a phase
@@ -502,7 +530,10 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
   std::vector<at::Tensor> outs;
   outs.reserve(l.outs.size());
   if (l.kind == kCpu) {  // (the CPU factory itself: the dispatcher's round trip costs about as much as a small kernel)
-    for (const Out& o : l.outs) outs.emplace_back(at::detail::empty_strided_cpu(o.sizes, o.strides, o.dtype));
+    for (const Out& o : l.outs) {
+      outs.emplace_back(at::detail::empty_strided_cpu(o.sizes, o.strides, o.dtype));
+      advise_huge_pages(outs.back());
+    }
   } else {
     const auto options = at::TensorOptions().device(l.device);
     for (const Out& o : l.outs) outs.push_back(at::empty_strided(o.sizes, o.strides, options.dtype(o.dtype)));

@@ -18,6 +18,7 @@ from typing import Optional, Union
 
 import torch
 
+from ..cpu import pages
 from ..kernel_cache import KernelSpec
 from . import launch, outer_launch
 from .outer import OuterPlan
@@ -42,8 +43,11 @@ class RowGeometry:
         self.hot_path = not p.apart  # the native hot path launches the kernel alone: these calls stay in Python
 
     def new_outputs(self) -> list[torch.Tensor]:
-        """The outputs a launch writes, allocated."""
-        return [torch.empty(s, dtype=dt, device=self.device) for s, dt in zip(self.out_shapes, self.out_dtypes)]
+        """The outputs a launch writes, allocated (large CPU ones with huge pages asked for: fuser/cpu/pages.py)."""
+        outputs = [torch.empty(s, dtype=dt, device=self.device) for s, dt in zip(self.out_shapes, self.out_dtypes)]
+        if self.device.type == "cpu":
+            pages.advise(outputs)
+        return outputs
 
     def run(self, tensors, scalars) -> list[torch.Tensor]:
         """Allocate the outputs and launch (the executor checked everything else)."""
