@@ -19,7 +19,7 @@ strict_pass: bool = os.environ.get("FUSER_STRICT_PASS", "") == "1"
 round_reduced: bool = os.environ.get("FUSER_ROUND_REDUCED", "") == "1"
 # CUDA backwards sum a broadcast input's gradient inside the kernel that computes the gradients (fuser/grad_sums.py's
 # fused form: a norm's weight and bias in the row kernel, a pointwise backward's bias in a column kernel; on the CPU
-# they always may). On by default; FUSER_CUDA_COLUMN_SUMS=0 turns it off. (It was off for a while: the
+# row backwards always do, pointwise ones never: grad_sums._fused_first). On by default; FUSER_CUDA_COLUMN_SUMS=0 turns it off. (It was off for a while: the
 # traced tiny GPT-2's CUDA gradient test failed with it on, one bias-gradient element 2.3e-5 from eager's. Against
 # float64, on an H100, every parameter's gradient was as close with it as without it and as eager's: that attention
 # bias's error 4.6e-5 on, 3.1e-5 off, eager 2.1e-5, over terms up to 300; the test's tolerance now allows eager's

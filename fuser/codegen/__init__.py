@@ -14,9 +14,9 @@ statement per node) → ``cpu_vector.py`` (the CPU vector path's lines) → ``em
 """
 from .body import generate
 from .common import (CHEAP_OPS, CHEAP_WAVES, CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_VECTORS_PER_TRIP,
-                     HEAVY_WAVES, REDUCED, TARGETS, TILE_SCALAR, VECTOR_BYTES, KernelOptions, NodeTypes, NotFusable, grid_waves,
-                     has_tiled_path, has_vector_path, literal, strided_operands, tile_shape, tiled_vector, value_type,
-                     vector_width)
+                     HEAVY_WAVES, REDUCED, TARGETS, TILE_SCALAR, VECTOR_BYTES, KernelOptions, NodeTypes, NotFusable,
+                     grid_waves, has_tiled_path, has_vector_path, literal, strided_operands, tile_shape, tiled_vector,
+                     value_type, vector_width)
 from .cpu_vector import VECTOR_TYPES, vector_ready, vector_template
 
 __all__ = ["CHEAP_OPS", "CHEAP_WAVES", "HEAVY_WAVES", "CPU_PARALLEL_MIN", "CPU_PARALLEL_WORK", "CPU_ROW_CHUNK",

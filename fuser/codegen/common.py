@@ -107,22 +107,22 @@ def has_tiled_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Seque
 
 
 # The CUDA tiled path's tiles, (along the map's innermost dim a, along the staged inputs' fastest dim b), in elements.
-# Scalar form (cuda/templates.py's TILED_TRIP): an element per lane and access. Vector form (TILED_TRIP_VEC, for
-# staged inputs all of 2 or all of 4 bytes): vectors of TILE_VEC_BYTES (8 or 4 elements) along b when staging and
-# along a on the dense side; its shared tile swizzles the vectors' chunks along a (8 chunks of 8 elements, 16 of 4), so
-# TILE_VEC_A is 64, and TILE_VEC_B 32 or 64 for 2-byte elements (FUSER_CUDA_TILE_VEC_B, for experiments: it changes
-# the source), 32 for 4-byte ones (the same bytes and vectors a thread as 2-byte elements' 64 x 32). 4-byte elements:
-# H200 (2026-11-29, gelu_transposed_residual float32, fuser alone, the scalar and vector forms in turn, two rounds)
-# 203.2-204.0 / 199.3-202.0 us a call, 198.7 against torch.compile's 195.4 in one run. From NVRTC on this machine (sm_90, the float16 GELU of a transposed view plus
-# a residual; no GPU here, so no timings): 64 x 32 gives each thread one vector a tensor (8 elements: 32 bytes of
-# loads in flight with two tensors, 48 KB an SM at 1536 threads, where HBM3 wants 40-64 KB), about 65 SASS
-# instructions an element in the tile loop (its static count over a thread's elements; the scalar form: 97); 64 x 64 two
-# vectors (96 KB in flight), about 51 an element, but its 16 copies of the body beside the scalar form's 8 took NVRTC
-# 2.6 times the scalar form's time for a body of nine transcendental ops, and spilled (64 x 32: 2.1 times, none;
-# the GELU 1.8 times for both). Measured on an H100 (2026-11-25, the benchmark's gelu_transposed_residual at 16384 x
-# 4096, torch.profiler kernel times, one process per setting in one run), float16 / bfloat16: scalar form 198 / 188
-# us, 64 x 32 164 / 162 us, 64 x 64 149 / 148 us (0.91 of the copy floor; float32 and a transposed input beside a
-# row bias unchanged). So 64 x 64.
+# Scalar form (cuda/templates.py's TILED_TRIP): an element per lane and access. Vector form (TILED_TRIP_VEC, for staged
+# inputs all of 2 or all of 4 bytes): vectors of TILE_VEC_BYTES (8 or 4 elements) along b when staging and along a on
+# the dense side; its shared tile swizzles the vectors' chunks along a (8 chunks of 8 elements, 16 of 4), so TILE_VEC_A
+# is 64, and TILE_VEC_B 32 or 64 for 2-byte elements (FUSER_CUDA_TILE_VEC_B, for experiments: it changes the source), 32
+# for 4-byte ones (the same bytes and vectors a thread as 2-byte elements' 64 x 32). From NVRTC on this machine (sm_90,
+# the float16 GELU of a transposed view plus a residual; no GPU here, so no timings): 64 x 32 gives each thread one
+# vector a tensor (8 elements: 32 bytes of loads in flight with two tensors, 48 KB an SM at 1536 threads, where HBM3
+# wants 40-64 KB), about 65 SASS instructions an element in the tile loop (its static count over a thread's elements;
+# the scalar form: 97); 64 x 64 two vectors (96 KB in flight), about 51 an element, but its 16 copies of the body beside
+# the scalar form's 8 took NVRTC 2.6 times the scalar form's time for a body of nine transcendental ops, and spilled (64
+# x 32: 2.1 times, none; the GELU 1.8 times for both). Measured on an H100 (2026-11-25, the benchmark's
+# gelu_transposed_residual at 16384 x 4096, torch.profiler kernel times, one process per setting in one run), float16 /
+# bfloat16: scalar form 198 / 188 us, 64 x 32 164 / 162 us, 64 x 64 149 / 148 us (0.91 of the copy floor; float32 and a
+# transposed input beside a row bias unchanged). So 64 x 64. 4-byte elements: H200 (2026-11-29, gelu_transposed_residual
+# float32, fuser alone, the scalar and vector forms in turn, two rounds) 203.2-204.0 / 199.3-202.0 us a call, 198.7
+# against torch.compile's 195.4 in one run.
 TILE_SCALAR = (64, 32)
 TILE_VEC_BYTES = 16
 TILE_VEC_A = 64
@@ -130,10 +130,9 @@ TILE_VEC_B = int(os.environ.get("FUSER_CUDA_TILE_VEC_B", "64"))
 if TILE_VEC_B not in (32, 64):
     raise ValueError(f"FUSER_CUDA_TILE_VEC_B={TILE_VEC_B} (supported: 32, 64)")
 # Threads an SM a kernel with the vector form over 2-byte staged inputs asks registers for (__launch_bounds__' minimum
-# blocks; 0: no bound;
-# FUSER_CUDA_TILE_VEC_THREADS for experiments): 1536, 40 registers. Unbounded, NVRTC gave the GELU at 64 x 64 48
-# registers (5 blocks); bounded, 40, no spills, the index math partly on the uniform datapath. 2048 (32 registers)
-# spilled the transcendental body's kernel, which needs 40 in the scalar form too.
+# blocks; 0: no bound; FUSER_CUDA_TILE_VEC_THREADS for experiments): 1536, 40 registers. Unbounded, NVRTC gave the GELU
+# at 64 x 64 48 registers (5 blocks); bounded, 40, no spills, the index math partly on the uniform datapath. 2048 (32
+# registers) spilled the transcendental body's kernel, which needs 40 in the scalar form too.
 TILE_VEC_THREADS = int(os.environ.get("FUSER_CUDA_TILE_VEC_THREADS", "1536"))
 # ... and a kernel whose vector path holds 8 elements a thread (2-byte tensors; FUSER_CUDA_POINTWISE_THREADS for
 # experiments): 2048, 32 registers, so an SM holds the most threads it can and has the most loads in flight. Unbounded,
@@ -244,9 +243,4 @@ def grid_waves(op_names: Sequence[str], inputs: Sequence[TensorDesc], vec: int, 
     if all(n in CHEAP_OPS for n in op_names):
         return CHEAP_WAVES
     return HEAVY_WAVES if vec == 4 else None
-    if all(n in CHEAP_OPS for n in op_names):
-        return CHEAP_WAVES
-    if vec == 4:
-        return HEAVY_WAVES_STRIDED if strided_operands(inputs, out_layouts) else HEAVY_WAVES_DENSE
-    return None
 

@@ -213,8 +213,8 @@ class CudaGen(_Gen):
 
     def min_blocks(self) -> str:
         """``__launch_bounds__``' minimum blocks an SM (with its comma), or "": for kernels with the tiled path's
-        vector form over 2-byte staged inputs, ``common.TILE_VEC_THREADS`` threads; for other kernels whose vector path holds 8 elements a
-        thread (2-byte tensors), ``common.POINTWISE_THREADS``."""
+        vector form over 2-byte staged inputs, ``common.TILE_VEC_THREADS`` threads; for other kernels whose vector
+        path holds 8 elements a thread (2-byte tensors), ``common.POINTWISE_THREADS``."""
         if has_tiled_path(self.inputs, "cuda", self.out_layouts) and tiled_vector(self.inputs, self.options):
             # (4-byte staged inputs: no bound; at 40 registers ptxas spilled an erf and a tanh over float32 beside a
             # bool mask, 48 without the bound)
