@@ -446,7 +446,7 @@ def kernel_geometry(spec: KernelSpec, tensors: Sequence[torch.Tensor], args: Seq
     return None if geo is None or geo is _NOT_FUSABLE else geo
 
 
-_HUGE_NUMEL = pages.HUGE_MIN // 8  # (no output of fewer elements reaches pages.HUGE_MIN bytes)
+_HUGE_NUMEL = pages.HUGE_MIN // 8  # (no output of fewer elements passes pages.HUGE_MIN bytes)
 
 
 def _allocated(geo: Geometry, tensors: Sequence[torch.Tensor], device) -> tuple[list, list]:

@@ -1,7 +1,8 @@
 """Transparent huge pages for large CPU outputs: the calls Python serves do what the native hot path's
 ``advise_huge_pages`` (``fuser/native/hotpath.cpp``, where the measurements are) does for the calls it serves.
 
-An output of :data:`HUGE_MIN` bytes or more is a mapping of its own (glibc maps blocks above 32 MB apart), whose first
+An output of more than :data:`HUGE_MIN` bytes is a mapping of its own (glibc maps every block above 32 MB apart; one
+of 32 MB or less may sit in the heap, whose mapping a hint would mark for every later block there), whose first
 touch by the kernel faults a 4 KB page at a time; ``madvise(MADV_HUGEPAGE)`` over its whole 2 MB pages, before the
 kernel writes it, makes those faults 512 times fewer where the system's transparent huge pages are in "madvise" mode.
 A hint: where it fails or THP is "never", nothing changes. ``FUSER_CPU_HUGE_PAGES=0`` turns it off (read at import).
@@ -35,12 +36,12 @@ def _madvise() -> Optional[object]:
 
 
 def advise(outputs: Iterable[torch.Tensor]) -> None:
-    """Ask for huge pages over each CPU output's whole 2 MB pages, for outputs of :data:`HUGE_MIN` bytes or more."""
+    """Ask for huge pages over each CPU output's whole 2 MB pages, for outputs of more than :data:`HUGE_MIN` bytes."""
     if not ON:
         return
     for t in outputs:
         n = t.untyped_storage().nbytes()
-        if n < HUGE_MIN or t.device.type != "cpu":
+        if n <= HUGE_MIN or t.device.type != "cpu":
             continue
         madvise = _madvise()
         if madvise is None:
