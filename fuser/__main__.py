@@ -62,7 +62,7 @@ def _show(title: str, fn, eager_fn, args, device: torch.device, iters: int) -> b
     graph = fuser.graph_for(fn, *args)
     print("Fused graph:")
     print(graph)
-    keys = [n.inputsAt(2).toIValue() for n in fn.graph.nodes() if graph_fuser.is_group_call(n)]
+    keys = [graph_fuser.group_call_key(n) for n in fn.graph.nodes() if graph_fuser.is_group_call(n)]
     spec = STORE.get(max(keys, key=lambda k: len(STORE.get(k).group.nodes))) if keys else None
     kernels = [k for k in spec.kernels().values() if k is not None] if spec else []
     if kernels:

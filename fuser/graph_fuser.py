@@ -602,12 +602,32 @@ def fusion_groups(graph: torch._C.Graph) -> list[torch._C.Node]:
     return [n for n in _all_nodes(graph.block()) if n.kind() == "prim::FusionGroup"]
 
 
-# the operators a lowered group is a call of: its outputs in a list, or a group of one output's tensor alone
-GROUP_CALLS = ("fuser::fusion_group", "fuser::fusion_group1")
+# the operators a lowered group is a call of: its outputs in a list, or a group of one output's tensor alone; and a
+# group of one output and 1 to FIXED_INPUTS tensor inputs, its tensors each an argument (fusion_group1_t<n>)
+FIXED_INPUTS = 4
+FIXED_CALLS = tuple(f"fuser::fusion_group1_t{n}" for n in range(1, FIXED_INPUTS + 1))
+GROUP_CALLS = ("fuser::fusion_group", "fuser::fusion_group1", *FIXED_CALLS)
 
 
 def is_group_call(node: torch._C.Node) -> bool:
     return node.kind() in GROUP_CALLS
+
+
+def group_call_args(node: torch._C.Node) -> tuple[list, torch._C.Value, torch._C.Value, torch._C.Value,
+                                                       torch._C.Value]:
+    """A group call's arguments: its tensor values (the list construct's inputs; [] where the list is not one),
+    and the values of its scalars list, key, digest and ir."""
+    args = list(node.inputs())
+    if node.kind() in FIXED_CALLS:
+        return args[:-4], *args[-4:]
+    tlist, slist, key, digest, ir = args
+    tensors = list(tlist.node().inputs()) if tlist.node().kind() == "prim::ListConstruct" else []
+    return tensors, slist, key, digest, ir
+
+
+def group_call_key(node: torch._C.Node) -> int:
+    """The spec key of a group call (a constant of the graph)."""
+    return group_call_args(node)[2].toIValue()
 
 
 def lower_fusion_groups(graph: torch._C.Graph, register: Callable[[torch._C.Node], tuple[int, str, str]]) -> None:
@@ -619,16 +639,20 @@ def lower_fusion_groups(graph: torch._C.Graph, register: Callable[[torch._C.Node
         inputs = list(group.inputs())
         tensors = [v for v in inputs if _is_tensor(v)]
         scalars = [v for v in inputs if not _is_tensor(v)]
-        tlist = graph.create("prim::ListConstruct", tensors)
-        tlist.output().setType(torch._C.ListType.ofTensors())
         slist = graph.create("prim::ListConstruct", scalars)
         slist.output().setType(torch._C.ListType.ofFloats())
         consts = [graph.insertConstant(value) for value in (key, digest, ir)]
         for c in consts:
             c.node().moveBefore(group)
         one = group.outputsSize() == 1
-        call = graph.create(GROUP_CALLS[one], [tlist.output(), slist.output(), *consts], 1)
-        made = [tlist, slist, call]
+        if one and 1 <= len(tensors) <= FIXED_INPUTS:
+            call = graph.create(FIXED_CALLS[len(tensors) - 1], [*tensors, slist.output(), *consts], 1)
+            made = [slist, call]
+        else:
+            tlist = graph.create("prim::ListConstruct", tensors)
+            tlist.output().setType(torch._C.ListType.ofTensors())
+            call = graph.create(GROUP_CALLS[one], [tlist.output(), slist.output(), *consts], 1)
+            made = [tlist, slist, call]
         if not one:
             call.output().setType(torch._C.ListType.ofTensors())
             made.append(graph.create("prim::ListUnpack", [call.output()], group.outputsSize()))
@@ -644,10 +668,12 @@ def raise_fusion_calls(graph: torch._C.Graph, subgraph_of: Callable[[int], Optio
     """The inverse of :func:`lower_fusion_groups`, for display: turn each group call whose list inputs (and
     unpacked outputs) are still in place back into a ``prim::FusionGroup`` node."""
     for call in [n for n in _all_nodes(graph.block()) if is_group_call(n)]:
-        tlist, slist, kval, dval, irval = list(call.inputs())
-        if tlist.node().kind() != "prim::ListConstruct" or not _is_constant(kval):
+        fixed = call.kind() in FIXED_CALLS
+        tensors, slist, kval, dval, irval = group_call_args(call)
+        tlist = None if fixed else call.inputsAt(0)
+        if (not fixed and tlist.node().kind() != "prim::ListConstruct") or not _is_constant(kval):
             continue
-        if call.kind() == GROUP_CALLS[1]:
+        if call.kind() != GROUP_CALLS[0]:
             results = call
         else:
             uses = call.output().uses()
@@ -667,7 +693,7 @@ def raise_fusion_calls(graph: torch._C.Graph, subgraph_of: Callable[[int], Optio
                 scalars.append(c)
         else:
             continue
-        group = graph.create("prim::FusionGroup", list(tlist.node().inputs()) + scalars, results.outputsSize())
+        group = graph.create("prim::FusionGroup", tensors + scalars, results.outputsSize())
         group.g_("Subgraph", sub.copy())
         group.insertBefore(call)
         for old, new in zip(results.outputs(), group.outputs()):
@@ -676,6 +702,6 @@ def raise_fusion_calls(graph: torch._C.Graph, subgraph_of: Callable[[int], Optio
         if results is not call:
             results.destroy()
         call.destroy()
-        for n in (tlist.node(), slist.node(), kval.node(), dval.node(), irval.node()):
+        for n in [v.node() for v in (tlist, slist, kval, dval, irval) if v is not None]:
             if n.kind() in ("prim::ListConstruct", "prim::Constant") and not n.output().uses():
                 n.destroy()

@@ -1,5 +1,6 @@
 """The TorchScript operators the pass's graphs call: ``fuser::fusion_group`` (one fusion group: the kernel, the
-differentiable group, or the fallback; ``fuser::fusion_group1`` for a group of one output),
+differentiable group, or the fallback; ``fuser::fusion_group1`` for a group of one output, ``fusion_group1_t1`` to
+``fusion_group1_t4`` for one of one output and 1-4 tensor inputs, each an argument of its own),
 ``fuser::broadcasting_chunk`` (chunk motion's chunk of every input) and ``fuser::batch_norm_params`` (the inference
 batch norm decomposition's per-channel vectors).
 """
@@ -10,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from . import autodiff, native, ts_ir
+from . import autodiff, graph_fuser, native, ts_ir
 from .kernel_cache import STORE
 
 _SPECS = STORE._specs  # key -> spec; read without a lock on the hot path (a plain dict read under the GIL)
@@ -20,6 +21,10 @@ _lib = torch.library.Library("fuser", "DEF")
 _lib.define("fusion_group(Tensor[] inputs, float[] scalars, int key, str digest, str ir) -> Tensor[]")
 # a group of one output: its tensor alone (TorchScript then builds and unpacks no list: about 0.2 us a call)
 _lib.define("fusion_group1(Tensor[] inputs, float[] scalars, int key, str digest, str ir) -> Tensor")
+# ... and one of 1-4 tensor inputs, each an argument (no list to build, none to unbox: about 0.15 us a call)
+for _n in range(1, graph_fuser.FIXED_INPUTS + 1):
+    _lib.define(f"fusion_group1_t{_n}({''.join(f'Tensor t{i}, ' for i in range(_n))}float[] scalars, int key, "
+                "str digest, str ir) -> Tensor")
 
 
 def run_key(key: int, args: list) -> list[torch.Tensor]:
@@ -69,6 +74,13 @@ def _fusion_group1(inputs: list[torch.Tensor], scalars: list[float], key: int, d
     return _fusion_group(inputs, scalars, key, digest, ir)[0]
 
 
+def _fixed_inputs(n: int):
+    """The Python kernel of ``fuser::fusion_group1_t<n>``: its first ``n`` arguments are the tensors."""
+    def fusion_group1_fixed(*args) -> torch.Tensor:
+        return _fusion_group(list(args[:n]), *args[n:])[0]
+    return fusion_group1_fixed
+
+
 def _fusion_group_py(inputs: list[torch.Tensor], scalars: list[float], key: int, digest: str, ir: str,
                      offer: bool) -> list[torch.Tensor]:
     """What the native hot path (fuser/native) hands over: the group run here; with ``offer``, a plain call whose
@@ -93,6 +105,9 @@ _lib.impl("fusion_group", _fusion_group, "CompositeImplicitAutograd")
 _lib.impl("fusion_group", _fusion_group, "FuncTorchBatched")
 _lib.impl("fusion_group1", _fusion_group1, "CompositeImplicitAutograd")
 _lib.impl("fusion_group1", _fusion_group1, "FuncTorchBatched")
+for _n in range(1, graph_fuser.FIXED_INPUTS + 1):
+    _lib.impl(f"fusion_group1_t{_n}", _fixed_inputs(_n), "CompositeImplicitAutograd")
+    _lib.impl(f"fusion_group1_t{_n}", _fixed_inputs(_n), "FuncTorchBatched")
 # the native hot path's hand-over (fuser/native/hotpath.cpp): its kernels for CPU and CUDA take precedence over the
 # Python one above for those keys once the library is loaded
 _lib.define("fusion_group_py(Tensor[] inputs, float[] scalars, int key, str digest, str ir, bool offer) -> Tensor[]")

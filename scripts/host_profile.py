@@ -38,9 +38,10 @@ def main():
     ff = fuser.fuse(torch.jit.script(f))
     for _ in range(5):
         ff(a, b, c)
-    key = next(n.inputsAt(2).toIValue() for n in ff.graph.nodes() if graph_fuser.is_group_call(n))
+    key = next(graph_fuser.group_call_key(n) for n in ff.graph.nodes() if graph_fuser.is_group_call(n))
     spec = fuser.interface.STORE.get(key)
-    ir_text = next(n.inputsAt(4).toIValue() for n in ff.graph.nodes() if graph_fuser.is_group_call(n))
+    ir_text = next(graph_fuser.group_call_args(n)[4].toIValue() for n in ff.graph.nodes()
+                   if graph_fuser.is_group_call(n))
     geo = next(iter(spec.geometries.values()))
     out = [torch.empty(1024, device=dev)]
     rows = [

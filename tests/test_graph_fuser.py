@@ -1,10 +1,12 @@
 """The pass's grouping decisions, checked on the graphs it produces and on results against eager."""
+import inspect
+
 import pytest
 import torch
 from helpers import assert_same, fused_graph
 
 import fuser
-from fuser import graph_fuser
+from fuser import graph_fuser, native
 
 
 def _groups(graph):
@@ -229,22 +231,54 @@ def _two_outputs(a, b, c):
     return d * 2, d - a
 
 
-@pytest.mark.parametrize("fn,n_out", ((_one_output, 1), (_two_outputs, 2)), ids=("one", "two"))
-def test_a_group_of_one_output_returns_its_tensor(fn, n_out):
+def _one_input(a):
+    return torch.sigmoid(a) * a
+
+
+def _two_inputs_and_a_float(a, b, s: float):
+    return (a - b) * s + 1
+
+
+def _four_inputs(a, b, c, d):
+    return torch.tanh(a * b + c) - d
+
+
+def _five_inputs(a, b, c, d, e):
+    return (a * b + c) * d - e
+
+
+def _n_tensors(fn):
+    return sum(p.annotation is not float for p in inspect.signature(fn).parameters.values())
+
+
+@pytest.mark.parametrize("fn,call", (
+    (_one_input, "fuser::fusion_group1_t1"), (_two_inputs_and_a_float, "fuser::fusion_group1_t2"),
+    (_one_output, "fuser::fusion_group1_t3"), (_four_inputs, "fuser::fusion_group1_t4"),
+    (_five_inputs, "fuser::fusion_group1"), (_two_outputs, "fuser::fusion_group")),
+    ids=("one_in", "two_in_float", "three_in", "four_in", "five_in", "two_out"))
+def test_a_group_of_one_output_returns_its_tensor(fn, call):
     """A group of one output is a fuser::fusion_group1 call, its tensor returned alone (no list for TorchScript to
-    build and unpack); a group of several is fuser::fusion_group and a prim::ListUnpack. Both give eager's results,
-    through the hot path's repeated calls too, and graph_for shows each as its prim::FusionGroup."""
+    build and unpack), and with 1-4 tensor inputs a fuser::fusion_group1_t<n> call, each tensor an argument (no list
+    either way); a group of several is fuser::fusion_group and a prim::ListUnpack. All give eager's results, through
+    the native hot path's repeated calls too (it serves them: its hit count grows), and graph_for shows each as its
+    prim::FusionGroup."""
     fused = fuser.fuse(torch.jit.script(fn))
     calls = [n for n in fused.graph.nodes() if graph_fuser.is_group_call(n)]
-    assert [n.kind() for n in calls] == [graph_fuser.GROUP_CALLS[n_out == 1]]
+    assert [n.kind() for n in calls] == [call]
     users = {u.user.kind() for u in calls[0].output().uses()}
-    assert ("prim::ListUnpack" in users) == (n_out > 1)
-    for _ in range(4):  # past the profiled runs, where the native hot path serves a prepared call
-        args = [torch.randn(6, 9) for _ in range(3)]
+    assert ("prim::ListUnpack" in users) == (call == "fuser::fusion_group")
+    assert len(graph_fuser.group_call_args(calls[0])[0]) == _n_tensors(fn)
+    assert native.ensure(block=True)
+    n_tensors = _n_tensors(fn)
+    hits = native.stats()["hits"]
+    for _ in range(5):  # past the profiled runs, where the native hot path serves a prepared call
+        args = [torch.randn(6, 9) for _ in range(n_tensors)] + [0.5] * (len(inspect.signature(fn).parameters)
+                                                                          - n_tensors)
         got, want = _as_tuple(fused(*args)), _as_tuple(fn(*args))
-        assert len(got) == len(want) == n_out
+        assert len(got) == len(want)
         for g, w in zip(got, want):
             assert_same(g, w)
+    assert native.stats()["hits"] > hits
     shown = fuser.graph_for(fused, *args)
     assert len(_groups(shown)) == 1 and not any(graph_fuser.is_group_call(n) for n in shown.nodes())
 

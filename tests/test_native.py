@@ -1092,3 +1092,89 @@ def test_phase_clock_counts_served_calls_only_while_on(device):
         assert native.phases(True)["calls"] == 0
     finally:
         native.phases(False)
+
+
+def _mul_add(a, b, c):
+    return a * b + c
+
+
+def test_small_cpu_outputs_reuse_freed_blocks_and_resize_as_eager():
+    """A small CPU output's block, once its tensor is dropped, is the next output's of its size class (the thread's
+    block cache); an output still alive is never handed out again; an output resizes (up past its class, down) as
+    an eager tensor does, keeping its values; and a large output comes from c10's allocator."""
+    ff = fuser.fuse(torch.jit.script(_mul_add))
+    a, b, c = (torch.randn(300) for _ in range(3))
+    hits, out = _served(ff, a, b, c)
+    assert hits >= 2
+    with torch.no_grad():
+        first = ff(a, b, c)
+        addr = first.data_ptr()
+        kept = ff(a, b, c)  # the first still alive: another block
+        assert kept.data_ptr() != addr
+        del first
+        again = ff(a, b, c)
+        assert again.data_ptr() == addr and again.data_ptr() % 64 == 0
+        assert_same(again, _mul_add(a, b, c))
+        want = again.clone()
+        again.resize_(5000)  # past its 2 KB class: a new block, its first values kept
+        assert_same(again[:300], want)
+        again[300:] = 1.5
+        assert torch.all(again[300:] == 1.5)
+        again.resize_(10)
+        assert_same(again, want[:10])
+        big = [torch.randn(70000) for _ in range(3)]  # 280 KB: over the cache's largest class
+        for _ in range(3):
+            out = ff(*big)
+        assert_same(out, _mul_add(*big))
+
+
+def test_small_cpu_outputs_freed_on_other_and_exiting_threads():
+    """Outputs made on one thread and dropped on another, by threads that exit with blocks in their caches: every
+    live output has a block of its own and keeps eager's values, and the calls after go on giving eager's."""
+    ff = fuser.fuse(torch.jit.script(_mul_add))
+    a, b, c = (torch.randn(8, 16) for _ in range(3))
+    _served(ff, a, b, c)
+    want = _mul_add(a, b, c)
+    handed = []
+
+    def make():
+        with torch.no_grad():
+            outs = [ff(a, b, c) for _ in range(20)]
+        handed.extend(outs[::2])  # freed on the main thread later
+
+    for _ in range(3):
+        run_in_threads(4, make)  # each thread exits with the blocks of the outputs it dropped in its cache
+    assert len({o.data_ptr() for o in handed}) == len(handed) == 3 * 4 * 10
+    for o in handed:
+        assert_same(o, want)
+    handed.clear()
+    with torch.no_grad():
+        for _ in range(50):
+            assert_same(ff(a, b, c), want)
+
+
+def test_block_cache_off_switch(tmp_path):
+    """FUSER_CPU_BLOCK_CACHE=0: outputs from c10's allocator (the cache takes no block); on: a few blocks serve
+    every call."""
+    script = tmp_path / "blocks.py"
+    script.write_text(
+        "import torch, fuser\n"
+        "from fuser import native\n"
+        "assert native.ensure(block=True)\n"
+        "def f(a, b, c):\n    return a * b + c\n"
+        "ff = fuser.fuse(torch.jit.script(f))\n"
+        "a, b, c = (torch.randn(100) for _ in range(3))\n"
+        "with torch.no_grad():\n"
+        "    outs = [ff(a, b, c) for _ in range(4)]\n"
+        "    addr = outs[-1].data_ptr()\n"
+        "    del outs\n"
+        "    out = ff(a, b, c)\n"
+        "assert torch.equal(out, f(a, b, c))\n"
+        "print(native.stats()['hits'], native.stats()['new_blocks'])\n")
+    for setting, blocks in (("0", lambda n: n == 0), ("1", lambda n: 1 <= n <= 4)):
+        env = dict(os.environ, FUSER_CPU_BLOCK_CACHE=setting,
+                   PYTHONPATH=os.path.dirname(os.path.dirname(fuser.__file__)))
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        hits, new_blocks = map(int, r.stdout.split())
+        assert hits >= 2 and blocks(new_blocks), (setting, hits, new_blocks)
