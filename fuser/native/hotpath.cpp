@@ -659,26 +659,37 @@ at::Tensor fusion_group1(at::TensorList inputs, at::ArrayRef<double> scalars, in
 }
 
 // A group of one output and 1-4 tensor inputs (fuser::fusion_group1_t<n>): its tensors as arguments of their own,
-// so that TorchScript builds no list of them and the call unboxes no vector (fuser.graph_fuser.FIXED_INPUTS)
+// so that TorchScript builds no list of them and the call unboxes no vector (fuser.graph_fuser.FIXED_INPUTS). The
+// call's list is of borrowed tensors (no reference counts touched): the arguments outlive it.
+template <size_t N>
+struct Borrowed {
+  std::array<at::Tensor, N> tensors;
+  template <class... T>
+  explicit Borrowed(const T&... ts) : tensors{c10::MaybeOwnedTraits<at::Tensor>::createBorrow(ts)...} {}
+  ~Borrowed() {
+    for (at::Tensor& t : tensors) c10::MaybeOwnedTraits<at::Tensor>::destroyBorrow(t);
+  }
+};
+
 at::Tensor fusion_group1_t1(const at::Tensor& t0, at::ArrayRef<double> scalars, int64_t key, c10::string_view digest,
                             c10::string_view ir) {
-  const std::array<at::Tensor, 1> in{t0};
-  return fusion_group1(in, scalars, key, digest, ir);
+  const Borrowed<1> in(t0);
+  return fusion_group1(in.tensors, scalars, key, digest, ir);
 }
 at::Tensor fusion_group1_t2(const at::Tensor& t0, const at::Tensor& t1, at::ArrayRef<double> scalars, int64_t key,
                             c10::string_view digest, c10::string_view ir) {
-  const std::array<at::Tensor, 2> in{t0, t1};
-  return fusion_group1(in, scalars, key, digest, ir);
+  const Borrowed<2> in(t0, t1);
+  return fusion_group1(in.tensors, scalars, key, digest, ir);
 }
 at::Tensor fusion_group1_t3(const at::Tensor& t0, const at::Tensor& t1, const at::Tensor& t2,
                             at::ArrayRef<double> scalars, int64_t key, c10::string_view digest, c10::string_view ir) {
-  const std::array<at::Tensor, 3> in{t0, t1, t2};
-  return fusion_group1(in, scalars, key, digest, ir);
+  const Borrowed<3> in(t0, t1, t2);
+  return fusion_group1(in.tensors, scalars, key, digest, ir);
 }
 at::Tensor fusion_group1_t4(const at::Tensor& t0, const at::Tensor& t1, const at::Tensor& t2, const at::Tensor& t3,
                             at::ArrayRef<double> scalars, int64_t key, c10::string_view digest, c10::string_view ir) {
-  const std::array<at::Tensor, 4> in{t0, t1, t2, t3};
-  return fusion_group1(in, scalars, key, digest, ir);
+  const Borrowed<4> in(t0, t1, t2, t3);
+  return fusion_group1(in.tensors, scalars, key, digest, ir);
 }
 
 // ---- autograd
