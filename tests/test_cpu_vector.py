@@ -195,12 +195,14 @@ BITWISE = {"abs", "ceil", "cosh", "expm1", "floor", "frac", "lgamma", "log1p", "
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("case", [c for c in cases() if c.op in BITWISE or c.op in cpu_t.VML_FUNCTIONS
                                   or c.id == "gelu-default-tanh"], ids=lambda c: c.id)
-def test_bitwise_eager_where_eager_computes_alike(case, dtype):
+def test_bitwise_eager_where_eager_computes_alike(case, dtype, monkeypatch):
     """4096 contiguous elements: eager's own vector loop covers them all (it leaves a scalar tail of < 2
     vectors per chunk, and chunks only above 32768 elements). The ops eager computes with MKL's VML in float32
-    (cpu_t.VML_FUNCTIONS) call the same functions where this torch exports them (fuser.cpu.vml)."""
-    if dtype == torch.float32 and case.op in cpu_t.VML_FUNCTIONS and case.op not in vml.eager_ops():
+    (cpu_t.VML_FUNCTIONS) call the same functions where this torch exports them (fuser.cpu.vml; on any processor
+    here, as FUSER_CPU_VML=1 has it)."""
+    if dtype == torch.float32 and case.op in cpu_t.VML_FUNCTIONS and case.op not in vml._probe():
         pytest.skip(f"this torch's libtorch_cpu has no {cpu_t.VML_FUNCTIONS[case.op]} giving eager's bits")
+    monkeypatch.setattr(vml, "_found", [vml._probe()])
     b = build(case)
     store = KernelStore()
     spec = store.get(store.register(lower(b.graph)))
@@ -357,12 +359,13 @@ def test_the_row_kernels_lane_combines_compile_for_both_isas(isa, tmp_path):
 @needs_vectors
 @pytest.mark.parametrize("op", sorted(cpu_t.VML_FUNCTIONS))
 @pytest.mark.parametrize("shape", [(5, 77), (3, 16), (2, 5)], ids=str)
-def test_vml_ops_give_eagers_bits_in_trips_single_vectors_and_tails(op, shape):
+def test_vml_ops_give_eagers_bits_in_trips_single_vectors_and_tails(op, shape, monkeypatch):
     """``op(x + b)`` over float32 rows of 77 (a trip of four vectors, a partial vector), 16 (single vectors) and 5
-    elements (partial vectors alone), b a row: every loop of the kernel calls the op's VML function, so the results
-    are eager's add and op, bit for bit."""
-    if op not in vml.eager_ops():
+    elements (partial vectors alone), b a row: every loop of the kernel calls the op's VML function (as on an Intel
+    processor, or with FUSER_CPU_VML=1), so the results are eager's add and op, bit for bit."""
+    if op not in vml._probe():
         pytest.skip(f"this torch's libtorch_cpu has no {cpu_t.VML_FUNCTIONS[op]} giving eager's bits")
+    monkeypatch.setattr(vml, "_found", [vml._probe()])
     ir = f"""graph(%x : Tensor, %b : Tensor):
       %one : int = prim::Constant[value=1]()
       %a : Tensor = aten::add(%x, %b, %one)
@@ -385,11 +388,23 @@ def test_vml_ops_give_eagers_bits_in_trips_single_vectors_and_tails(op, shape):
     assert bool(same.all()), (int((~same).sum()), got[~same][:4], expected[~same][:4])
 
 
+@pytest.mark.parametrize("intel,setting,used", [(True, "", True), (False, "", False), (False, "1", True),
+                                                 (True, "0", False)])
+def test_vml_is_used_on_intel_processors_or_when_asked(intel, setting, used, monkeypatch):
+    """Kernels call VML on Intel processors (MKL's tuned paths), elsewhere only with FUSER_CPU_VML=1, nowhere with
+    FUSER_CPU_VML=0; and then for the ops the bitwise probe finds."""
+    monkeypatch.setattr(vml, "_found", [])
+    monkeypatch.setattr(vml, "intel", lambda: intel)
+    monkeypatch.setenv("FUSER_CPU_VML", setting)
+    assert vml.eager_ops() == (vml._probe() if used else ())
+
+
 def test_the_vml_probe_runs_outside_a_callers_fake_tensor_mode(monkeypatch):
     """The first CPU kernel build may come under a tracer's fake-tensor mode: the probe still runs on real tensors
     and gives what it gives outside (kernels of the process then agree whoever built first)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     outside = vml._probe()
     monkeypatch.setattr(vml, "_found", [])
+    monkeypatch.setenv("FUSER_CPU_VML", "1")
     with FakeTensorMode():
         assert vml.eager_ops() == outside

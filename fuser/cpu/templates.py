@@ -341,6 +341,30 @@ template <class S> FZ_VFN auto fz_vgather(const S* p, int64_t stride) -> decltyp
   for (int k = 0; k < decltype(fz_vload(p))::size(); ++k) tmp[k] = p[k * stride];
   return fz_vload(tmp);
 }
+#if defined(CPU_CAPABILITY_AVX512)
+// float32 elements through the gather instruction, where the offsets fit its 32-bit indices
+FZ_VFN fz_vf fz_vgather(const float* p, int64_t stride) {
+  if (stride > 0 && stride <= 0x7fffffff / 16) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int>(stride)));
+    return _mm512_i32gather_ps(idx, p, 4);
+  }
+  float tmp[16];
+  for (int k = 0; k < 16; ++k) tmp[k] = p[k * stride];
+  return fz_vf::loadu(tmp);
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+FZ_VFN fz_vf fz_vgather(const float* p, int64_t stride) {
+  if (stride > 0 && stride <= 0x7fffffff / 8) {
+    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                           _mm256_set1_epi32(static_cast<int>(stride)));
+    return _mm256_i32gather_ps(p, idx, 4);
+  }
+  float tmp[8];
+  for (int k = 0; k < 8; ++k) tmp[k] = p[k * stride];
+  return fz_vf::loadu(tmp);
+}
+#endif
 template <class S, class V> FZ_VFN void fz_vscatter(S* p, int64_t stride, const V& v) {
   S tmp[V::size()];
   fz_vstore(tmp, v);
