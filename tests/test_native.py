@@ -683,11 +683,15 @@ _BROADCASTS = [(_gelu_bias, [(8, 128), (128,)], 1), (_gelu_bias, [(8, 128), (1, 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", range(len(_BROADCASTS)))
-def test_broadcast_gradients_are_summed_by_the_native_backward(case, dtype, device, monkeypatch):
+def test_broadcast_gradients_are_summed_by_the_native_backward(case, dtype, device, column_sums_setting,
+                                                                 monkeypatch):
     """An input broadcast over leading dims (a bias, a scalar-shaped one, two of them): after the first calls the
     native node's backward runs the backward's main group and the column groups itself, not Python's backward;
-    eager's gradients on fresh inputs every call."""
+    eager's gradients on fresh inputs every call. On CUDA this is the split with the fused form turned off
+    (``settings.cuda_column_sums``); the fused form has its own test below."""
     fn, shapes, n_columns = _BROADCASTS[case]
+    if device == "cuda":
+        column_sums_setting(False)
     ff = fuser.fuse(torch.jit.script(fn))
     handed = _python_backwards(monkeypatch)
     for step in range(5):
