@@ -133,7 +133,8 @@ def build(spec: KernelSpec, arg_spec: ArgSpec, load: Optional[Callable] = None,
                                     fast_reduced=os.environ.get("FUSER_FAST_REDUCED", "1") != "0",
                                     round_reduced=settings.round_reduced,
                                     vectorize=target == "cuda" or _cpu_vectorize(), tile_vec=settings.cuda_tile_vec,
-                                    vml=_cpu_vml_ops() if target == "cpu" else ())
+                                    vml=_cpu_vml_ops() if target == "cpu" else (),
+                                    transpose_blocks=target == "cpu" and settings.cpu_transpose_blocks)
     # deterministic across processes (the disk cache keys on the source, which holds the name); the options change
     # the source, so they are part of it: one name, one source
     name = "fused_" + hashlib.sha256(f"{spec.text}\n{arg_spec!r}\n{target}\n{options!r}".encode()).hexdigest()[:16]

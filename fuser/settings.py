@@ -57,6 +57,11 @@ cpu_save: bool = os.environ.get("FUSER_CPU_SAVE", "1") != "0"
 # instead of forming them again (fuser/backward.py). On by default; FUSER_SAVE_STATISTICS=0 turns it off (read as
 # cpu_save is).
 save_statistics: bool = os.environ.get("FUSER_SAVE_STATISTICS", "1") != "0"
+# The CPU vector path reads a transposed input (one that steps by 1 along the rows and far along the inner dim) in
+# blocks of W x W elements transposed through a local buffer (cpu/templates.py's TRANSPOSE_BLOCKS), where a gather per
+# vector touched W cache lines and W pages for each row. On by default; FUSER_CPU_TRANSPOSE_BLOCKS=0 turns it off.
+# Read when a kernel is built (it changes the source).
+cpu_transpose_blocks: bool = os.environ.get("FUSER_CPU_TRANSPOSE_BLOCKS", "1") != "0"
 # device type -> fusion on; filled lazily, cleared by the overrides. The executor reads it on every call.
 enabled: dict[str, bool] = {}
 # called after an override changes what fuses (the native hot path forgets its prepared launches)

@@ -830,3 +830,26 @@ def ptxas_registers(source: str) -> tuple[int, int]:
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode()
     spill, regs = re.findall(r"(\d+) bytes spill stores.*?Used (\d+) registers", log.decode(), re.S)[0]
     return int(regs), int(spill)
+
+
+def op_on_layouts_vs_eager(case: Case, args_fn, dtype: torch.dtype) -> Optional[str]:
+    """One op of the table on the CPU over the arguments ``args_fn(built, dtype, gen)`` gives (args, tensors,
+    floats), against eager (or eager's error from the fallback); the kernel's source, or None where eager raised."""
+    import fuser
+    from fuser import executor
+    from fuser.kernel_cache import KernelStore
+    b = build(case)
+    store = KernelStore()
+    spec = store.get(store.register(lower(b.graph)))
+    gen = torch.Generator().manual_seed(int(torch.randint(2 ** 31, ())))
+    args, tensors, floats = args_fn(b, dtype, gen)
+    try:
+        expected = eager(b, tensors, floats)
+    except Exception as e:
+        with pytest.raises(type(e)):
+            fuser.fallback.run(spec, args)
+        return None
+    out = executor.run(spec, args)
+    assert out is not None, f"{case.id} fell back"
+    assert_op_result(case, out[0], expected)
+    return next(k for k in spec.kernels().values() if k is not None).source

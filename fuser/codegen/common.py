@@ -53,6 +53,7 @@ class KernelOptions:
     round_reduced: bool = False  # round each eager op's float16/bfloat16 result as eager stores it (settings.py)
     tile_vec: bool = True  # CUDA: the tiled path's vector form where it applies (settings.cuda_tile_vec)
     vml: tuple = ()  # CPU vector path: the ops whose float32 results come from MKL's VML, as eager's (fuser.cpu.vml)
+    transpose_blocks: bool = True  # CPU vector path: transposed inputs in W x W blocks (settings.cpu_transpose_blocks)
 
 
 def literal(value, ctype: str) -> str:

@@ -122,8 +122,9 @@ class CpuVector:
         v = f"{name_}_{copy}"
         return f"fz_vmask_value({v})" if mask_value else v if rounded is None else f"fz_vround<{rounded}>({v})"
 
-    def lines(self, copies: int) -> list[str]:
-        """The ops on ``copies`` vectors, interleaved op by op."""
+    def lines(self, copies: int, step: str = "W") -> list[str]:
+        """The ops on ``copies`` vectors, interleaved op by op; copy c's first element is ``c * step`` past
+        copy 0's in the map (random ops' index)."""
         out = []
         for name_, tmpl, args, round_to, vml in self.nodes:
             if vml:
@@ -138,7 +139,7 @@ class CpuVector:
             for c in range(copies):
                 subs = {k: self.value(a, c) if isinstance(a, tuple) else a for k, a in args.items()}
                 subs.update({"n" + k: f"(-{subs[k]})" for k, a in args.items() if isinstance(a, tuple)})
-                index = f"(unsigned long long)(i + {c} * W)" if c else "(unsigned long long)(i)"
+                index = f"(unsigned long long)(i + {c} * {step})" if c else "(unsigned long long)(i)"
                 expr = tmpl.substitute(subs).replace('@IDX@', index)
                 if round_to is not None:
                     expr = f"fz_vround<{round_to}>({expr})"

@@ -131,11 +131,12 @@ class CpuGen(_Gen):
                 loop = cpu_t.VECTOR_LOOP_TILES.substitute(
                     rows, chunk=CPU_TILE_CHUNK, tile_rows=CPU_TILE_ROWS, copies=CPU_VECTORS_PER_TRIP,
                     offsets=self.block(offsets, "      "), wide=self.block(wide, "      "),
-                    vbody=self.block(vbody, "      "), tail=tail)
+                    vbody=self.block(vbody, "      "), tail=tail, jstart="row < rdone ? jrem : j0",
+                    **self.transpose_blocks(rows))
             elif self.offset_names:
                 loop = cpu_t.VECTOR_LOOP_ROWS.substitute(
                     rows, chunk=CPU_ROW_CHUNK, copies=CPU_VECTORS_PER_TRIP, offsets=self.block(offsets, "      "),
-                    wide=self.block(wide, "      "), vbody=self.block(vbody, "      "), tail=tail)
+                    wide=self.block(wide, "      "), vbody=self.block(vbody, "      "), tail=tail, jstart="j0")
             else:
                 loop = cpu_t.VECTOR_LOOP_FLAT.substitute(
                     parallel_threshold=threshold, copies=CPU_VECTORS_PER_TRIP,
@@ -153,17 +154,54 @@ class CpuGen(_Gen):
             name=self.name, prelude=cpu_t.PRELUDE + (cpu_t.RNG if self.random else ""), params=self.block(params, "  "),
             hoisted=self.block(hoisted, "  "), loop=loop)
 
-    def vector_body(self, copies: int, partial: bool = False) -> list[str]:
+    def transpose_blocks(self, rows: dict) -> dict:
+        """``cpu_t.VECTOR_LOOP_TILES``' block form (``cpu_t.TRANSPOSE_BLOCKS``), its ``block_setup`` and
+        ``blocks``: where every gathered operand is an input of values (no mask; no output scattered), and the
+        option is on. Each such input's W x W block is transposed (``fz_transpose``) into a local buffer; at run
+        time the form needs rank 2 or more and those inputs stepping by 1 along the rows."""
+        staged = [k for k, d in enumerate(self.inputs) if d.layout == STRIDED]
+        if (not self.options.transpose_blocks or not staged or STRIDED in self.out_layouts
+                or any(self.inputs[k].dtype == torch.bool for k in staged)):
+            return dict(block_setup="", blocks="")
+        row = {name: j for j, name in enumerate(self.offset_names)}
+        unit = " && ".join(f"st{row[f'off{k}']}[rank - 2] == 1" for k in staged)
+        transposes = []
+        for k in staged:
+            j = row[f"off{k}"]
+            transposes += [f"{self.vector.ctype} fz_tb{k}[fz_v::size() * fz_v::size()];",
+                           f"fz_transpose(t{k} + base{j} + jb * st{j}[rank - 1], st{j}[rank - 1], fz_tb{k});"]
+        offsets = [f"const int64_t {name} = base{j} + mb * st{j}[rank - 2] + jb * st{j}[rank - 1];"
+                   for name, j in row.items()]
+        blocks = cpu_t.TRANSPOSE_BLOCKS.substitute(
+            rows, copies=CPU_VECTORS_PER_TRIP, transposes=self.block(transposes, "          "),
+            offsets=self.block(offsets, "            "),
+            body=self.block(self.vector_body(CPU_VECTORS_PER_TRIP, block=True), "            "))
+        return dict(block_setup=f"  const bool fz_blocks = rank >= 2 && {unit};", blocks=blocks)
+
+    def vector_body(self, copies: int, partial: bool = False, block: bool = False) -> list[str]:
         """``copies`` vectors of elements side by side: loads (converted to the compute type), the ops, stores;
-        ``partial``: one vector of the first ``n`` elements only (a tail), its other lanes 0 and not stored."""
+        ``partial``: one vector of the first ``n`` elements only (a tail), its other lanes 0 and not stored;
+        ``block``: in a block of ``cpu_t.TRANSPOSE_BLOCKS``, copy c in the c-th row after row ``mb`` of the block,
+        the gathered inputs read from their transposed blocks."""
         stride = {name: f"st{j}[rank - 1]" for j, name in enumerate(self.offset_names)}
+        down = {name: f"st{j}[rank - 2]" for j, name in enumerate(self.offset_names)}  # to the next row
+
+        def steps(c: int, off: str = "") -> tuple[str, str]:
+            """Copy c's steps from copy 0: in the map's order, and from offset ``off``."""
+            if not c:
+                return "", ""
+            if block:
+                return f" + {c} * inner", f" + {c} * {down[off]}" if off else ""
+            return f" + {c} * W", f" + {c} * W" + (f" * {stride[off]}" if off in stride else "")
+
         lines = []
         for k, d in enumerate(self.inputs):
             for c in range(copies):
-                step = f" + {c} * W" if c else ""
+                step, ostep = steps(c, f"off{k}" if f"off{k}" in stride else "")
                 st = stride.get(f"off{k}")
-                at = {DENSE: f"t{k} + i{step}", ROWS: f"t{k} + off{k}{step}", REPEAT: f"t{k} + off{k}",
-                      STRIDED: f"t{k} + off{k}{step and f'{step} * {st}'}", SCALAR: f"t{k}"}[d.layout]
+                repeat_step = ostep if block else ""  # (a value repeated along the row: the next row's in a block)
+                at = {DENSE: f"t{k} + i{step}", ROWS: f"t{k} + off{k}{ostep}", REPEAT: f"t{k} + off{k}{repeat_step}",
+                      STRIDED: f"t{k} + off{k}{ostep}", SCALAR: f"t{k}"}[d.layout]
                 step_k = {DENSE: 1, ROWS: 1, REPEAT: 0}.get(d.layout, st)
                 if d.layout == SCALAR:
                     load = f"xs{k}"
@@ -172,16 +210,19 @@ class CpuGen(_Gen):
                             f"fz_vload_mask<fz_v>({at}, {step_k})")
                 elif partial and d.layout != REPEAT:
                     load = f"fz_vgather_n({at}, {step_k}, n)"
+                elif block and d.layout == STRIDED:
+                    load = f"fz_vload(fz_tb{k} + (mb + {c}) * W)"
                 else:
-                    load = {DENSE: f"fz_vload({at})", ROWS: f"fz_vload({at})", REPEAT: f"fz_v(fz_ld(t{k}[off{k}]))",
+                    load = {DENSE: f"fz_vload({at})", ROWS: f"fz_vload({at})", REPEAT: f"fz_v(fz_ld(*({at})))",
                             STRIDED: f"fz_vgather({at}, {st})"}[d.layout]
                 lines.append(f"const fz_v x{k}_{c} = {load};")
-        lines += self.vector.lines(copies)
+        lines += self.vector.lines(copies, "inner" if block else "W")
         for m, lay in enumerate(self.out_layouts):
             for c in range(copies):
-                step, o, st = f" + {c} * W" if c else "", self.vector.output(m, c), stride.get(f"ooff{m}")
-                at = {DENSE: f"o{m} + i{step}", ROWS: f"o{m} + ooff{m}{step}",
-                      STRIDED: f"o{m} + ooff{m}{step and f'{step} * {st}'}"}[lay]
+                o, st = self.vector.output(m, c), stride.get(f"ooff{m}")
+                step, ostep = steps(c, f"ooff{m}" if f"ooff{m}" in stride else "")
+                at = {DENSE: f"o{m} + i{step}", ROWS: f"o{m} + ooff{m}{ostep}",
+                      STRIDED: f"o{m} + ooff{m}{ostep}"}[lay]
                 if self.out_dtypes[m] == torch.bool:  # a mask
                     lines.append(f"fz_vstore_mask_n({at}, {1 if lay != STRIDED else st}, {o}, n);" if partial else
                                  f"fz_vstore_mask({at}, {1 if lay != STRIDED else st}, {o});")

@@ -382,6 +382,71 @@ template <class S, class V> FZ_VFN void fz_vscatter_n(S* p, int64_t stride, cons
   for (int64_t k = 0; k < n; ++k) p[k * stride] = tmp[k];
 }
 
+// a W x W block (W: the vector's lanes) of an operand that steps by 1 along the map's rows and by `ld` along its
+// inner dim, transposed into `dst` in the compute type (row m: the block's elements of row m): each source line read
+// whole as a vector, W a block, then transposed in registers, where a gather per vector touched W lines (and W
+// pages) for each of W rows
+template <class S, class T> FZ_VFN void fz_transpose_any(const S* src, int64_t ld, T* dst) {
+  using V = decltype(fz_vload(src));
+  constexpr int W = V::size();
+  T tmp[W * W];
+  for (int c = 0; c < W; ++c) fz_vload(src + c * ld).store(tmp + c * W);
+  for (int m = 0; m < W; ++m)
+    for (int c = 0; c < W; ++c) dst[m * W + c] = tmp[c * W + m];
+}
+template <class S> FZ_VFN void fz_transpose(const S* src, int64_t ld, double* dst) { fz_transpose_any(src, ld, dst); }
+#if defined(CPU_CAPABILITY_AVX512)
+// 16 x 16: pairs of rows interleaved by element, then by element pair, then 128-bit lanes twice
+template <class S> FZ_VFN void fz_transpose(const S* src, int64_t ld, float* dst) {
+  __m512 r[16], t[16];
+  for (int c = 0; c < 16; ++c) r[c] = __m512(fz_vload(src + c * ld));
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(t[4 * k]), b = _mm512_castps_pd(t[4 * k + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * k + 1]), d = _mm512_castps_pd(t[4 * k + 3]);
+    r[4 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_f32x4(r[k], r[k + 4], 0x88);
+    t[k + 4] = _mm512_shuffle_f32x4(r[k], r[k + 4], 0xdd);
+    t[k + 8] = _mm512_shuffle_f32x4(r[k + 8], r[k + 12], 0x88);
+    t[k + 12] = _mm512_shuffle_f32x4(r[k + 8], r[k + 12], 0xdd);
+  }
+  for (int k = 0; k < 8; ++k) {
+    _mm512_storeu_ps(dst + k * 16, _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88));
+    _mm512_storeu_ps(dst + (k + 8) * 16, _mm512_shuffle_f32x4(t[k], t[k + 8], 0xdd));
+  }
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+// 8 x 8: pairs of rows interleaved by element, then by element pair, then 128-bit lanes
+template <class S> FZ_VFN void fz_transpose(const S* src, int64_t ld, float* dst) {
+  __m256 r[8], t[8];
+  for (int c = 0; c < 8; ++c) r[c] = __m256(fz_vload(src + c * ld));
+  for (int k = 0; k < 4; ++k) {
+    t[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 2; ++k) {
+    r[4 * k] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+    r[4 * k + 1] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0xee);
+    r[4 * k + 2] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+    r[4 * k + 3] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xee);
+  }
+  for (int k = 0; k < 4; ++k) {
+    _mm256_storeu_ps(dst + k * 8, _mm256_permute2f128_ps(r[k], r[k + 4], 0x20));
+    _mm256_storeu_ps(dst + (k + 4) * 8, _mm256_permute2f128_ps(r[k], r[k + 4], 0x31));
+  }
+}
+#else
+template <class S> FZ_VFN void fz_transpose(const S* src, int64_t ld, float* dst) { fz_transpose_any(src, ld, dst); }
+#endif
+
 // bools on the vector path are masks: lanes of all-one bits (what comparisons give) or zero
 template <class V> FZ_VFN V fz_vmask_value(const V& m) { return m & V(1); }  // a bool as 1 or 0
 template <class V> FZ_VFN V fz_vload_mask(const bool* p, int64_t stride) {
@@ -503,7 +568,7 @@ ${vbody}
 ${tail}""")
 
 # one task's elements j0..j1 of a row: trips of ${copies} vectors, single vectors, the tail
-ROW_TRIPS = r"""    int64_t j = j0;
+ROW_TRIPS = r"""    int64_t j = ${jstart};
     for (; j + ${copies} * W <= j1; j += ${copies} * W) {
       const int64_t i = row * inner + j;
 ${offsets}
@@ -539,16 +604,41 @@ ${nbody}
 
 # an operand gathered or scattered along the inner dim (a transposed one): tasks of ${tile_rows} rows by up to
 # ${chunk} elements, row after row, so that the cache lines a gathered operand brings in for one row serve the
-# next ones (a transposed tensor's next row is its next element); otherwise as VECTOR_LOOP_ROWS
+# next ones (a transposed tensor's next row is its next element); otherwise as VECTOR_LOOP_ROWS. ${blocks}: where
+# the gathered inputs step by 1 along the rows (a transposed tensor), the task's first rows in blocks of W rows by W
+# elements (TRANSPOSE_BLOCKS), each gathered input's block transposed through a local buffer; rows < rdone then
+# start at jrem, past the blocks
 VECTOR_LOOP_TILES = Template(r"""  const int64_t inner = sizes[rank - 1], rows = numel / inner;
   const int64_t chunks = (inner + ${chunk} - 1) / ${chunk}, tiles = (rows + ${tile_rows} - 1) / ${tile_rows};
+${block_setup}
   fz_for(numel >= ${parallel_threshold}, tiles * chunks, [&](int64_t task) FZ_BODY {
     const int64_t tile = task / chunks, j0 = (task - tile * chunks) * ${chunk};
     const int64_t j1 = inner - j0 < ${chunk} ? inner : j0 + ${chunk};
     const int64_t row1 = rows - tile * ${tile_rows} < ${tile_rows} ? rows : (tile + 1) * ${tile_rows};
+    int64_t rdone = tile * ${tile_rows};
+    const int64_t jrem = j0 + (j1 - j0) / W * W;
+    (void)jrem;
+${blocks}
     for (int64_t row = tile * ${tile_rows}; row < row1; ++row) {
 """ + ROW_BASES + ROW_TRIPS + r"""    }
   });""")
+
+# the blocks of VECTOR_LOOP_TILES: W rows in one run of the map's second-innermost dim (so that each operand's
+# offsets step by their stride along it), ${copies} rows a trip
+TRANSPOSE_BLOCKS = Template(r"""    static_assert(fz_v::size() % ${copies} == 0, "a block's rows come in trips");
+    if (fz_blocks) {
+      for (; rdone + W <= row1 && rdone % sizes[rank - 2] + W <= sizes[rank - 2]; rdone += W) {
+        const int64_t row = rdone;
+""" + ROW_BASES + r"""        for (int64_t jb = j0; jb < jrem; jb += W) {
+${transposes}
+          for (int64_t mb = 0; mb < W; mb += ${copies}) {
+            const int64_t i = (rdone + mb) * inner + jb;
+${offsets}
+${body}
+          }
+        }
+      }
+    }""")
 
 # strided operands: tasks of up to ${chunk} elements of one row (rows can be few and long), each trips of
 # ${copies} vectors, then single vectors and the tail; one divmod walk over the outer dims per task
