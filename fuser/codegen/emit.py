@@ -186,18 +186,19 @@ class CpuGen(_Gen):
         stride = {name: f"st{j}[rank - 1]" for j, name in enumerate(self.offset_names)}
         down = {name: f"st{j}[rank - 2]" for j, name in enumerate(self.offset_names)}  # to the next row
 
-        def steps(c: int, off: str = "") -> tuple[str, str]:
-            """Copy c's steps from copy 0: in the map's order, and from offset ``off``."""
+        def steps(c: int, off: str, layout: str) -> tuple[str, str]:
+            """Copy c's steps from copy 0: in the map's order, and from offset ``off`` of an operand of ``layout``
+            (along a row: W elements for rows, which step by 1, W strides for a strided operand)."""
             if not c:
                 return "", ""
             if block:
                 return f" + {c} * inner", f" + {c} * {down[off]}" if off else ""
-            return f" + {c} * W", f" + {c} * W" + (f" * {stride[off]}" if off in stride else "")
+            return f" + {c} * W", f" + {c} * W" + (f" * {stride[off]}" if layout == STRIDED else "")
 
         lines = []
         for k, d in enumerate(self.inputs):
             for c in range(copies):
-                step, ostep = steps(c, f"off{k}" if f"off{k}" in stride else "")
+                step, ostep = steps(c, f"off{k}" if f"off{k}" in stride else "", d.layout)
                 st = stride.get(f"off{k}")
                 repeat_step = ostep if block else ""  # (a value repeated along the row: the next row's in a block)
                 at = {DENSE: f"t{k} + i{step}", ROWS: f"t{k} + off{k}{ostep}", REPEAT: f"t{k} + off{k}{repeat_step}",
@@ -220,7 +221,7 @@ class CpuGen(_Gen):
         for m, lay in enumerate(self.out_layouts):
             for c in range(copies):
                 o, st = self.vector.output(m, c), stride.get(f"ooff{m}")
-                step, ostep = steps(c, f"ooff{m}" if f"ooff{m}" in stride else "")
+                step, ostep = steps(c, f"ooff{m}" if f"ooff{m}" in stride else "", lay)
                 at = {DENSE: f"o{m} + i{step}", ROWS: f"o{m} + ooff{m}{ostep}",
                       STRIDED: f"o{m} + ooff{m}{ostep}"}[lay]
                 if self.out_dtypes[m] == torch.bool:  # a mask
