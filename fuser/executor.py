@@ -285,6 +285,7 @@ class Geometry:
         # inputs' rows start aligned (a repeated input, a column, is read once per vector wherever it starts)
         vec = kernel.vec
         vector_read = [d.layout == ROWS for d in p.arg_spec.inputs if d.layout in STRIDED_LAYOUTS]
+        vector_read += [lay == ROWS for lay in p.arg_spec.outputs if lay != DENSE]  # (p.strides: outputs' last)
         self.vec_shape = vec > 1 and (not p.strides or (p.sizes[-1] % vec == 0 and all(
             x % vec == 0 for st, rows in zip(p.strides, vector_read) if rows for x in st[:-1])))
         self.device = p.tensors[0].device

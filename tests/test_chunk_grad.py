@@ -7,7 +7,7 @@ import torch
 from helpers import FUSED_BACKWARD, assert_same
 
 import fuser
-from fuser import autodiff, native
+from fuser import autodiff, compiler, executor, native
 from fuser.cuda import emulate
 from fuser.kernel_cache import STORE
 from fuser.ts_ir import lower
@@ -118,7 +118,8 @@ def test_the_backward_group_writes_one_cat_output():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_cuda_kernel_of_the_cat_backward_emulated(dtype):
     """The backward group's CUDA kernel (the cat output written piece by piece into its column slices), run on
-    the host emulation: eager's float64 gradient of the gates."""
+    the host emulation: eager's float64 gradient of the gates. Pieces of 64 columns hold whole vectors: the
+    vector path writes its slices (rows outputs) a vector at a time, and the scalar path as well."""
     spec = _group_spec()
     sig = ((dtype, False),) * 5
     bw = autodiff.backward_for(spec, (True,) * 5, (True, True), sig, False, ((1, (0, 1, 2, 3)),))
@@ -131,12 +132,35 @@ def test_cuda_kernel_of_the_cat_backward_emulated(dtype):
         want = torch.autograd.grad(lstm_cell(g64, c64), (g64, c64), [g.double() for g in grads])
         fwd = [*gates.chunk(4, 1), cx]
         bargs = autodiff.backward_args(spec, bw, fwd, grads, [t.shape for t in fwd])
-        out = emulate.run_graph(bw.spec.group, bargs)
-        assert out is not None, "fell back"
-        whole, gcx = out
-        assert whole.shape == gates.shape and whole.is_contiguous()
-        assert_same(whole, want[0].to(dtype), dtype)
-        assert_same(gcx, want[1].to(dtype), dtype)
+        for vectorize in ((None,) if hidden % 8 else (True, False)):
+            out = emulate.run_graph(bw.spec.group, bargs, vectorize=vectorize)
+            assert out is not None, "fell back"
+            whole, gcx = out
+            assert whole.shape == gates.shape and whole.is_contiguous()
+            assert_same(whole, want[0].to(dtype), dtype)
+            assert_same(gcx, want[1].to(dtype), dtype)
+
+
+def _cuda_source(spec, args) -> str:
+    p = executor.plan(spec, args, target="cuda")
+    return compiler.build(spec, p.arg_spec, load=lambda *_: (None, False), probe_device="cpu").source
+
+
+def test_cuda_backward_takes_the_vector_loop_with_registers_for_its_vectors():
+    """The backward's CUDA kernel writes the four column slices a vector at a time (rows outputs take the vector
+    loop: before, such a kernel ran the per-element loop, a division walk per element), and in bfloat16, where 12
+    tensors move in 16-byte vectors, asks __launch_bounds__ for 64 registers a thread, not the 32 of kernels with
+    few vectors (the forward's: 7 tensors), under which it spilled (fuser/codegen/common.py)."""
+    spec = _group_spec()
+    for dtype, fwd_bound, bwd_bound in ((torch.bfloat16, "(256, 8)", "(256, 4)"), (torch.float32, "(256)", "(256)")):
+        sig = ((dtype, False),) * 5
+        bw = autodiff.backward_for(spec, (True,) * 5, (True, True), sig, False, ((1, (0, 1, 2, 3)),))
+        gates, cx = torch.randn(6, 4 * 64, dtype=dtype), torch.randn(6, 64, dtype=dtype)
+        fwd = [*gates.chunk(4, 1), cx]
+        bargs = autodiff.backward_args(spec, bw, fwd, [torch.randn(6, 64, dtype=dtype)] * 2, [t.shape for t in fwd])
+        back, front = _cuda_source(bw.spec, bargs), _cuda_source(spec, fwd)
+        assert "if (args.vec)" in back and "(o0 + ooff0) = ov0;" in back and "(o4 + base) = ov4;" in back
+        assert f"__launch_bounds__{bwd_bound}" in back and f"__launch_bounds__{fwd_bound}" in front
 
 
 def _chunk_used_outside(gates, cx):

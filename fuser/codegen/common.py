@@ -95,9 +95,10 @@ def _as_held(lit: str, ctype: str) -> str:
 
 def has_vector_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Sequence[str] = ()) -> bool:
     """Whether a kernel gets the 16-byte vector loop: CUDA, every input dense, a broadcast scalar, or
-    strided with a contiguous or repeated innermost dim, and every output dense."""
+    strided with a contiguous or repeated innermost dim, and every output dense or rows (contiguous along the
+    innermost dim: a slice of a wider tensor, such as a chunk's gradient written into its piece of the whole)."""
     return (target == "cuda" and all(d.layout != STRIDED for d in inputs)
-            and all(lay == DENSE for lay in out_layouts))
+            and all(lay in (DENSE, ROWS) for lay in out_layouts))
 
 
 def has_tiled_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Sequence[str] = ()) -> bool:
@@ -143,6 +144,15 @@ TILE_VEC_THREADS = int(os.environ.get("FUSER_CUDA_TILE_VEC_THREADS", "1536"))
 # bfloat16 112.1 -> 106.6, the GELU of a transposed input float16 74.2 -> 69.0; every other row of the benchmark
 # within 0.5%. Kernels of 4-byte tensors keep no bound: the float32 LSTM cell's went 219 -> 224 us with it.
 POINTWISE_THREADS = int(os.environ.get("FUSER_CUDA_POINTWISE_THREADS", "2048"))
+# ... where the vectors a thread holds fit those 32 registers: at most POINTWISE_MAX_VECTORS tensors read or written in
+# vectors (each of 8 2-byte elements takes 4 registers); a kernel of more asks for POINTWISE_HEAVY_THREADS (64
+# registers). The LSTM cell's forward (5 inputs, 2 outputs) keeps 2048; its backward (7 inputs, 5 outputs: the gates'
+# gradient written into four column slices) spilled there. H200, [16384 x 2048] bfloat16, torch.profiler kernel time
+# per call (2026-11-30): 328 us in the per-element loop (before rows outputs took the vector loop), in the vector loop
+# 805 us at 32 registers, 523 at 40, 193 at 64, 203 unbounded (two runs). FUSER_CUDA_POINTWISE_MAX_VECTORS and
+# FUSER_CUDA_POINTWISE_HEAVY_THREADS are for experiments.
+POINTWISE_MAX_VECTORS = int(os.environ.get("FUSER_CUDA_POINTWISE_MAX_VECTORS", "7"))
+POINTWISE_HEAVY_THREADS = int(os.environ.get("FUSER_CUDA_POINTWISE_HEAVY_THREADS", "1024"))
 
 
 # Static shared memory a CUDA kernel may declare (48 KB). A kernel with the vector form declares both forms' tiles: per

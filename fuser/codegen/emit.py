@@ -10,8 +10,9 @@ from ..cpu import templates as cpu_t
 from ..cuda import templates as cuda_t
 from ..descs import DENSE, REPEAT, ROWS, SCALAR, STRIDED, STRIDED_LAYOUTS, storage_type
 from .common import (CPU_PARALLEL_MIN, CPU_PARALLEL_WORK, CPU_ROW_CHUNK, CPU_TILE_CHUNK, CPU_TILE_ROWS,
-                     CPU_VECTORS_PER_TRIP, POINTWISE_THREADS, TILE_SCALAR, TILE_VEC_THREADS, has_tiled_path,
-                     has_vector_path, tile_shape, tile_vec_width, tiled_vector, value_type, vector_width)
+                     CPU_VECTORS_PER_TRIP, POINTWISE_HEAVY_THREADS, POINTWISE_MAX_VECTORS, POINTWISE_THREADS,
+                     TILE_SCALAR, TILE_VEC_THREADS, has_tiled_path, has_vector_path, tile_shape, tile_vec_width,
+                     tiled_vector, value_type, vector_width)
 
 
 class _Gen:
@@ -256,14 +257,17 @@ class CudaGen(_Gen):
     def min_blocks(self) -> str:
         """``__launch_bounds__``' minimum blocks an SM (with its comma), or "": for kernels with the tiled path's
         vector form over 2-byte staged inputs, ``common.TILE_VEC_THREADS`` threads; for other kernels whose vector
-        path holds 8 elements a thread (2-byte tensors), ``common.POINTWISE_THREADS``."""
+        path holds 8 elements a thread (2-byte tensors), ``common.POINTWISE_THREADS``, or
+        ``common.POINTWISE_HEAVY_THREADS`` where more than ``common.POINTWISE_MAX_VECTORS`` tensors move in vectors."""
         if has_tiled_path(self.inputs, "cuda", self.out_layouts) and tiled_vector(self.inputs, self.options):
             # (4-byte staged inputs: no bound; at 40 registers ptxas spilled an erf and a tanh over float32 beside a
             # bool mask, 48 without the bound)
             blocks = TILE_VEC_THREADS // self.options.block_size if tile_vec_width(self.inputs) == 8 else 0
         elif (self.options.vectorize and has_vector_path(self.inputs, "cuda", self.out_layouts)
               and vector_width(self.inputs, self.out_dtypes) >= 8):
-            blocks = POINTWISE_THREADS // self.options.block_size
+            vectors = sum(d.layout in (DENSE, ROWS) for d in self.inputs) + len(self.out_dtypes)
+            threads = POINTWISE_THREADS if vectors <= POINTWISE_MAX_VECTORS else POINTWISE_HEAVY_THREADS
+            blocks = threads // self.options.block_size
         else:
             blocks = 0
         return f", {blocks}" if blocks > 0 else ""
@@ -382,7 +386,7 @@ class CudaGen(_Gen):
         if vec == 1:
             return ""
         vloads = []
-        if self.strided:
+        if self.offset_names:  # strided inputs' offsets, and rows outputs'
             vloads.append(self.offsets(cuda_t.OFFSETS, lambda j, name, dim: f"args.strides[{j}][{dim}]", index="base",
                                        unroll=cuda_t.MAX_DIMS, two_dims=True))
         for k, d in enumerate(self.inputs):
@@ -394,7 +398,8 @@ class CudaGen(_Gen):
             elif d.layout == REPEAT:
                 vloads.append(f"const {value_type(d.dtype, self.target)} xr{k} = fz_ld(t{k}[off{k}]);")
         vdecls = [f"fz_vec<{storage_type(dt)}, {vec}> ov{m};" for m, dt in enumerate(self.out_dtypes)]
-        vstores = [f"*reinterpret_cast<fz_vec<{storage_type(dt)}, {vec}>*>(o{m} + base) = ov{m};"
+        vstores = [f"*reinterpret_cast<fz_vec<{storage_type(dt)}, {vec}>*>"
+                   f"(o{m} + {'ooff' + str(m) if self.out_layouts and self.out_layouts[m] == ROWS else 'base'}) = ov{m};"
                    for m, dt in enumerate(self.out_dtypes)]
         # random numbers: the vector's Philox blocks once, before its elements (rng.vector_words)
         words, body = rng.vector_words(self.body, vec, "v", "k")
