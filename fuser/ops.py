@@ -293,7 +293,10 @@ _OPS: list[OpDef] = [
           # CUDA eager takes a CPU scalar exponent (a traced Python number) as pow.Tensor_Scalar does: sqrt for
           # 0.5, so pow(-inf, 0.5) is NaN there and inf on the CPU (the CUDA fuzzer)
           targets={"cuda": {None: Exprs("($scalar_b ? fz_pow_scalar($a, $b) : powf($a, $b))",
-                                        "($scalar_b ? fz_pow_scalar($a, $b) : pow($a, $b))")}}),
+                                        "($scalar_b ? fz_pow_scalar($a, $b) : pow($a, $b))")}},
+          # and a scalar base in a float16/bfloat16 compute dtype, as eager converts it: pow(1e-40, x) over float16 is
+          # pow(0, x), inf for x < 0 (the CUDA fuzzer, seed 2852755661)
+          round_operands=("cpu", "cuda")),
     # eager converts the exponent to a float16/bfloat16 self's dtype: pow(inf, 1e-40) is 1 in float16 (the fuzzer)
     OpDef("pow_scalar", ("aten::pow.Tensor_Scalar(Tensor self, Scalar exponent) -> Tensor",),
           {None: Exprs("fz_pow_scalar($a, $b)", "fz_pow_scalar($a, $b)")}, round_operands=("cpu", "cuda")),

@@ -226,11 +226,13 @@ def test_cat_of_sigmoid_and_product_along_dim_1():
     """torch.cat([(x + y).sigmoid(), x * y], 1): two strided outputs and no strided input (issue 9: its
     FzArgs had stride rows for the strided inputs only, and the kernel read a second one)."""
     x, y = torch.randn(300, 40), torch.randn(300, 40)
-    out = emulate.run_graph(_cat_graph(1, 2), [x, y])
-    assert out is not None
     c, b = _cat_reference(x, y, 1, 2)
-    assert_same(out[0], c)
-    _assert_equal(out[1], b)
+    # its pieces' rows hold whole vectors: the vector path writes each piece's rows (rows outputs), and the scalar path
+    for vectorize in (None, True, False):
+        out = emulate.run_graph(_cat_graph(1, 2), [x, y], vectorize=vectorize)
+        assert out is not None
+        assert_same(out[0], c)
+        _assert_equal(out[1], b)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -886,6 +888,24 @@ def test_pow_rounds_its_scalar_exponent_to_a_reduced_dtype():
         for out in (emulate.run_graph(g, [x, y]), executor.run(STORE.get(STORE.register(lower(g))), [x, y])):
             assert out is not None
             torch.testing.assert_close(out[0], ref[0], equal_nan=True, rtol=1e-3, atol=0)
+
+
+def test_pow_rounds_its_scalar_base_to_a_reduced_dtype():
+    """Eager's pow.Scalar converts a scalar base to a float16/bfloat16 exponent's dtype: pow(1e-40, x) is pow(0, x)
+    in float16, inf for x < 0 and 0 for x > 0 (frac of inf is NaN), and bfloat16 holds 1e-40 (the CUDA fuzzer,
+    seed 2852755661: the fused kernel gave 0.0 where eager gave NaN)."""
+    g = torch.parse_ir("""graph(%t0 : Tensor):
+  %c : float = prim::Constant[value=1e-40]()
+  %v0 : Tensor = aten::pow(%c, %t0)
+  %v1 : Tensor = aten::frac(%v0)
+  return (%v0, %v1)""")
+    for dtype in (torch.float16, torch.bfloat16):
+        x = (torch.randn(120) * 0.3).to(dtype)
+        ref = interpret(g, [x])
+        for out in (emulate.run_graph(g, [x]), executor.run(STORE.get(STORE.register(lower(g))), [x])):
+            assert out is not None
+            for o, r in zip(out, ref):
+                torch.testing.assert_close(o, r, equal_nan=True, rtol=1e-3, atol=0)
 
 
 # --------------------------------------------------------------------------------------------------------
