@@ -1,10 +1,14 @@
 """Transparent huge pages for large CPU outputs (fuser/cpu/pages.py for the calls Python serves, the native hot
 path's advise_huge_pages for the calls it serves): an output of more than 32 MB is madvise'd MADV_HUGEPAGE before the
 kernel writes it, which the kernel shows as the "hg" flag of the output's mapping in /proc/self/smaps; a pointwise
-group, a row group and the native hot path; the values eager's; nothing asked where the setting is off."""
+group, a row group and the native hot path; the values eager's; nothing asked where the setting is off. The native
+hot path's large outputs come from a cache of freed large blocks (hotpath.cpp's LargeCache): reuse, the values,
+no sharing between live outputs, resize_, the off switch."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -109,3 +113,98 @@ def test_nothing_is_asked_when_off_or_for_a_smaller_output(monkeypatch):
     pages.advise([big])
     assert len(calls) == 1 and calls[0][2] == pages.MADV_HUGEPAGE
     assert "hg" in _flags(_inside(big))
+
+
+# ------------------------------------------------------------------------- the native hot path's large blocks
+
+def _affine_fused():
+    def affine(x, col, row):
+        return x * col + row
+
+    return fuser.fuse(torch.jit.script(affine))
+
+
+@pytest.mark.skipif(not native.loaded(), reason="the native hot path is not loaded")
+def test_a_freed_large_output_serves_the_next_call():
+    """An output of more than 32 MB freed before the next call: the next call's output takes its block (mapped
+    already: no page to fault in), and its values are the call's own; an output still alive keeps its block (the
+    next one gets another), and a block serves an output up to an eighth smaller, not a much smaller one."""
+    ff = _affine_fused()
+    args = _affine_args()
+    x, col, row = args
+    with torch.no_grad():
+        for _ in range(3):
+            ff(*args)  # profiled and warmed
+        out = ff(*args)
+        addr = out.data_ptr()
+        del out
+        before = native.stats()["new_large_blocks"]
+        for _ in range(4):
+            x.normal_()
+            out = ff(*args)
+            assert out.data_ptr() == addr
+            assert_same(out, x * col + row)
+            del out
+        assert native.stats()["new_large_blocks"] == before
+        kept = ff(*args)
+        other = ff(*args)  # the first still alive: another block
+        assert kept.data_ptr() != other.data_ptr()
+        assert_same(kept, x * col + row) and assert_same(other, x * col + row)
+        del kept, other
+        # a slightly smaller output (3840 rows: 60 MB of the 64 MB block) takes a cached block; a much smaller one
+        # (2304 rows: 36 MB) does not
+        for rows, reused in ((3840, True), (2304, False)):
+            small = [torch.randn(rows, 4096), torch.randn(rows, 1), torch.randn(4096)]
+            for _ in range(3):
+                ff(*small)
+            block = ff(*args)
+            addr = block.data_ptr()
+            del block
+            got = ff(*small)
+            assert (got.data_ptr() == addr) == reused, rows
+            assert_same(got, small[0] * small[1] + small[2])
+            del got
+
+
+@pytest.mark.skipif(not native.loaded(), reason="the native hot path is not loaded")
+def test_a_large_output_from_a_cached_block_resizes():
+    """resize_ of an output whose storage is a large block (the storage keeps the block allocator): a larger size
+    copies the values into a new block and frees the old one; its values kept."""
+    ff = _affine_fused()
+    args = _affine_args()
+    with torch.no_grad():
+        for _ in range(4):
+            out = ff(*args)
+    want = out.clone()
+    out.resize_(4096 + 512, 4096)
+    assert_same(out[:4096], want)
+    out[4096:] = 1.0
+    assert bool((out[4096:] == 1.0).all())
+
+
+def test_large_block_off_switch(tmp_path):
+    """FUSER_CPU_BLOCK_CACHE=0: large outputs from c10's allocator (no large block mapped), still with huge pages
+    asked for; on: one block serves every call whose output was freed."""
+    script = tmp_path / "large.py"
+    script.write_text(
+        "import torch, fuser\n"
+        "from fuser import native\n"
+        "assert native.ensure(block=True)\n"
+        "def f(x, col, row):\n    return x * col + row\n"
+        "ff = fuser.fuse(torch.jit.script(f))\n"
+        "x, col, row = torch.randn(4096, 4096), torch.randn(4096, 1), torch.randn(4096)\n"
+        "with torch.no_grad():\n"
+        "    for _ in range(6):\n"
+        "        out = ff(x, col, row)\n"
+        "        del out\n"
+        "    out = ff(x, col, row)\n"
+        "assert torch.equal(out, f(x, col, row))\n"
+        "hg = any('hg' in ln for ln in open('/proc/self/smaps') if ln.startswith('VmFlags'))\n"
+        "print(native.stats()['hits'], native.stats()['new_large_blocks'], int(hg))\n")
+    for setting, blocks in (("0", lambda n: n == 0), ("1", lambda n: 1 <= n <= 2)):
+        env = dict(os.environ, FUSER_CPU_BLOCK_CACHE=setting,
+                   PYTHONPATH=os.path.dirname(os.path.dirname(fuser.__file__)))
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        hits, new_large, hg = map(int, r.stdout.split())
+        assert hits >= 2 and blocks(new_large) and hg == 1, (setting, hits, new_large, hg)

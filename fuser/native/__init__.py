@@ -147,14 +147,15 @@ def stats() -> Optional[dict]:
     groups backwards launched (broadcast inputs' gradients summed apart), backwards that ran such a split
     (``record.train_record``), CUDA launches of a row kernel with column sums (partial rows, then the second kernel)
     and of a column kernel, and the blocks the CPU block cache took from the heap (small outputs' memory: a dropped
-    output's block is the next one's); None when it is not loaded."""
+    output's block is the next one's) and the large blocks it mapped (outputs of more than 32 MB, whose freed blocks
+    it keeps too: ``hotpath.cpp``'s LargeCache); None when it is not loaded."""
     if "built" not in _state:
         return None
     (hits, misses, handed, launches, fused, columns, split, row_sums, column_kernels,
-     new_blocks) = torch.ops.fuser._native_stats()
+     new_blocks, new_large) = torch.ops.fuser._native_stats()
     return {"hits": hits, "misses": misses, "handed": handed, "signatures": launches, "fused_backwards": fused,
             "column_sums": columns, "split_backwards": split, "cuda_row_sums": row_sums,
-            "cuda_column_kernels": column_kernels, "new_blocks": new_blocks}
+            "cuda_column_kernels": column_kernels, "new_blocks": new_blocks, "new_large_blocks": new_large}
 
 
 # the phases of a served call's host time (hotpath.cpp's Phase): the dispatch keys and autograd checked, the prepared

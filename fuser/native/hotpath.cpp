@@ -240,8 +240,84 @@ void release_block(void* base) {
   std::free(base);
 }
 
+// Large CPU outputs (more than kHugeMin bytes) come from a process-wide cache of freed large blocks, at most
+// kLargeBlocks of them and kLargeKeep bytes together: a call's output reuses the block of an output freed since,
+// whose pages are mapped already. A fresh block is a new mapping whose every page the kernel's first writes fault in
+// (2 MB at a time with huge pages) and zero: part of each large call's time, and on a VM that reports freed memory
+// to its host (Firecracker's free page reporting), mapped again on the host's side after other code freed a lot: a
+// 2-core EPYC VM, gelu_bias_transposed float32 [16384 x 4096] (a 256 MB output), 70-80 ms a call, 150-300 ms right
+// after eager's calls of the same function freed gigabytes (same faults, 230-280 ms more system time). A block
+// serves an output of its size or up to an eighth smaller. FUSER_CPU_BLOCK_CACHE=0 turns it off with the small one.
+constexpr size_t kLargeKeep = size_t(1) << 30;
+constexpr int kLargeBlocks = 4;
+std::atomic<int64_t> n_new_large{0};  // large blocks mapped (see LargeCache)
+
+struct LargeBlock {
+  void* base;
+  size_t bytes;
+};
+struct LargeCache {
+  std::mutex mu;
+  std::vector<LargeBlock*> blocks;  // freed, the latest last
+  size_t bytes = 0;
+  ~LargeCache();
+};
+std::atomic<bool> large_cache_gone{false};
+LargeCache large_cache;
+LargeCache::~LargeCache() {
+  large_cache_gone = true;
+  for (LargeBlock* b : blocks) {
+    std::free(b->base);
+    delete b;
+  }
+}
+
+void release_large(void* ctx) {
+  auto* b = static_cast<LargeBlock*>(ctx);
+  if (!large_cache_gone) {
+    std::lock_guard<std::mutex> guard(large_cache.mu);
+    if ((int)large_cache.blocks.size() < kLargeBlocks && large_cache.bytes + b->bytes <= kLargeKeep) {
+      large_cache.blocks.push_back(b);
+      large_cache.bytes += b->bytes;
+      return;
+    }
+  }
+  std::free(b->base);
+  delete b;
+}
+
+c10::DataPtr allocate_large(size_t nbytes) {
+  const size_t bytes = (nbytes + kHugePage - 1) & ~(kHugePage - 1);
+  LargeBlock* b = nullptr;
+  {
+    std::lock_guard<std::mutex> guard(large_cache.mu);
+    auto& cached = large_cache.blocks;
+    int best = -1;
+    for (int k = (int)cached.size() - 1; k >= 0; --k)  // the smallest that fits, the latest of equals
+      if (cached[k]->bytes >= bytes && cached[k]->bytes - bytes <= cached[k]->bytes / 8 &&
+          (best < 0 || cached[k]->bytes < cached[best]->bytes))
+        best = k;
+    if (best >= 0) {
+      b = cached[best];
+      cached.erase(cached.begin() + best);
+      large_cache.bytes -= b->bytes;
+    }
+  }
+  if (b == nullptr) {
+    void* base = std::aligned_alloc(kHugePage, bytes);
+    if (base == nullptr) return at::getCPUAllocator()->allocate(nbytes);  // (c10's raises its out-of-memory error)
+    n_new_large.fetch_add(1, std::memory_order_relaxed);
+#ifdef MADV_HUGEPAGE
+    if (huge_pages_on()) madvise(base, bytes, MADV_HUGEPAGE);  // before the first write (advise_huge_pages)
+#endif
+    b = new LargeBlock{base, bytes};
+  }
+  return {b->base, b, &release_large, c10::Device(c10::DeviceType::CPU)};
+}
+
 struct BlockAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
+    if (nbytes > kHugeMin) return allocate_large(nbytes);
     if (nbytes == 0 || nbytes > kSmallMax) return at::getCPUAllocator()->allocate(nbytes);
     int c = 0;
     while ((kMinBlock << c) < nbytes) ++c;
@@ -265,7 +341,11 @@ at::Tensor empty_cpu_output(const Out& o) {
     const char* v = std::getenv("FUSER_CPU_BLOCK_CACHE");
     return v == nullptr || std::strcmp(v, "0") != 0;
   }();
-  if (!cached) return at::detail::empty_strided_cpu(o.sizes, o.strides, o.dtype);
+  if (!cached) {
+    at::Tensor t = at::detail::empty_strided_cpu(o.sizes, o.strides, o.dtype);
+    advise_huge_pages(t);
+    return t;
+  }
   return at::detail::empty_strided_generic(o.sizes, o.strides, &block_allocator,
                                            c10::DispatchKeySet(c10::DispatchKey::CPU), o.dtype);
 }
@@ -622,8 +702,7 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
   outs.reserve(l.outs.size());
   if (l.kind == kCpu) {  // (the CPU factory itself: the dispatcher's round trip costs about as much as a small kernel)
     for (const Out& o : l.outs) {
-      outs.emplace_back(empty_cpu_output(o));
-      advise_huge_pages(outs.back());
+      outs.emplace_back(empty_cpu_output(o));  // (large ones with huge pages asked for)
     }
   } else {
     const auto options = at::TensorOptions().device(l.device);
@@ -1302,7 +1381,7 @@ std::vector<int64_t> stats() {
   int64_t launches = 0;
   for (const auto& kv : table) launches += static_cast<int64_t>(kv.second.launches.size());
   return {n_hits.load(), n_misses.load(), n_handed.load(), launches, n_fused.load(), n_columns.load(), n_split.load(),
-          n_cuda_row_sums.load(), n_cuda_column_kernels.load(), n_new_blocks.load()};
+          n_cuda_row_sums.load(), n_cuda_column_kernels.load(), n_new_blocks.load(), n_new_large.load()};
 }
 
 }  // namespace
