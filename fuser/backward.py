@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from . import derivatives as D
-from . import ir, ops
+from . import ir, ops, products
 from .kernel_cache import STORE, KernelSpec
 from .rows import decompose
 from .rows.outer import column_level
@@ -159,6 +159,7 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
     # the gradient's nodes are steps of eager's backward kernels (gelu_backward computes in float in one kernel):
     # held unrounded, as the legacy fuser held every intermediate
     b.origin = ir.AUTOGRAD
+    folded = products.find(fwd, floating) if rows is None else {}  # chains of mul: see fuser/products.py
     for n in reversed(fwd.nodes):
         if n.out.id not in grads:
             continue
@@ -167,14 +168,18 @@ def build_backward(spec: KernelSpec, needs: Sequence[bool], defined: Sequence[bo
         if f is None:
             raise _Unsupported(name)
         gy = grads[n.out.id]
-        xs = [D.V(b, mapped(a)) for a in n.args]
-        if n.op == MEAN or name in ("var", "std"):  # the row's length: see derivatives._mean
-            if row_length is None:
-                row_length = b.input(ir.FLOAT)
-            xs.append(D.V(b, row_length))
-        xs += [D.V(b, v) for v in saved.get(n.out.id, ())]
-        res = f(gy, xs, D.V(b, env[n.out.id]))
-        for inp, r in zip(n.args, res):
+        if n.out.id in folded:
+            pairs = products.gradients(folded[n.out.id], gy, lambda a: D.V(b, mapped(a)),
+                                       lambda a: a.id in carries)
+        else:
+            xs = [D.V(b, mapped(a)) for a in n.args]
+            if n.op == MEAN or name in ("var", "std"):  # the row's length: see derivatives._mean
+                if row_length is None:
+                    row_length = b.input(ir.FLOAT)
+                xs.append(D.V(b, row_length))
+            xs += [D.V(b, v) for v in saved.get(n.out.id, ())]
+            pairs = zip(n.args, f(gy, xs, D.V(b, env[n.out.id])))
+        for inp, r in pairs:
             if not isinstance(inp, ir.Value) or inp.id not in carries:
                 continue
             if r is D.UNSUPPORTED:

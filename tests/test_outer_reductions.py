@@ -479,3 +479,45 @@ def test_cuda_column_vectors_on_the_gpu(dtype):
         out = executor.run(spec, args)
         assert out is not None, (what, executor.plan(spec, args))
         _check(out, case.eager, args)
+
+
+# ------------------------------------------------------------------------------------- a long element pass
+
+def _gelu_bias(x, b):
+    y = x + b
+    return 0.5 * y * (1 + torch.tanh(0.7978845608 * (y + 0.044715 * y * y * y)))
+
+
+def _gelu_bias_backward_with_sums() -> ir.Group:
+    """gelu(x + b)'s backward group (x's gradient from x, b and the output's gradient) with b's gradient summed over
+    the rows beside it: the column kernel of its training step on CUDA (fuser/grad_sums.py's fused form)."""
+    from fuser import autodiff
+    from fuser.ts_ir import lower
+    spec = _spec(lower(torch.jit.script(_gelu_bias).graph))
+    bw = autodiff.backward_for(spec, (True, True), (True,), ((torch.float32, False), (torch.float32, False)))
+    g = bw.spec.group
+    assert [v.id for v in g.inputs] and len(g.outputs) == 1 and bw.fwd_inputs == (0, 1)
+    total = ir.Node("aten::sum.dim_IntList", (g.outputs[0], (0,), True, None),
+                    ir.Value(1 + max([v.id for v in g.inputs] + [n.out.id for n in g.nodes])))
+    return ir.Group(g.inputs, g.nodes + (total,), (g.outputs[0], total.out))
+
+
+@pytest.mark.parametrize("dtype,unrolled", [(torch.float32, 1), (torch.bfloat16, 8)], ids=["float32", "bfloat16"])
+def test_a_long_element_pass_over_4_byte_values_unrolls_one_row(dtype, unrolled):
+    """The column kernel of gelu(x + b)'s backward: its rows unrolled once over float32 (the registers go to the
+    work), 8 times over bfloat16 (``outer_templates.ROWS_UNROLLED``); through the host emulation against float64
+    eager, both vector loops (an odd column count takes the element by element one)."""
+    group = _gelu_bias_backward_with_sums()
+    spec = _spec(group)
+    for rows_, cols in ((37, 64), (300, 20), (9, 33)):
+        x, b, g = torch.randn(rows_, cols, dtype=dtype), torch.randn(cols, dtype=dtype), torch.randn(rows_, cols,
+                                                                                                  dtype=dtype)
+        p = rows.plan(spec, [x, b, g], "cuda")
+        _, source = outer_launch.source_for(spec, p)
+        assert source.count(f"FZ_COL_ROWS({unrolled}) {{") == (2 if p.key.cvec > 1 else 1)
+        dx, db = row_emulate.run(group, [x, b, g])
+        x64, b64 = x.double().requires_grad_(), b.double().requires_grad_()
+        want_dx, want_db = torch.autograd.grad(_gelu_bias(x64, b64), (x64, b64), g.double())
+        tol = 2e-5 if dtype == torch.float32 else 1.6e-2
+        torch.testing.assert_close(dx.double(), want_dx, rtol=tol, atol=tol)
+        torch.testing.assert_close(db.double().reshape(-1), want_db, rtol=tol, atol=tol * rows_ ** 0.5)

@@ -117,13 +117,15 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                  if nt.compute in REDUCED else f"({compute_type(nt.compute)})({x})")
         body.append(f"{acc(pos)} = {red.combine}::f({acc(pos)}, ({acc_t})({x}));")
     body += [store(m, o, "r * cols + c" + (" + v" if wide else "")) for m, o in elem_out]
+    heavy = len(body) > t.HEAVY_ELEMENT_LINES and max((dt.itemsize for dt in inputs), default=0) >= 4
+    rows = f"FZ_COL_ROWS({1 if heavy else t.ROWS_UNROLLED}) {{"
     if wide:  # the loop twice: whole vectors where the launch allows them, else element by element
         loops = [(["if (args.vec) {"], True), (["} else {"], False)]
-        row_loops = [ln for head, vec in loops for ln in head + ["  FZ_COL_ROWS {"] + [
+        row_loops = [ln for head, vec in loops for ln in head + ["  " + rows] + [
             "    " + x for x in [ln for y in vector_loads(wanted, vec) for ln in y.split("\n")] + per_column(body)]
             + ["  }"]] + ["}"]
     else:
-        row_loops = ["FZ_COL_ROWS {"] + ["  " + ln for ln in body] + ["}"]
+        row_loops = [rows] + ["  " + ln for ln in body] + ["}"]
 
     epilogue = [m for m in group.nodes if m.out.id in cols_v and m.out.id in statement]
     epilogue_operands = [v for m in epilogue for v in m.values if v.id not in cols_v]

@@ -20,6 +20,12 @@ from string import Template
 
 MAX_DIMS = 8  # column dims (fuser.rows.outer.MAX_COL_DIMS)
 BLOCK_SIZE = 256  # CUDA threads a block: a power of two (the lanes' tree halves it)
+# rows of a thread's split a CUDA trip unrolls: 8 (several rows' loads in flight), or 1 where the element work is
+# long (more than HEAVY_ELEMENT_LINES lines) over 4-byte values, whose registers then go to the work. H200, gelu(x + b)'s
+# backward (x's gradient and b's summed, [16384, 4096], 39 lines), the training step by rows unrolled 8 / 4 / 2 / 1,
+# one process each, side by side (2026-11-30): float32 424 / 411 / 357 (spilled) / 333 us, bfloat16 210 / 216 / 229
+# (spilled) / 218 us
+ROWS_UNROLLED, HEAVY_ELEMENT_LINES = 8, 24
 CPU_CHUNK = 512  # columns a CPU chunk accumulates at once
 CPU_FOLD_ROWS = 64  # rows the CPU vector pass sums in the compute type before folding into the accumulators
 CPU_UNROLL_ROWS = 4  # rows a trip of the CPU vector pass (the rows' order kept: the same sums as one at a time)
@@ -64,8 +70,9 @@ template <int V, int MODE, class S> __device__ __forceinline__ void fz_col_load(
   }
 }
 
-// the rows of a thread's split, unrolled: several rows' loads in flight (the sums keep the rows' order)
-#define FZ_COL_ROWS _Pragma("unroll 8") for (long long r = split * args.rows_per_split + ty; r < r1; r += lanes)
+// the rows of a thread's split, unrolled n times: several rows' loads in flight (the sums keep the rows' order)
+#define FZ_PRAGMA(x) _Pragma(#x)
+#define FZ_COL_ROWS(n) FZ_PRAGMA(unroll n) for (long long r = split * args.rows_per_split + ty; r < r1; r += lanes)
 """
 
 # the offsets of column c's first element in each input: a divmod walk over the column dims
