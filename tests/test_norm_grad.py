@@ -154,6 +154,20 @@ def _assert_as_close_as_eagers(g, w, w64):
     assert err <= 2 * eager_err + 8e-3 * scale, (err, eager_err)
 
 
+def _assert_float32_as_close_as_eagers(g, w, w64):
+    """float32 gradient ``g``, element by element, within float32's tolerance of ``w64`` (float64) or within twice
+    eager's float32 error there (``w``): a row of nearly equal values (layer_norm over 2 elements) has a gradient
+    that amplifies every rounding, eager's as much as the kernel's."""
+    tol = tolerances(torch.float32)
+    assert g.dtype == w.dtype == torch.float32 and g.shape == w64.shape
+    nan = w64.isnan()
+    assert torch.equal(g.isnan(), nan)
+    g, w, w64 = g.double()[~nan], w.double()[~nan], w64[~nan]
+    scale = max(1.0, w64.abs().max().item()) if w64.numel() else 1.0
+    bad = (g - w64).abs() > 2 * (w - w64).abs() + tol["atol"] * scale + tol["rtol"] * w64.abs()
+    assert not bool(bad.any()), (g[bad][:5], w[bad][:5], w64[bad][:5])
+
+
 def _fused_and_eager64(case: Case, args: list, n: int):
     """The fused group's input gradients for ``args`` and eager's for the same values in float64 (the same output
     gradients, drawn in float64)."""
@@ -363,7 +377,8 @@ def test_cuda_row_backward_emulated_matches_eager(case, dtype, emulated):
         ref = case.eager(*x64)
         want64 = torch.autograd.grad(ref, x64, [g.double().reshape(r.shape) for g, r in zip(grads, ref)])
         if dtype == torch.float32:
-            _assert_grads(got, want64, dtype)
+            for g, w, w64 in zip(got, want, want64):
+                _assert_float32_as_close_as_eagers(g, w, w64)
             continue
         for g, w, w64 in zip(got, want, want64):
             _assert_as_close_as_eagers(g, w, w64)
