@@ -1,12 +1,14 @@
 """Random numbers inside kernels: ``rand_like`` as a Philox4x32-10 counter-based generator.
 
-A counter-based generator needs no state per thread: element ``i`` of random op ``r`` of a launch gets word
-``i % 4`` of the Philox block of counter ``(i / 4, r, offset)`` under key ``seed`` (a float64 element: words
-``2 (i % 2)`` and the next of block ``i / 2``), so any thread computes any element, the vector and scalar paths
-agree, and the values do not depend on the inputs' layouts. A block's four words serve four consecutive elements:
-a CUDA thread's vector of 8 float16 elements computes two blocks, not eight (ten rounds of multiplies each, the
-float16/bfloat16 dropout's bound). ``(seed, offset)`` come from
-torch's own generator at each launch (:func:`launch_state`), so ``torch.manual_seed`` makes runs repeatable
+A counter-based generator needs no state per thread: random op ``r`` of a launch numbers its elements and draws
+element ``i`` from the Philox block of counter ``(i / E, r, offset)`` under key ``seed``, where a block of four
+32-bit words serves ``E`` consecutive elements: ``E = 4`` for float32 (word ``i % 4``), ``E = 8`` for float16 and
+bfloat16 results (16 bits each: the high half of word ``(i / 2) % 4`` for even ``i``, the low half for odd; their
+11 and 8 bits fit a half) and ``E = 2`` for float64 (words ``2 (i % 2)`` and the next). So any thread computes any
+element, the vector and scalar paths agree, and the values do not depend on the inputs' layouts. A CUDA thread's
+vector of 8 float16 elements computes one block, not eight (ten rounds of multiplies each: the float16/bfloat16
+dropout's bound; four words a block would be two blocks, and half the random bits unused). ``(seed, offset)`` come
+from torch's own generator at each launch (:func:`launch_state`), so ``torch.manual_seed`` makes runs repeatable
 and two launches differ. The numbers are not the ones eager's ``rand_like`` draws (its kernels number their
 elements differently); their distribution is the same: uniform on ``[0, 1)``, on a grid the result dtype holds
 exactly (2^-24 for float32, 2^-53 for float64, 2^-11 for float16, 2^-8 for bfloat16), so 1.0 never appears.
@@ -47,12 +49,14 @@ FZ_FN float fz_bits_f(unsigned int w, int bits) { return (float)(w >> (32 - bits
 FZ_FN double fz_bits_d(unsigned int a, unsigned int b) {
   return (double)(((unsigned long long)a << 21) ^ (b >> 11)) * (1.0 / 9007199254740992.0);
 }
-// element i: word i % 4 of block i / 4. Consecutive elements share a block (a vector loop computes its vector's
-// blocks once: vector_words)
+// element i: word i % 4 of block i / 4; for `bits` <= 16 (float16, bfloat16) half i % 2 of word (i / 2) % 4 of block
+// i / 8, the high half first (shifted to the top, where fz_bits_f takes its bits). Consecutive elements share a block
+// (a vector loop computes its vector's blocks once: vector_words)
 FZ_FN float fz_uniform_f(const unsigned int* st, unsigned int r, unsigned long long i, int bits) {
+  const unsigned int h = bits <= 16 ? 1u : 0u;  // log2 of the elements a word
   unsigned int c[4];
-  fz_philox_at(c, st, r, i >> 2);
-  return fz_bits_f(fz_word(c, (unsigned int)i & 3u), bits);
+  fz_philox_at(c, st, r, i >> (2u + h));
+  return fz_bits_f(fz_word(c, (unsigned int)(i >> h) & 3u) << (((unsigned int)i & h) * 16u), bits);
 }
 // element i in double: words 2 * (i % 2) and the next of block i / 2
 FZ_FN double fz_uniform_d(const unsigned int* st, unsigned int r, unsigned long long i) {
@@ -67,31 +71,46 @@ FZ_FN double fz_uniform_d(const unsigned int* st, unsigned int r, unsigned long 
 _CALL = re.compile(r"fz_uniform_([fd])\(fz_rs, (\d+), @IDX@(?:, (\d+))?\)")
 
 
+def elements_per_block(kind: str, bits: int) -> int:
+    """Elements one Philox block (four words) serves: 2 in double (``kind`` "d"), 8 for a result of at most 16
+    bits (two a word), else 4."""
+    return 2 if kind == "d" else 8 if bits <= 16 else 4
+
+
 def vector_words(body: Sequence[str], vec: int, vector: str, k: str) -> tuple[list[str], list[str]]:
     """A CUDA vector loop's random numbers drawn a block at a time: (lines that compute the Philox blocks of
     vector ``vector`` (elements ``vector * vec`` to ``vector * vec + vec - 1``), once, into ``fz_w<r>``; ``body``
     with each random op's call reading element ``k``'s words there). Without it, each of a vector's elements
-    computes the block that it shares with three others (the compiler does not merge them). ``body`` unchanged
-    and no lines where ``vec`` is not a whole number of blocks."""
+    computes the block that it shares with others (the compiler does not merge them). A vector shorter than a block
+    computes its block and picks its words by selects (``fz_word``). ``body`` unchanged and no lines where neither
+    the vector nor the block is a whole number of the other."""
     calls = {}
     for line in body:
-        for kind, r, _ in _CALL.findall(line):
-            calls[int(r)] = kind
-    per = {r: 2 if kind == "d" else 1 for r, kind in calls.items()}  # words an element
-    if not calls or any(vec * w % 4 for w in per.values()):
+        for kind, r, bits in _CALL.findall(line):
+            calls[int(r)] = elements_per_block(kind, int(bits or 53))
+    if not calls or any(vec % e and e % vec for e in calls.values()):
         return [], list(body)
     lines = []
-    for r, w in sorted(per.items()):
-        blocks = vec * w // 4
-        lines.append(f"unsigned int fz_w{r}[{4 * blocks}];")
-        lines += [f"fz_philox_at(fz_w{r} + {4 * q}, fz_rs, {r}u, (unsigned long long)({vector}) * {blocks}u + {q}u);"
-                  for q in range(blocks)]
+    for r, e in sorted(calls.items()):
+        if vec >= e:
+            blocks = vec // e
+            lines.append(f"unsigned int fz_w{r}[{4 * blocks}];")
+            lines += [f"fz_philox_at(fz_w{r} + {4 * q}, fz_rs, {r}u, (unsigned long long)({vector}) * {blocks}u + {q}u);"
+                      for q in range(blocks)]
+        else:  # part of one block: the vector's first element's place in it
+            first = f"(unsigned long long)({vector}) * {vec}u"
+            lines += [f"unsigned int fz_w{r}[4];", f"fz_philox_at(fz_w{r}, fz_rs, {r}u, {first} / {e}u);",
+                      f"const unsigned int fz_j{r} = (unsigned int)({first} % {e}u);"]
 
     def words(m: re.Match) -> str:
-        r = m.group(2)
+        r, e = m.group(2), calls[int(m.group(2))]
+        j = k if vec >= e else f"(fz_j{r} + {k})"  # the element's place in its block(s)
+        word = (lambda w: f"fz_w{r}[{w}]") if vec >= e else (lambda w: f"fz_word(fz_w{r}, {w})")
         if m.group(1) == "d":
-            return f"fz_bits_d(fz_w{r}[2 * {k}], fz_w{r}[2 * {k} + 1])"
-        return f"fz_bits_f(fz_w{r}[{k}], {m.group(3)})"
+            return f"fz_bits_d({word(f'2 * {j}')}, {word(f'2 * {j} + 1')})"
+        if e == 8:  # vec and the first element even: the half is k's
+            return f"fz_bits_f({word(f'{j} >> 1')} << (({k} & 1) * 16), {m.group(3)})"
+        return f"fz_bits_f({word(j)}, {m.group(3)})"
 
     return lines, [_CALL.sub(words, line) for line in body]
 

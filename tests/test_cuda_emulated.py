@@ -274,20 +274,25 @@ def test_philox_reference_matches_random123_known_answers():
 
 def _uniform_reference(shape, dtype, seed: int, offset: int, r: int) -> torch.Tensor:
     """Element i: word i % 4 of the Philox block of counter (i // 4, r, offset), its top bits as the dtype's grid;
-    float64: words 2 (i % 2) and the next of block i // 2, as 53 bits."""
+    float16/bfloat16: 16 bits each, the high half of word (i // 2) % 4 of block i // 8 for even i, the low half for
+    odd; float64: words 2 (i % 2) and the next of block i // 2, as 53 bits."""
     n = math.prod(shape)
-    per = 2 if dtype == torch.float64 else 4
+    halves = dtype in (torch.float16, torch.bfloat16)
+    per = 2 if dtype == torch.float64 else 8 if halves else 4  # elements a block
     i = np.arange(n, dtype=np.uint64)
     blk = i // np.uint64(per)
     counter = (blk & np.uint64(_MASK), (blk >> np.uint64(32)) | np.uint64(r << 24),
                np.full(n, offset & _MASK, np.uint64), np.full(n, offset >> 32, np.uint64))
     words = np.stack(philox4x32_10(counter, (seed & _MASK, seed >> 32)))  # [4, n]
-    pick = (i % np.uint64(per)) * np.uint64(4 // per)
+    slot = i % np.uint64(per)
+    pick = slot // np.uint64(2) if halves else slot * np.uint64(4 // per)
     first = words[pick.astype(np.int64), np.arange(n)]
     if dtype == torch.float64:
         second = words[pick.astype(np.int64) + 1, np.arange(n)]
         bits = ((first << np.uint64(21)) ^ (second >> np.uint64(11))).astype(np.float64)
         return torch.from_numpy(bits * 2.0 ** -53).reshape(shape)
+    if halves:  # the 16 bits of the element's half, as the top of a 32-bit word
+        first = np.where(slot % np.uint64(2) == 0, first >> np.uint64(16), first & np.uint64(0xFFFF)) << np.uint64(16)
     k = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}[dtype]
     return torch.from_numpy((first >> np.uint64(32 - k)).astype(np.float64) * 2.0 ** -k).reshape(shape).to(dtype)
 
@@ -316,24 +321,61 @@ def test_rand_like_is_philox(layout, dtype, index32):
         assert_same(s, a + x)
 
 
-def test_vector_loops_draw_a_philox_block_per_four_elements():
-    """A vector of 8 float16 elements computes its 2 Philox blocks once, before its elements (rng.vector_words),
-    not a block per element; a vector that is no whole number of blocks keeps the per-element call (the values,
-    the same either way, are test_rand_like_is_philox's)."""
+RAND_WIDE_IR = """graph(%x : Tensor, %y : Tensor):
+  %none : NoneType = prim::Constant()
+  %one : int = prim::Constant[value=1]()
+  %a : Tensor = aten::rand_like(%x, %none, %none, %none, %none, %none)
+  %s : Tensor = aten::add(%a, %y, %one)
+  return (%a, %s)
+"""
+# a 2-byte draw beside a wider tensor: vectors of 4 (float32) or 2 (float64) elements, part of a block each
+RAND_WIDE_PARAMS = [(dt, wide) for dt in (torch.float16, torch.bfloat16) for wide in (torch.float32, torch.float64)]
+
+
+def _rand_wide_inputs(dtype, wide):
+    return [_t(dtype, *SHAPE), _t(wide, *SHAPE)]
+
+
+def _register_rand_wide(em, dtype, wide):
+    emulate.kernel_for(torch.parse_ir(RAND_WIDE_IR), _rand_wide_inputs(dtype, wide), emulator=em)
+
+
+@pytest.mark.parametrize("dtype,wide", RAND_WIDE_PARAMS, ids=[f"{str(a)[6:]}-{str(b)[6:]}" for a, b in RAND_WIDE_PARAMS])
+def test_rand_like_in_vectors_shorter_than_a_block(dtype, wide):
+    x, y = _rand_wide_inputs(dtype, wide)
+    seed, offset = _random_u64(), _random_u64()
+    kernel = emulate.kernel_for(torch.parse_ir(RAND_WIDE_IR), [x, y])
+    assert "fz_j0" in kernel.source  # the vector path picks its words from a part of the block
+    for vectorize in (None, False):
+        a, s = emulate.run_graph(torch.parse_ir(RAND_WIDE_IR), [x, y], None, vectorize, (seed, offset))
+        assert torch.equal(a, _uniform_reference(x.shape, dtype, seed, offset, 0))
+        assert_same(s, a + y)
+
+
+def test_vector_loops_draw_each_philox_block_once():
+    """A vector of 8 float16 elements computes its one Philox block once, before its elements (rng.vector_words),
+    not a block per element; a vector shorter than a block computes its block and picks words by selects; a
+    float64 draw takes two words an element (the values, the same either way, are test_rand_like_is_philox's)."""
     body = ["const float v0 = (float)(fz_uniform_f(fz_rs, 0, @IDX@, 11));",
-            "const double v1 = (double)(fz_uniform_d(fz_rs, 1, @IDX@));"]
+            "const double v1 = (double)(fz_uniform_d(fz_rs, 1, @IDX@));",
+            "const float v2 = (float)(fz_uniform_f(fz_rs, 2, @IDX@, 24));"]
     lines, out = rng.vector_words(body, 8, "v", "k")
-    assert sum("fz_philox_at(fz_w0" in ln for ln in lines) == 2 and sum("fz_philox_at(fz_w1" in ln for ln in lines) == 4
-    assert out == ["const float v0 = (float)(fz_bits_f(fz_w0[k], 11));",
-                   "const double v1 = (double)(fz_bits_d(fz_w1[2 * k], fz_w1[2 * k + 1]));"]
-    assert rng.vector_words(body[:1], 2, "v", "k") == ([], body[:1])
-    assert rng.vector_words(body[1:], 2, "v", "k")[0] == [
+    assert [sum(f"fz_philox_at(fz_w{r}" in ln for ln in lines) for r in range(3)] == [1, 4, 2]
+    assert out == ["const float v0 = (float)(fz_bits_f(fz_w0[k >> 1] << ((k & 1) * 16), 11));",
+                   "const double v1 = (double)(fz_bits_d(fz_w1[2 * k], fz_w1[2 * k + 1]));",
+                   "const float v2 = (float)(fz_bits_f(fz_w2[k], 24));"]
+    lines, out = rng.vector_words(body[:1], 4, "v", "k")  # half a block: vector v's elements from 4 (v % 2)
+    assert lines == ["unsigned int fz_w0[4];", "fz_philox_at(fz_w0, fz_rs, 0u, (unsigned long long)(v) * 4u / 8u);",
+                     "const unsigned int fz_j0 = (unsigned int)((unsigned long long)(v) * 4u % 8u);"]
+    assert out == ["const float v0 = (float)(fz_bits_f(fz_word(fz_w0, (fz_j0 + k) >> 1) << ((k & 1) * 16), 11));"]
+    assert rng.vector_words(body[1:2], 2, "v", "k")[0] == [
         "unsigned int fz_w1[4];", "fz_philox_at(fz_w1 + 0, fz_rs, 1u, (unsigned long long)(v) * 1u + 0u);"]
+    assert rng.vector_words(body[:1], 3, "v", "k") == ([], body[:1])  # neither divides the other
     x = _t(torch.float16, *SHAPE)
     spec = STORE.get(STORE.register(lower(torch.parse_ir(DROPOUT_IR))))
     p = executor.plan(spec, [x, 0.3, 1 / 0.7], target="cuda")
     source = compiler.build(spec, p.arg_spec, load=lambda *_: (None, False), probe_device="cpu").source
-    assert source.count("fz_philox_at(fz_w0 + ") == 2 and "fz_bits_f(fz_w0[k], 11)" in source
+    assert source.count("fz_philox_at(fz_w0") == 1 and "fz_bits_f(fz_w0[k >> 1] << ((k & 1) * 16), 11)" in source
 
 
 def _register_dropout(em, dtype):
@@ -666,6 +708,7 @@ def test_production_source_keeps_its_prelude_and_the_host_source_only_swaps_it()
 
 _REGISTER = {"test_op": _register_op, "test_layout": _register_layout, "test_cat": _register_cat,
              "test_rand_like_is_philox": _register_rand,
+             "test_rand_like_in_vectors_shorter_than_a_block": _register_rand_wide,
              "test_dropout_float_arguments_come_before_the_philox_state": _register_dropout,
              "test_bench_workload": _register_bench}
 

@@ -510,16 +510,20 @@ FZ_VFN void fz_vphilox_at(fz_vu32 c[4], const unsigned int* st, unsigned int r, 
   c[0] = c0; c[1] = c1; c[2] = c2; c[3] = c3;
 }
 // uniform on [0, 1) as fz_uniform_f / fz_uniform_d (the vector type chooses): elements i, i + 1, ... from the
-// blocks that hold them (4 elements a block, 2 in double; a vector's elements span at most a few lanes' blocks)
+// blocks that hold them (4 elements a block, 8 for `bits` <= 16, 2 in double; a vector's elements span at most a few
+// lanes' blocks)
 FZ_VFN fz_vf fz_vuniform(const fz_vf&, const unsigned int* st, unsigned int r, unsigned long long i, int bits) {
+  const unsigned int h = bits <= 16 ? 1u : 0u;  // log2 of the elements a word
+  const unsigned int per_block = 4u << h;
   fz_vu32 c[4];
-  fz_vphilox_at(c, st, r, i >> 2);
+  fz_vphilox_at(c, st, r, i >> (2u + h));
   unsigned int w[4][FZ_VU32_LANES];
   float u[fz_vf::size()];
   memcpy(w, c, sizeof(w));
   for (int k = 0; k < fz_vf::size(); ++k) {
-    const unsigned int e = (unsigned int)(i & 3u) + k;  // from the first lane's block
-    u[k] = (float)(w[e & 3u][e >> 2] >> (32 - bits)) * (1.0f / (float)(1u << bits));
+    const unsigned int e = (unsigned int)(i & (per_block - 1u)) + k;  // from the first lane's block
+    const unsigned int word = w[(e >> h) & 3u][e / per_block] << ((e & h) * 16u);
+    u[k] = (float)(word >> (32 - bits)) * (1.0f / (float)(1u << bits));
   }
   return fz_vf::loadu(u);
 }
