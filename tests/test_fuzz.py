@@ -348,3 +348,39 @@ def test_the_judge_takes_the_truth_of_a_comparison_where_eager_overflowed(monkey
     monkeypatch.setattr(executor, "run", flip(1))  # an element without overflow, made wrong
     bad = fuzz.check(g, [x])
     assert not bad.ok and bad.kind == "value", bad
+
+
+_BEYOND_RANGE = """graph(%t0 : Tensor):
+  %tiny : float = prim::Constant[value=1e-40]()
+  %half : float = prim::Constant[value=0.5]()
+  %v0 : Tensor = aten::sub(%t0, %tiny, %half)
+  %v1 : Tensor = aten::div(%v0, %tiny)
+  %v2 : Tensor = aten::mul(%t0, %half)
+  return (%v1, %v2)
+"""
+
+
+def test_the_judge_excuses_values_whose_reference_moves_past_the_dtypes_range(monkeypatch):
+    """(t - 5e-41) / 1e-40 in float16 at t = 0: eager's stored intermediate is 0, the fused float one -5e-41, and
+    CUDA eager divides by a scalar through its reciprocal (1 / 1e-40 is inf in float): eager NaN, fused -inf, the
+    float64 truth -0.5 (the CUDA fuzzer, seed 144929228). Moving the intermediates by 4 units of rounding moves that
+    truth by about 2e33, past float16's largest value: any value is one rounding away, and the judge excuses it; the
+    same -inf in a well-conditioned output (t * 0.5) is still caught."""
+    _needs_cpu_fusion()
+    g = torch.parse_ir(_BEYOND_RANGE)
+    x = torch.tensor([0.0, -0.0, 1.5], dtype=torch.float16)
+    real = executor.run
+
+    def minus_inf(k):
+        def run(spec, a):
+            out = real(spec, a)
+            if out is not None:
+                out[k][:2] = -math.inf
+            return out
+        return run
+    monkeypatch.setattr(executor, "run", minus_inf(0))
+    v = fuzz.check(g, [x])
+    assert v.ok and v.fused, v
+    monkeypatch.setattr(executor, "run", minus_inf(1))
+    bad = fuzz.check(g, [x])
+    assert not bad.ok and bad.kind == "value" and "output 1" in bad.detail, bad
