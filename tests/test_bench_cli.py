@@ -63,10 +63,10 @@ def test_interleaved_rounds_time_each_system_in_turn_and_rotate(monkeypatch):
     wl = next(w for w in WORKLOADS if w.name == "mul_add")
     order, real = [], rows._samples
 
-    def samples(fn, size, sets, device, cfg):
+    def samples(fn, size, sets, device, cfg, cell):
         assert cfg.batches == 1 and cfg.host_repeats == 1
         order.append(fn.system)
-        return real(fn, size, sets, device, cfg)
+        return real(fn, size, sets, device, cfg, cell)
 
     from fuser.bench import systems as bench_systems
     contexts = dict(bench_systems.SYSTEM_CONTEXTS)
@@ -103,3 +103,34 @@ def test_interleaved_rounds_time_each_system_in_turn_and_rotate(monkeypatch):
     row = rows.run_row(wl, torch.float32, "small", ["eager", "fuser"], torch.device("cpu"), cfg, True, 1e10, True)
     assert "planted failure" in row["cells"]["eager"]["error"] and "us_per_call" not in row["cells"]["eager"]
     assert len(row["cells"]["fuser"]["host_us_samples"]) == cfg.host_repeats and "error" not in row["cells"]["fuser"]
+
+
+def test_a_cells_process_usage_per_call():
+    """Each timed cell carries what the process did per call (getrusage over its timed calls): a call that sleeps
+    switches out voluntarily about once and uses little processor time; a call that writes fresh memory faults pages
+    in. The figures are per call of the cell, over every timed call."""
+    import time
+
+    import mmap
+
+    import torch
+
+    from fuser.bench import rows
+    from fuser.bench.timing import QUICK
+
+    def cell_of(fn):
+        cell = {}
+        for _ in range(QUICK.host_repeats):
+            rows._samples(fn, "small", [()], torch.device("cpu"), QUICK, cell)
+        rows._usage_per_call(cell)
+        return cell["process_per_call"]
+
+    sleeping = cell_of(lambda: time.sleep(0.001))
+    assert sleeping["voluntary_switches"] >= 0.9 and sleeping["user_us"] < 500, sleeping
+    def write_fresh_pages():  # 1 MB mapped anew and written a byte a page
+        with mmap.mmap(-1, 1 << 20) as m:
+            for i in range(0, 1 << 20, 4096):
+                m[i] = 1
+    writing = cell_of(write_fresh_pages)
+    assert writing["minor_faults"] >= 100, writing
+    assert writing["threads"] >= 1 and writing["machine_steal_us"] >= 0 and "_usage" not in sleeping

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import resource
 import statistics
 import time
 from typing import Sequence
@@ -92,13 +94,61 @@ def _first_call(wl: Workload, system: str, fn, sets: list, ref, device: torch.de
     return kernels_before
 
 
-def _samples(fn, size: str, sets: list, device: torch.device, cfg: Config) -> tuple[str, list[float]]:
+# what the process did during a cell's timed calls (getrusage of the whole process, every thread): the processor time
+# besides the wall clock, page faults and context switches, per call (``process_per_call``); and the machine's steal
+# time (a virtual machine's processors running another guest: /proc/stat, every processor, Linux only)
+_USAGE = ("ru_utime", "ru_stime", "ru_minflt", "ru_majflt", "ru_nvcsw", "ru_nivcsw")
+_TICK_S = 1 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+
+def _steal_s() -> float:
+    """Seconds of steal time of every processor since boot (0 where /proc/stat has none)."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = fh.readline().split()
+        return int(fields[8]) * _TICK_S if fields[0] == "cpu" and len(fields) > 8 else 0.0
+    except (OSError, ValueError):
+        return 0.0
+
+
+def _samples(fn, size: str, sets: list, device: torch.device, cfg: Config,
+             cell: dict) -> tuple[str, list[float]]:
     """(the cell's key, samples) of ``cfg.batches`` batches (large rows: device time) or ``cfg.host_repeats``
-    repeats (small rows: host time)."""
+    repeats (small rows: host time); the process's usage over them added to ``cell["_usage"]``."""
+    u0, steal0 = resource.getrusage(resource.RUSAGE_SELF), _steal_s()
     with _no_gc():
         if size == "large":
-            return "device_us_samples", device_time_per_call_us(fn, sets, device, cfg)
-        return "host_us_samples", host_time_per_call_us(fn, sets, device, cfg)
+            key, got = "device_us_samples", device_time_per_call_us(fn, sets, device, cfg)
+        else:
+            key, got = "host_us_samples", host_time_per_call_us(fn, sets, device, cfg)
+    u1, steal1 = resource.getrusage(resource.RUSAGE_SELF), _steal_s()
+    calls = (cfg.batches * cfg.batch_calls) if size == "large" else cfg.host_repeats * cfg.host_calls
+    acc = cell.setdefault("_usage", [0] * (len(_USAGE) + 2))
+    acc[0] += calls
+    for k, name in enumerate(_USAGE, 1):
+        acc[k] += getattr(u1, name) - getattr(u0, name)
+    acc[-1] += steal1 - steal0
+    return key, got
+
+
+def _threads() -> int:
+    """The process's threads now (Linux; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{os.getpid()}/status") as fh:
+            return next((int(ln.split()[1]) for ln in fh if ln.startswith("Threads:")), 0)
+    except OSError:
+        return 0
+
+
+def _usage_per_call(cell: dict) -> None:
+    acc = cell.pop("_usage", None)
+    if not acc or not acc[0]:
+        return
+    n = acc[0]
+    cell["process_per_call"] = {"user_us": acc[1] / n * 1e6, "sys_us": acc[2] / n * 1e6, "minor_faults": acc[3] / n,
+                                "major_faults": acc[4] / n, "voluntary_switches": acc[5] / n,
+                                "involuntary_switches": acc[6] / n, "machine_steal_us": acc[7] / n * 1e6,
+                                "threads": _threads()}
 
 
 def _finish(system: str, fn, size: str, sets: list, device: torch.device, cfg: Config, cell: dict,
@@ -106,6 +156,7 @@ def _finish(system: str, fn, size: str, sets: list, device: torch.device, cfg: C
     """A timed cell's median, and for fuser's systems the host phases (small rows) and kernels built."""
     key = "device_us_samples" if size == "large" else "host_us_samples"
     cell["us_per_call"] = statistics.median(cell[key])
+    _usage_per_call(cell)
     if system in FUSER_SYSTEMS:
         if size != "large":
             cell.update(_host_phases(fn, sets, device, cfg))
@@ -113,6 +164,7 @@ def _finish(system: str, fn, size: str, sets: list, device: torch.device, cfg: C
 
 
 def _failed(cell: dict, e: Exception, device: torch.device) -> None:
+    cell.pop("_usage", None)
     cell["error"] = f"{type(e).__name__}: {e}".strip()[:1000]
     with contextlib.suppress(Exception):
         _sync(device)
@@ -129,7 +181,7 @@ def run_cell(wl: Workload, system: str, size: str, sets: list, ref, device: torc
             if wl.train:
                 fn = _train_step(fn)
             before = _first_call(wl, system, fn, sets, ref, device, cfg, cell)
-            key, cell[key] = _samples(fn, size, sets, device, cfg)
+            key, cell[key] = _samples(fn, size, sets, device, cfg, cell)
             _finish(system, fn, size, sets, device, cfg, cell, before)
     except Exception as e:  # one broken system must not end the run
         _failed(cell, e, device)
@@ -167,7 +219,7 @@ def run_cells_interleaved(wl: Workload, systems: Sequence[str], size: str, sets:
             for system in order:
                 t0 = time.perf_counter()
                 try:
-                    key, got = _samples(live[system], size, sets, device, one)
+                    key, got = _samples(live[system], size, sets, device, one, cells[system])
                     cells[system].setdefault(key, []).extend(got)
                 except Exception as e:
                     _failed(cells[system], e, device)
