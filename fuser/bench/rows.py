@@ -122,7 +122,7 @@ def _samples(fn, size: str, sets: list, device: torch.device, cfg: Config,
         else:
             key, got = "host_us_samples", host_time_per_call_us(fn, sets, device, cfg)
     u1, steal1 = resource.getrusage(resource.RUSAGE_SELF), _steal_s()
-    calls = (cfg.batches * cfg.batch_calls) if size == "large" else cfg.host_repeats * cfg.host_calls
+    calls = len(got) * (cfg.batch_calls if size == "large" else cfg.host_calls)  # each sample's calls
     acc = cell.setdefault("_usage", [0] * (len(_USAGE) + 2))
     acc[0] += calls
     for k, name in enumerate(_USAGE, 1):
