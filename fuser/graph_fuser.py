@@ -602,11 +602,22 @@ def fusion_groups(graph: torch._C.Graph) -> list[torch._C.Node]:
     return [n for n in _all_nodes(graph.block()) if n.kind() == "prim::FusionGroup"]
 
 
-# the operators a lowered group is a call of: its outputs in a list, or a group of one output's tensor alone; and a
-# group of one output and 1 to FIXED_INPUTS tensor inputs, its tensors each an argument (fusion_group1_t<n>)
+# the operators a lowered group is a call of: its outputs in a list, or a group of one output's tensor alone; a
+# group of one output and 1 to FIXED_INPUTS tensor inputs, its tensors each an argument (fusion_group1_t<n>); and a
+# group of 1 to CHUNK_OUTPUTS outputs and 1 to FIXED_INPUTS tensor arguments, where an argument may be a tensor whose
+# chunks (prim::ConstantChunk's outputs) the group takes: the whole tensor passed, the call making the chunks
+# (fusion_group<m>_c<n>, its outputs each a result of its own). The chunks then cost the native hot path no dispatch:
+# an LSTM cell's gates chunked by TorchScript's interpreter cost about 3 us of a 12 us call on the CPU.
 FIXED_INPUTS = 4
+CHUNK_OUTPUTS = 3
 FIXED_CALLS = tuple(f"fuser::fusion_group1_t{n}" for n in range(1, FIXED_INPUTS + 1))
-GROUP_CALLS = ("fuser::fusion_group", "fuser::fusion_group1", *FIXED_CALLS)
+CHUNK_CALLS = tuple(f"fuser::fusion_group{m}_c{n}" for m in range(1, CHUNK_OUTPUTS + 1)
+                    for n in range(1, FIXED_INPUTS + 1))
+GROUP_CALLS = ("fuser::fusion_group", "fuser::fusion_group1", *FIXED_CALLS, *CHUNK_CALLS)
+
+
+def chunk_call(outputs: int, tensors: int) -> str:
+    return CHUNK_CALLS[(outputs - 1) * FIXED_INPUTS + tensors - 1]
 
 
 def is_group_call(node: torch._C.Node) -> bool:
@@ -615,14 +626,33 @@ def is_group_call(node: torch._C.Node) -> bool:
 
 def group_call_args(node: torch._C.Node) -> tuple[list, torch._C.Value, torch._C.Value, torch._C.Value,
                                                        torch._C.Value]:
-    """A group call's arguments: its tensor values (the list construct's inputs; [] where the list is not one),
-    and the values of its scalars list, key, digest and ir."""
+    """A group call's arguments: its tensor values (the list construct's inputs; [] where the list is not one; a
+    chunked call's whole tensors, see :func:`group_call_chunks`), and the values of its scalars list, key, digest
+    and ir."""
     args = list(node.inputs())
     if node.kind() in FIXED_CALLS:
         return args[:-4], *args[-4:]
+    if node.kind() in CHUNK_CALLS:
+        return args[:-5], *args[-4:]
     tlist, slist, key, digest, ir = args
     tensors = list(tlist.node().inputs()) if tlist.node().kind() == "prim::ListConstruct" else []
     return tensors, slist, key, digest, ir
+
+
+def group_call_chunks(node: torch._C.Node) -> Optional[list[tuple[int, int, int, int]]]:
+    """A chunked call's group inputs, each (tensor argument, chunk index, chunks, dim): the argument itself where
+    chunks is 1, else that chunk of it as ``prim::ConstantChunk[chunks, dim]`` makes it; the arguments in order for
+    an empty list or a call of another kind; None where the list is not a constant."""
+    if node.kind() not in CHUNK_CALLS:
+        return []
+    v = list(node.inputs())[-5]
+    if _is_constant(v):
+        flat = list(v.toIValue())
+    elif v.node().kind() == "prim::ListConstruct" and all(_is_constant(x) for x in v.node().inputs()):
+        flat = [x.toIValue() for x in v.node().inputs()]
+    else:
+        return None
+    return [tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)]
 
 
 def group_call_key(node: torch._C.Node) -> int:
@@ -630,10 +660,51 @@ def group_call_key(node: torch._C.Node) -> int:
     return group_call_args(node)[2].toIValue()
 
 
+def _chunk_of(v: torch._C.Value) -> Optional[tuple[torch._C.Value, int, int]]:
+    """(tensor, chunks, dim) where ``v`` is an output of ``prim::ConstantChunk``, or of the ``prim::ListUnpack`` of
+    an ``aten::chunk`` with constant arguments and as many outputs as chunks (TorchScript makes that a
+    ``prim::ConstantChunk`` after the pass); None otherwise."""
+    node = v.node()
+    if node.kind() == "prim::ConstantChunk":
+        return node.inputsAt(0), node.i("chunks"), node.i("dim")
+    if node.kind() != "prim::ListUnpack":
+        return None
+    chunk = node.inputsAt(0).node()
+    if (chunk.kind() != "aten::chunk" or chunk.schema() != CHUNK_SCHEMA or len(chunk.output().uses()) != 1
+            or not (_is_constant(chunk.inputsAt(1)) and _is_constant(chunk.inputsAt(2)))
+            or chunk.inputsAt(1).toIValue() != node.outputsSize()):
+        return None
+    return chunk.inputsAt(0), chunk.inputsAt(1).toIValue(), chunk.inputsAt(2).toIValue()
+
+
+def _call_arguments(group: torch._C.Node, tensors: list) -> tuple[list, list[int]]:
+    """A group's tensor inputs as a chunked call's arguments: the tensors, where each input that is a chunk of a
+    tensor whose chunks no other node uses (see _chunk_of) is replaced by that tensor (once), and the flat chunk
+    list (group_call_chunks). (Chunks used elsewhere too stay: TorchScript's autodiff, given such a chunk and the
+    call both, returned a gradient of the wrong input.)"""
+    args: list = []
+    chunks: list[int] = []
+    for v in tensors:
+        chunk = _chunk_of(v)
+        if chunk is not None and any(u.user != group for o in v.node().outputs() for u in o.uses()):
+            chunk = None
+        source, entry = (v, (0, 1, 0)) if chunk is None else (chunk[0], (v.offset(), *chunk[1:]))
+        for j, a in enumerate(args):
+            if a.unique() == source.unique():
+                break
+        else:
+            j = len(args)
+            args.append(source)
+        chunks += [j, *entry]
+    return args, chunks
+
+
 def lower_fusion_groups(graph: torch._C.Graph, register: Callable[[torch._C.Node], tuple[int, str, str]]) -> None:
     """Replace each ``prim::FusionGroup`` by ``fuser::fusion_group(tensors, scalars, key, digest, ir)`` and a
     ``prim::ListUnpack`` of its outputs, or, for a group of one output, by ``fuser::fusion_group1`` (the same
-    arguments, its tensor alone); ``register`` gives a group's (key, digest, ir)."""
+    arguments, its tensor alone), or by one of the fixed-arity calls (see FIXED_CALLS and CHUNK_CALLS);
+    ``register`` gives a group's (key, digest, ir)."""
+    chunk_nodes = set()  # (the unique of each chunk node's first output)
     for group in fusion_groups(graph):
         key, digest, ir = register(group)
         inputs = list(group.inputs())
@@ -644,35 +715,61 @@ def lower_fusion_groups(graph: torch._C.Graph, register: Callable[[torch._C.Node
         consts = [graph.insertConstant(value) for value in (key, digest, ir)]
         for c in consts:
             c.node().moveBefore(group)
-        one = group.outputsSize() == 1
-        if one and 1 <= len(tensors) <= FIXED_INPUTS:
+        n_out = group.outputsSize()
+        args, chunks = _call_arguments(group, tensors)
+        chunked = any(chunks[i + 2] != 1 for i in range(0, len(chunks), 4))
+        made = [slist]
+        if chunked and len(args) <= FIXED_INPUTS and n_out <= CHUNK_OUTPUTS:
+            chunk_nodes |= {v.node().outputsAt(0).unique() for v in tensors if _chunk_of(v) is not None}
+            clist = graph.insertConstant(chunks)
+            clist.node().moveBefore(group)
+            call = graph.create(chunk_call(n_out, len(args)), [*args, clist, slist.output(), *consts], n_out)
+        elif n_out == 1 and 1 <= len(tensors) <= FIXED_INPUTS:
             call = graph.create(FIXED_CALLS[len(tensors) - 1], [*tensors, slist.output(), *consts], 1)
-            made = [slist, call]
+        elif 2 <= n_out <= CHUNK_OUTPUTS and 1 <= len(tensors) <= FIXED_INPUTS:
+            clist = graph.create("prim::ListConstruct", [])  # (constant propagation folds it)
+            clist.output().setType(torch._C.ListType.ofInts())
+            made.append(clist)
+            call = graph.create(chunk_call(n_out, len(tensors)), [*tensors, clist.output(), slist.output(), *consts],
+                                n_out)
         else:
             tlist = graph.create("prim::ListConstruct", tensors)
             tlist.output().setType(torch._C.ListType.ofTensors())
-            call = graph.create(GROUP_CALLS[one], [tlist.output(), slist.output(), *consts], 1)
-            made = [tlist, slist, call]
-        if not one:
-            call.output().setType(torch._C.ListType.ofTensors())
-            made.append(graph.create("prim::ListUnpack", [call.output()], group.outputsSize()))
+            call = graph.create(GROUP_CALLS[n_out == 1], [tlist.output(), slist.output(), *consts], 1)
+            made.append(tlist)
+            if n_out != 1:
+                call.output().setType(torch._C.ListType.ofTensors())
+        made.append(call)
+        if n_out != 1 and call.kind() == GROUP_CALLS[0]:
+            made.append(graph.create("prim::ListUnpack", [call.output()], n_out))
         for n in made:
             n.insertBefore(group)
         for old, new in zip(group.outputs(), made[-1].outputs()):
             new.setType(old.type())
             old.replaceAllUsesWith(new)
         group.destroy()
+    # a chunk whose every output is now made by the calls runs no more
+    for node in [n for n in _all_nodes(graph.block()) if n.kind() in ("prim::ConstantChunk", "prim::ListUnpack")]:
+        if node.outputsAt(0).unique() in chunk_nodes and not any(o.uses() for o in node.outputs()):
+            source = node.inputsAt(0).node()
+            node.destroy()
+            if source.kind() == "aten::chunk" and not source.output().uses():
+                source.destroy()
 
 
 def raise_fusion_calls(graph: torch._C.Graph, subgraph_of: Callable[[int], Optional[torch._C.Graph]]) -> None:
     """The inverse of :func:`lower_fusion_groups`, for display: turn each group call whose list inputs (and
     unpacked outputs) are still in place back into a ``prim::FusionGroup`` node."""
     for call in [n for n in _all_nodes(graph.block()) if is_group_call(n)]:
-        fixed = call.kind() in FIXED_CALLS
+        fixed = call.kind() in FIXED_CALLS + CHUNK_CALLS
         tensors, slist, kval, dval, irval = group_call_args(call)
         tlist = None if fixed else call.inputsAt(0)
         if (not fixed and tlist.node().kind() != "prim::ListConstruct") or not _is_constant(kval):
             continue
+        chunks = group_call_chunks(call)
+        if chunks is None:
+            continue
+        clist = list(call.inputs())[-5] if call.kind() in CHUNK_CALLS else None
         if call.kind() != GROUP_CALLS[0]:
             results = call
         else:
@@ -693,6 +790,23 @@ def raise_fusion_calls(graph: torch._C.Graph, subgraph_of: Callable[[int], Optio
                 scalars.append(c)
         else:
             continue
+        if chunks:  # the group's inputs: the chunks made again by prim::ConstantChunk nodes
+            made: dict = {}
+            inputs = []
+            for j, i, n, dim in chunks:
+                if n == 1:
+                    inputs.append(tensors[j])
+                    continue
+                if (j, n, dim) not in made:
+                    node = graph.create("prim::ConstantChunk", [tensors[j]], n)
+                    node.i_("chunks", n)
+                    node.i_("dim", dim)
+                    node.insertBefore(call)
+                    for o in node.outputs():
+                        o.setType(tensors[j].type())
+                    made[j, n, dim] = node
+                inputs.append(made[j, n, dim].outputsAt(i))
+            tensors = inputs
         group = graph.create("prim::FusionGroup", tensors + scalars, results.outputsSize())
         group.g_("Subgraph", sub.copy())
         group.insertBefore(call)
@@ -702,6 +816,6 @@ def raise_fusion_calls(graph: torch._C.Graph, subgraph_of: Callable[[int], Optio
         if results is not call:
             results.destroy()
         call.destroy()
-        for n in [v.node() for v in (tlist, slist, kval, dval, irval) if v is not None]:
+        for n in [v.node() for v in (tlist, clist, slist, kval, dval, irval) if v is not None]:
             if n.kind() in ("prim::ListConstruct", "prim::Constant") and not n.output().uses():
                 n.destroy()

@@ -1,6 +1,7 @@
 """The TorchScript operators the pass's graphs call: ``fuser::fusion_group`` (one fusion group: the kernel, the
 differentiable group, or the fallback; ``fuser::fusion_group1`` for a group of one output, ``fusion_group1_t1`` to
-``fusion_group1_t4`` for one of one output and 1-4 tensor inputs, each an argument of its own),
+``fusion_group1_t4`` for one of one output and 1-4 tensor inputs, each an argument of its own, ``fusion_group<m>_c<n>``
+for one of 1-3 outputs whose 1-4 tensor arguments may be tensors whose chunks the group takes),
 ``fuser::broadcasting_chunk`` (chunk motion's chunk of every input) and ``fuser::batch_norm_params`` (the inference
 batch norm decomposition's per-channel vectors).
 """
@@ -25,6 +26,13 @@ _lib.define("fusion_group1(Tensor[] inputs, float[] scalars, int key, str digest
 for _n in range(1, graph_fuser.FIXED_INPUTS + 1):
     _lib.define(f"fusion_group1_t{_n}({''.join(f'Tensor t{i}, ' for i in range(_n))}float[] scalars, int key, "
                 "str digest, str ir) -> Tensor")
+# ... and one of 1-3 outputs, each a result of its own, whose tensor arguments may be chunked by the call: chunks holds,
+# per group input, (argument, chunk index, chunks, dim), the argument itself where chunks is 1 (empty: the arguments)
+for _m in range(1, graph_fuser.CHUNK_OUTPUTS + 1):
+    for _n in range(1, graph_fuser.FIXED_INPUTS + 1):
+        _lib.define(f"{graph_fuser.chunk_call(_m, _n).split('::')[1]}({''.join(f'Tensor t{i}, ' for i in range(_n))}"
+                    f"int[] chunks, float[] scalars, int key, str digest, str ir) -> "
+                    f"({', '.join(['Tensor'] * _m)})")
 
 
 def run_key(key: int, args: list) -> list[torch.Tensor]:
@@ -81,6 +89,36 @@ def _fixed_inputs(n: int):
     return fusion_group1_fixed
 
 
+def chunk_inputs(tensors: list[torch.Tensor], chunks: list[int]) -> list[torch.Tensor]:
+    """A chunked call's group inputs (see fusion_group<m>_c<n>), each chunk as ``prim::ConstantChunk`` makes it:
+    torch.chunk, and its error where the chunk a group takes is not among those made."""
+    if not chunks:
+        return list(tensors)
+    made: dict = {}
+    inputs = []
+    for k in range(0, len(chunks), 4):
+        j, i, n, dim = chunks[k:k + 4]
+        if n == 1:
+            inputs.append(tensors[j])
+            continue
+        if (j, n, dim) not in made:
+            made[j, n, dim] = torch.chunk(tensors[j], n, dim)
+        pieces = made[j, n, dim]
+        if i >= len(pieces):
+            raise RuntimeError(f"Expected chunk to return at least {n} outputs, but got only {len(pieces)}")
+        inputs.append(pieces[i])
+    return inputs
+
+
+def _chunked(m: int, n: int):
+    """The Python kernel of ``fuser::fusion_group<m>_c<n>``."""
+    def fusion_group_chunked(*args):
+        chunks, scalars, key, digest, ir = args[n:]
+        outs = _fusion_group(chunk_inputs(list(args[:n]), chunks), scalars, key, digest, ir)
+        return outs[0] if m == 1 else tuple(outs)
+    return fusion_group_chunked
+
+
 def _fusion_group_py(inputs: list[torch.Tensor], scalars: list[float], key: int, digest: str, ir: str,
                      offer: bool) -> list[torch.Tensor]:
     """What the native hot path (fuser/native) hands over: the group run here; with ``offer``, a plain call whose
@@ -108,6 +146,10 @@ _lib.impl("fusion_group1", _fusion_group1, "FuncTorchBatched")
 for _n in range(1, graph_fuser.FIXED_INPUTS + 1):
     _lib.impl(f"fusion_group1_t{_n}", _fixed_inputs(_n), "CompositeImplicitAutograd")
     _lib.impl(f"fusion_group1_t{_n}", _fixed_inputs(_n), "FuncTorchBatched")
+for _m in range(1, graph_fuser.CHUNK_OUTPUTS + 1):
+    for _n in range(1, graph_fuser.FIXED_INPUTS + 1):
+        for _key in ("CompositeImplicitAutograd", "FuncTorchBatched"):
+            _lib.impl(graph_fuser.chunk_call(_m, _n).split("::")[1], _chunked(_m, _n), _key)
 # the native hot path's hand-over (fuser/native/hotpath.cpp): its kernels for CPU and CUDA take precedence over the
 # Python one above for those keys once the library is loaded
 _lib.define("fusion_group_py(Tensor[] inputs, float[] scalars, int key, str digest, str ir, bool offer) -> Tensor[]")

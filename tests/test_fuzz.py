@@ -249,6 +249,17 @@ def test_the_fuzzer_adds_permutes_and_keeps_the_other_programs(monkeypatch):
         v = fuzz.check_program(p)
         assert v.ok, (v.kind, v.detail, fuzz.render(p))
         fused += v.fused
+    # some permute program fuses: 150 programs hold 1-4 permutes none of which fuses for about 1 seed in 40, so the
+    # seed's later programs are drawn until one does (within 600)
+    monkeypatch.undo()
+    for i in range(150, 600):
+        if fused:
+            break
+        p = generator.build_case(seed, i).program
+        if any(n.schema.kind == "aten::permute" for n in p.nodes):
+            v = fuzz.check_program(p)
+            assert v.ok, (v.kind, v.detail, fuzz.render(p))
+            fused += v.fused
     assert fused
 
 

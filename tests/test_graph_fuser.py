@@ -247,6 +247,11 @@ def _five_inputs(a, b, c, d, e):
     return (a * b + c) * d - e
 
 
+def _five_inputs_two_outputs(a, b, c, d, e):
+    f = (a * b + c) * d - e
+    return f * 2, torch.tanh(f)
+
+
 def _n_tensors(fn):
     return sum(p.annotation is not float for p in inspect.signature(fn).parameters.values())
 
@@ -254,18 +259,20 @@ def _n_tensors(fn):
 @pytest.mark.parametrize("fn,call", (
     (_one_input, "fuser::fusion_group1_t1"), (_two_inputs_and_a_float, "fuser::fusion_group1_t2"),
     (_one_output, "fuser::fusion_group1_t3"), (_four_inputs, "fuser::fusion_group1_t4"),
-    (_five_inputs, "fuser::fusion_group1"), (_two_outputs, "fuser::fusion_group")),
-    ids=("one_in", "two_in_float", "three_in", "four_in", "five_in", "two_out"))
+    (_five_inputs, "fuser::fusion_group1"), (_two_outputs, "fuser::fusion_group2_c3"),
+    (_five_inputs_two_outputs, "fuser::fusion_group")),
+    ids=("one_in", "two_in_float", "three_in", "four_in", "five_in", "two_out", "five_in_two_out"))
 def test_a_group_of_one_output_returns_its_tensor(fn, call):
     """A group of one output is a fuser::fusion_group1 call, its tensor returned alone (no list for TorchScript to
     build and unpack), and with 1-4 tensor inputs a fuser::fusion_group1_t<n> call, each tensor an argument (no list
-    either way); a group of several is fuser::fusion_group and a prim::ListUnpack. All give eager's results, through
-    the native hot path's repeated calls too (it serves them: its hit count grows), and graph_for shows each as its
-    prim::FusionGroup."""
+    either way); a group of 2-3 outputs and 1-4 tensor inputs is a fuser::fusion_group<m>_c<n> call, its tensors
+    arguments and its outputs results of their own; a larger group is fuser::fusion_group and a prim::ListUnpack.
+    All give eager's results, through the native hot path's repeated calls too (it serves them: its hit count
+    grows), and graph_for shows each as its prim::FusionGroup."""
     fused = fuser.fuse(torch.jit.script(fn))
     calls = [n for n in fused.graph.nodes() if graph_fuser.is_group_call(n)]
     assert [n.kind() for n in calls] == [call]
-    users = {u.user.kind() for u in calls[0].output().uses()}
+    users = {u.user.kind() for o in calls[0].outputs() for u in o.uses()}
     assert ("prim::ListUnpack" in users) == (call == "fuser::fusion_group")
     assert len(graph_fuser.group_call_args(calls[0])[0]) == _n_tensors(fn)
     assert native.ensure(block=True)

@@ -638,11 +638,26 @@ std::optional<torch::autograd::Edge> chunk_source(const Backward::Chunks& c, at:
   return node->next_edge(0);
 }
 
-std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double> scalars, int64_t key,
-                                     c10::string_view digest, c10::string_view ir) {
+// A chunked call's arguments (fuser::fusion_group<m>_c<n>): its tensors, and per group input (argument, chunk index,
+// chunks, dim), the argument itself where chunks is 1.
+struct Chunked {
+  at::TensorList args;
+  at::IntArrayRef chunks;
+};
+
+std::vector<at::Tensor> chunk_inputs(const Chunked& c);
+
+// inputs: the group's; chunked: where they are the light chunks of a chunked call (see chunked_call), that call, whose
+// chunks are made as eager makes them for anything handed to Python
+std::vector<at::Tensor> serve(at::TensorList inputs, at::ArrayRef<double> scalars, int64_t key,
+                              c10::string_view digest, c10::string_view ir, const Chunked* chunked) {
   timer.start();
+  const auto handed = [&](bool offer) {
+    if (chunked == nullptr) return hand_over(inputs, scalars, key, digest, ir, offer);
+    return hand_over(chunk_inputs(*chunked), scalars, key, digest, ir, offer);
+  };
   const Call call = classify(inputs);
-  if (call == kNotPlain) return hand_over(inputs, scalars, key, digest, ir, false);
+  if (call == kNotPlain) return handed(false);
   timer.mark(kClassify);
   const bool grad = call == kGrad;
   const auto fits = [&](const Launch& l) {
@@ -670,32 +685,32 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
       }
     }
   }
-  if (hit == nullptr) return hand_over(inputs, scalars, key, digest, ir, true);
+  if (hit == nullptr) return handed(true);
   timer.mark(kLookup);
   // (the last hit holds the launch alive: no call below reaches a table change on this thread before it is used,
   // record_call takes a reference of its own)
   std::shared_ptr<const Launch> found = grad ? last.launch : nullptr;
   const Launch& l = *hit;
-  if (l.kind == kPython) return hand_over(inputs, scalars, key, digest, ir, false);
+  if (l.kind == kPython) return handed(false);
   std::vector<torch::autograd::Edge> sources;  // per chunked tensor, its edge
   if (grad) {
     for (const auto& c : l.backward->chunks) {
       auto e = chunk_source(c, inputs);
-      if (!e) return hand_over(inputs, scalars, key, digest, ir, false);  // chunks of no one tensor: Python's
+      if (!e) return handed(false);  // chunks of no one tensor: Python's
       sources.push_back(std::move(*e));
     }
   }
   for (const Limit& lim : l.limits) {
     const double x = scalars[lim.index];
     if (!(lim.lo <= x && x <= lim.hi) && !(lim.nonfinite && !std::isfinite(x)))
-      return hand_over(inputs, scalars, key, digest, ir, false);  // eager raises or converts otherwise
+      return handed(false);  // eager raises or converts otherwise
   }
   if (l.kind == kCuda) {
     // the prepared context and device must be this thread's current ones; otherwise Python switches to them
     auto* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
     void* ctx = nullptr;
     if (guard->getDevice() != l.device || cu_ctx_get_current(&ctx) != 0 || ctx != l.ctx)
-      return hand_over(inputs, scalars, key, digest, ir, false);
+      return handed(false);
   }
   timer.mark(kChecks);
   std::vector<at::Tensor> outs;
@@ -711,7 +726,7 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
   timer.mark(kAlloc);
   if (l.numel != 0) {
     if (l.kind == kCuda) {
-      if (!launch_cuda(l, inputs, scalars, outs)) return hand_over(inputs, scalars, key, digest, ir, false);
+      if (!launch_cuda(l, inputs, scalars, outs)) return handed(false);
     } else if (l.random)
       launch_cpu(l, inputs, with_launch_state(scalars), outs);
     else
@@ -727,6 +742,125 @@ std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double>
   timer.served();
   return outs;
 }
+
+std::vector<at::Tensor> fusion_group(at::TensorList inputs, at::ArrayRef<double> scalars, int64_t key,
+                                     c10::string_view digest, c10::string_view ir) {
+  return serve(inputs, scalars, key, digest, ir, nullptr);
+}
+
+// A chunked call's group inputs as prim::ConstantChunk makes them: at::chunk (eager's errors), and the interpreter's
+// error where a chunk the group takes is not among those made.
+std::vector<at::Tensor> chunk_inputs(const Chunked& c) {
+  std::vector<at::Tensor> inputs;
+  inputs.reserve(c.chunks.size() / 4);
+  std::vector<std::pair<std::array<int64_t, 3>, std::vector<at::Tensor>>> made;
+  for (size_t k = 0; k + 3 < c.chunks.size(); k += 4) {
+    const int64_t j = c.chunks[k], i = c.chunks[k + 1], n = c.chunks[k + 2], dim = c.chunks[k + 3];
+    TORCH_CHECK(0 <= j && j < static_cast<int64_t>(c.args.size()), "fuser: a chunked call's argument out of range");
+    if (n == 1) {
+      inputs.push_back(c.args[j]);
+      continue;
+    }
+    const std::array<int64_t, 3> id{j, n, dim};
+    auto it = made.begin();
+    while (it != made.end() && it->first != id) ++it;
+    if (it == made.end()) it = made.insert(made.end(), {id, at::chunk(c.args[j], n, dim)});
+    TORCH_CHECK(i < static_cast<int64_t>(it->second.size()), "Expected chunk to return at least ", n,
+                " outputs, but got only ", it->second.size());
+    inputs.push_back(it->second[i]);
+  }
+  return inputs;
+}
+
+// Chunk i of n along dim of w, where n divides its size there: a tensor of w's storage with no autograd meta (no
+// view of w to autograd: used by a plain call only, where nothing records it), which costs no dispatch.
+at::Tensor light_chunk(const at::Tensor& w, int64_t dim, int64_t len, int64_t i) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(w.storage()), w.key_set(), w.dtype());
+  c10::SmallVector<int64_t, 8> sizes(w.sizes().begin(), w.sizes().end());
+  sizes[dim] = len;
+  impl->set_sizes_and_strides(sizes, w.strides(), w.storage_offset() + i * len * w.stride(dim));
+  return at::Tensor(std::move(impl));
+}
+
+// A chunked call: a plain one (no autograd to record) whose every chunk is one of equal parts takes light chunks
+// (the hot path checks and launches them as it would eager's views); any other, eager's chunks.
+std::vector<at::Tensor> chunked_call(at::TensorList args, at::IntArrayRef chunks, at::ArrayRef<double> scalars,
+                                     int64_t key, c10::string_view digest, c10::string_view ir, size_t n_out) {
+  std::vector<at::Tensor> outs;
+  const Chunked c{args, chunks};
+  if (chunks.empty()) {
+    outs = serve(args, scalars, key, digest, ir, nullptr);
+  } else {
+    bool light = chunks.size() % 4 == 0 && classify(args) == kPlain;
+    for (size_t k = 0; light && k < chunks.size(); k += 4) {
+      const int64_t j = chunks[k], i = chunks[k + 1], n = chunks[k + 2];
+      int64_t dim = chunks[k + 3];
+      if (j < 0 || j >= static_cast<int64_t>(args.size()) || n < 1 || i < 0 || i >= n) {
+        light = false;
+        break;
+      }
+      const int64_t nd = args[j].dim();
+      if (dim < 0) dim += nd;
+      light = 0 <= dim && dim < nd && args[j].size(dim) > 0 && args[j].size(dim) % n == 0;
+    }
+    if (light) {
+      std::array<at::Tensor, 8> few;
+      std::vector<at::Tensor> many;
+      const size_t n_in = chunks.size() / 4;
+      at::Tensor* in = few.data();
+      if (n_in > few.size()) {
+        many.resize(n_in);
+        in = many.data();
+      }
+      for (size_t k = 0; k < n_in; ++k) {
+        const at::Tensor& w = args[chunks[4 * k]];
+        const int64_t n = chunks[4 * k + 2];
+        const int64_t dim = chunks[4 * k + 3] < 0 ? chunks[4 * k + 3] + w.dim() : chunks[4 * k + 3];
+        in[k] = n == 1 ? w : light_chunk(w, dim, w.size(dim) / n, chunks[4 * k + 1]);
+      }
+      outs = serve(at::TensorList(in, n_in), scalars, key, digest, ir, &c);
+    } else {
+      outs = serve(chunk_inputs(c), scalars, key, digest, ir, nullptr);
+    }
+  }
+  TORCH_CHECK(outs.size() == n_out, "fuser: a group call of ", n_out, " outputs: the group gave ", outs.size());
+  return outs;
+}
+
+template <size_t M>
+struct Results;
+template <>
+struct Results<1> {
+  using type = at::Tensor;
+  static type of(std::vector<at::Tensor>&& o) { return std::move(o[0]); }
+};
+template <>
+struct Results<2> {
+  using type = std::tuple<at::Tensor, at::Tensor>;
+  static type of(std::vector<at::Tensor>&& o) { return {std::move(o[0]), std::move(o[1])}; }
+};
+template <>
+struct Results<3> {
+  using type = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+  static type of(std::vector<at::Tensor>&& o) { return {std::move(o[0]), std::move(o[1]), std::move(o[2])}; }
+};
+
+// fuser::fusion_group<m>_c<n> (fuser.graph_fuser.CHUNK_CALLS): m outputs, n tensor arguments
+template <size_t M>
+typename Results<M>::type group_c1(const at::Tensor& t0, at::IntArrayRef chunks, at::ArrayRef<double> scalars,
+                                   int64_t key, c10::string_view digest, c10::string_view ir);
+template <size_t M>
+typename Results<M>::type group_c2(const at::Tensor& t0, const at::Tensor& t1, at::IntArrayRef chunks,
+                                   at::ArrayRef<double> scalars, int64_t key, c10::string_view digest,
+                                   c10::string_view ir);
+template <size_t M>
+typename Results<M>::type group_c3(const at::Tensor& t0, const at::Tensor& t1, const at::Tensor& t2,
+                                   at::IntArrayRef chunks, at::ArrayRef<double> scalars, int64_t key,
+                                   c10::string_view digest, c10::string_view ir);
+template <size_t M>
+typename Results<M>::type group_c4(const at::Tensor& t0, const at::Tensor& t1, const at::Tensor& t2,
+                                   const at::Tensor& t3, at::IntArrayRef chunks, at::ArrayRef<double> scalars,
+                                   int64_t key, c10::string_view digest, c10::string_view ir);
 
 // A group of one output (fuser::fusion_group1): the same call, its output returned alone, so that TorchScript
 // neither builds a list of it nor unpacks one
@@ -769,6 +903,34 @@ at::Tensor fusion_group1_t4(const at::Tensor& t0, const at::Tensor& t1, const at
                             at::ArrayRef<double> scalars, int64_t key, c10::string_view digest, c10::string_view ir) {
   const Borrowed<4> in(t0, t1, t2, t3);
   return fusion_group1(in.tensors, scalars, key, digest, ir);
+}
+
+template <size_t M>
+typename Results<M>::type group_c1(const at::Tensor& t0, at::IntArrayRef chunks, at::ArrayRef<double> scalars,
+                                   int64_t key, c10::string_view digest, c10::string_view ir) {
+  const Borrowed<1> in(t0);
+  return Results<M>::of(chunked_call(in.tensors, chunks, scalars, key, digest, ir, M));
+}
+template <size_t M>
+typename Results<M>::type group_c2(const at::Tensor& t0, const at::Tensor& t1, at::IntArrayRef chunks,
+                                   at::ArrayRef<double> scalars, int64_t key, c10::string_view digest,
+                                   c10::string_view ir) {
+  const Borrowed<2> in(t0, t1);
+  return Results<M>::of(chunked_call(in.tensors, chunks, scalars, key, digest, ir, M));
+}
+template <size_t M>
+typename Results<M>::type group_c3(const at::Tensor& t0, const at::Tensor& t1, const at::Tensor& t2,
+                                   at::IntArrayRef chunks, at::ArrayRef<double> scalars, int64_t key,
+                                   c10::string_view digest, c10::string_view ir) {
+  const Borrowed<3> in(t0, t1, t2);
+  return Results<M>::of(chunked_call(in.tensors, chunks, scalars, key, digest, ir, M));
+}
+template <size_t M>
+typename Results<M>::type group_c4(const at::Tensor& t0, const at::Tensor& t1, const at::Tensor& t2,
+                                   const at::Tensor& t3, at::IntArrayRef chunks, at::ArrayRef<double> scalars,
+                                   int64_t key, c10::string_view digest, c10::string_view ir) {
+  const Borrowed<4> in(t0, t1, t2, t3);
+  return Results<M>::of(chunked_call(in.tensors, chunks, scalars, key, digest, ir, M));
 }
 
 // ---- autograd
@@ -1397,6 +1559,11 @@ TORCH_LIBRARY_FRAGMENT(fuser, m) {
         [](c10::ScalarType dtype) -> int64_t { return static_cast<int64_t>(dtype); });
 }
 
+#define FUSER_CHUNK_IMPLS(m, M)                          \
+  m.impl("fusion_group" #M "_c1", &group_c1<M>);         \
+  m.impl("fusion_group" #M "_c2", &group_c2<M>);         \
+  m.impl("fusion_group" #M "_c3", &group_c3<M>);         \
+  m.impl("fusion_group" #M "_c4", &group_c4<M>)
 // CPU and CUDA for calls without autograd keys (inference mode), their Autograd keys for the others: a kernel
 // registered here takes precedence over the Python CompositeImplicitAutograd one for these keys only
 #define FUSER_NATIVE_IMPLS(m)                            \
@@ -1406,6 +1573,9 @@ TORCH_LIBRARY_FRAGMENT(fuser, m) {
   m.impl("fusion_group1_t2", &fusion_group1_t2);         \
   m.impl("fusion_group1_t3", &fusion_group1_t3);         \
   m.impl("fusion_group1_t4", &fusion_group1_t4);         \
+  FUSER_CHUNK_IMPLS(m, 1);                               \
+  FUSER_CHUNK_IMPLS(m, 2);                               \
+  FUSER_CHUNK_IMPLS(m, 3);                               \
   m.impl("broadcasting_chunk", &broadcasting_chunk);     \
   m.impl("batch_norm_params", &batch_norm_params)
 TORCH_LIBRARY_IMPL(fuser, CPU, m) { FUSER_NATIVE_IMPLS(m); }
