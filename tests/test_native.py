@@ -1098,6 +1098,47 @@ def test_phase_clock_counts_served_calls_only_while_on(device):
         native.phases(False)
 
 
+def _two_outputs(x, y):
+    z = x * y + 1
+    return torch.sigmoid(z), z * 2
+
+
+@pytest.mark.gpu
+def test_cuda_outputs_come_from_the_caching_allocator():
+    """A served CUDA call's outputs come from torch's caching allocator on the current device and stream (called
+    without the dispatcher): counted by memory_allocated and given back when dropped, the freed block taken again by
+    the next call, two outputs in blocks of their own, resize_ as on an eager tensor, and a side stream's call
+    correct."""
+    ff = fuser.fuse(torch.jit.script(_two_outputs))
+    x, y = torch.randn(1024, 1000, device="cuda"), torch.randn(1024, 1000, device="cuda")
+    with torch.no_grad():
+        _served(ff, x, y)
+        torch.cuda.synchronize()
+        before, hits = torch.cuda.memory_allocated(), _stats()["hits"]
+        a, b = ff(x, y)
+        assert _stats()["hits"] == hits + 1
+        assert torch.cuda.memory_allocated() - before >= 2 * x.numel() * 4
+        assert a.data_ptr() != b.data_ptr()
+        for got, want in zip((a, b), _two_outputs(x, y)):
+            assert got.device == x.device and got.untyped_storage().device == x.device
+            assert_same(got, want)
+        del a, b, got, want
+        assert torch.cuda.memory_allocated() == before
+        reserved = torch.cuda.memory_reserved()
+        a, b = ff(x, y)
+        assert torch.cuda.memory_reserved() == reserved  # the freed blocks, cached, taken again
+        a.resize_(2048, 1000)  # grows through the same allocator, as an eager tensor's storage would
+        assert a.untyped_storage().nbytes() >= 2048 * 1000 * 4
+        del a, b
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            a, b = ff(x, y)
+            for got, want in zip((a, b), _two_outputs(x, y)):
+                assert_same(got, want)
+        torch.cuda.synchronize()
+
+
 def _mul_add(a, b, c):
     return a * b + c
 
