@@ -660,35 +660,65 @@ def group_call_key(node: torch._C.Node) -> int:
     return group_call_args(node)[2].toIValue()
 
 
-def _chunk_of(v: torch._C.Value) -> Optional[tuple[torch._C.Value, int, int]]:
-    """(tensor, chunks, dim) where ``v`` is an output of ``prim::ConstantChunk``, or of the ``prim::ListUnpack`` of
-    an ``aten::chunk`` with constant arguments and as many outputs as chunks (TorchScript makes that a
-    ``prim::ConstantChunk`` after the pass); None otherwise."""
+def _chunk_of(v: torch._C.Value) -> Optional[tuple[torch._C.Node, torch._C.Value, int, int]]:
+    """(the node that chunks, tensor, chunks, dim) where ``v`` is an output of ``prim::ConstantChunk``, or of the
+    ``prim::ListUnpack`` of an ``aten::chunk`` with constant arguments and as many outputs as chunks (TorchScript
+    makes that a ``prim::ConstantChunk`` after the pass), in more than one chunk; None otherwise."""
     node = v.node()
     if node.kind() == "prim::ConstantChunk":
-        return node.inputsAt(0), node.i("chunks"), node.i("dim")
-    if node.kind() != "prim::ListUnpack":
+        found = node, node.inputsAt(0), node.i("chunks"), node.i("dim")
+    elif node.kind() == "prim::ListUnpack":
+        chunk = node.inputsAt(0).node()
+        if (chunk.kind() != "aten::chunk" or chunk.schema() != CHUNK_SCHEMA or len(chunk.output().uses()) != 1
+                or not (_is_constant(chunk.inputsAt(1)) and _is_constant(chunk.inputsAt(2)))
+                or chunk.inputsAt(1).toIValue() != node.outputsSize()):
+            return None
+        found = chunk, chunk.inputsAt(0), chunk.inputsAt(1).toIValue(), chunk.inputsAt(2).toIValue()
+    else:
         return None
-    chunk = node.inputsAt(0).node()
-    if (chunk.kind() != "aten::chunk" or chunk.schema() != CHUNK_SCHEMA or len(chunk.output().uses()) != 1
-            or not (_is_constant(chunk.inputsAt(1)) and _is_constant(chunk.inputsAt(2)))
-            or chunk.inputsAt(1).toIValue() != node.outputsSize()):
-        return None
-    return chunk.inputsAt(0), chunk.inputsAt(1).toIValue(), chunk.inputsAt(2).toIValue()
+    return found if found[2] > 1 else None  # (a chunk of 1 checks its dim: it stays)
+
+
+def _same_node(a: torch._C.Node, b: torch._C.Node) -> bool:
+    return a.kind() == b.kind() and [o.unique() for o in a.outputs()] == [o.unique() for o in b.outputs()]
+
+
+def _call_may_chunk(v: torch._C.Value, group: torch._C.Node) -> bool:
+    """Whether the call of ``group`` may make chunk ``v`` itself (see _chunk_of) in place of the node that makes it:
+    the group alone uses that node's chunks (every one of them where a list unpack needs their exact count), and the
+    node stands before the group in its block with nothing between them that has side effects (a write to the
+    chunked tensor would change the chunks; a chunk in an outer block would make its error conditional on a branch
+    or a loop's trip). Chunks used elsewhere too stay: TorchScript's autodiff, given such a chunk and the call both,
+    returned a gradient of the wrong input."""
+    unpack = v.node()
+    if any(not _same_node(u.user, group) for o in unpack.outputs() for u in o.uses()):
+        return False
+    if unpack.kind() == "prim::ListUnpack" and any(not o.uses() for o in unpack.outputs()):
+        return False
+    chunk = _chunk_of(v)[0]
+    between = None  # the nodes of the group's block after the chunk, once it is found there
+    for n in group.owningBlock().nodes():
+        if between is None:
+            if _same_node(n, chunk):
+                between = []
+        elif _same_node(n, group):
+            return not any(_has_side_effects(m) for m in between)
+        else:
+            between.append(n)
+    return False  # the chunk is in another block
 
 
 def _call_arguments(group: torch._C.Node, tensors: list) -> tuple[list, list[int]]:
-    """A group's tensor inputs as a chunked call's arguments: the tensors, where each input that is a chunk of a
-    tensor whose chunks no other node uses (see _chunk_of) is replaced by that tensor (once), and the flat chunk
-    list (group_call_chunks). (Chunks used elsewhere too stay: TorchScript's autodiff, given such a chunk and the
-    call both, returned a gradient of the wrong input.)"""
+    """A group's tensor inputs as a chunked call's arguments: the tensors, where each input that is a chunk the call
+    may make (see _call_may_chunk) is replaced by the chunked tensor (once), and the flat chunk list
+    (group_call_chunks)."""
     args: list = []
     chunks: list[int] = []
     for v in tensors:
         chunk = _chunk_of(v)
-        if chunk is not None and any(u.user != group for o in v.node().outputs() for u in o.uses()):
+        if chunk is not None and not _call_may_chunk(v, group):
             chunk = None
-        source, entry = (v, (0, 1, 0)) if chunk is None else (chunk[0], (v.offset(), *chunk[1:]))
+        source, entry = (v, (0, 1, 0)) if chunk is None else (chunk[1], (v.offset(), *chunk[2:]))
         for j, a in enumerate(args):
             if a.unique() == source.unique():
                 break
@@ -720,7 +750,7 @@ def lower_fusion_groups(graph: torch._C.Graph, register: Callable[[torch._C.Node
         chunked = any(chunks[i + 2] != 1 for i in range(0, len(chunks), 4))
         made = [slist]
         if chunked and len(args) <= FIXED_INPUTS and n_out <= CHUNK_OUTPUTS:
-            chunk_nodes |= {v.node().outputsAt(0).unique() for v in tensors if _chunk_of(v) is not None}
+            chunk_nodes |= {v.node().outputsAt(0).unique() for k, v in enumerate(tensors) if chunks[4 * k + 2] != 1}
             clist = graph.insertConstant(chunks)
             clist.node().moveBefore(group)
             call = graph.create(chunk_call(n_out, len(args)), [*args, clist, slist.output(), *consts], n_out)

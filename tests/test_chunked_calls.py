@@ -205,3 +205,87 @@ def test_python_kernel_of_a_chunked_call_equals_eager():
     want = torch.vmap(_lstm_tail)(gates, cx)
     for g, w in zip(got, want):
         assert_same(g, w)
+
+
+def _written_between(x, y):
+    a, b = x.chunk(2, 1)
+    x.set_(torch.zeros(4, 8))  # the chunks are of the tensor as it was
+    return torch.sigmoid(a) * y + torch.tanh(b)
+
+
+def _transposed_between(x, y):
+    a, b = x.chunk(2, 1)
+    x.t_()
+    return torch.sigmoid(a) * y + torch.tanh(b)
+
+
+def _in_a_branch(x, y, flag: bool):
+    a, b = x.chunk(2, 1)  # raises for a 1-D x whatever the flag
+    if flag:
+        return torch.sigmoid(a) * y + torch.tanh(b)
+    return y
+
+
+def _in_a_loop(x, y, n: int):
+    a, b = x.chunk(2, 1)
+    for _ in range(n):
+        y = torch.sigmoid(a) * y + torch.tanh(b)
+    return y
+
+
+def _unused_chunks(x, y):
+    a, b, c, d = x.chunk(4, 1)  # the unpack needs 4 chunks though the group reads 2
+    return torch.sigmoid(a) * y + torch.tanh(b) * y
+
+
+def _chunk_of_one(x, y):
+    (a,) = x.chunk(1, 5)  # dim 5 out of range: an error even for one chunk
+    b, c = y.chunk(2, 1)
+    return a * b + c
+
+
+KEPT = {  # fn, argument sets (each: the arguments, made fresh), whether the call may still chunk
+    "written_between": (_written_between, [lambda: (torch.randn(4, 8), torch.randn(4, 4))]),
+    "transposed_between": (_transposed_between, [lambda: (torch.randn(4, 8), torch.randn(4, 4))]),
+    "in_a_branch": (_in_a_branch, [lambda: (torch.randn(8), torch.randn(4), False),
+                                   lambda: (torch.randn(4, 8), torch.randn(4, 4), True)]),
+    "in_a_loop": (_in_a_loop, [lambda: (torch.randn(8), torch.randn(4), 0),
+                               lambda: (torch.randn(4, 8), torch.randn(4, 4), 3)]),
+    "unused_chunks": (_unused_chunks, [lambda: (torch.randn(5, 3), torch.randn(5, 1)),
+                                       lambda: (torch.randn(5, 8), torch.randn(5, 2))]),
+    "chunk_of_one": (_chunk_of_one, [lambda: (torch.randn(3, 4), torch.randn(3, 8)),
+                                     lambda: (torch.randn(3, 4, 1, 1, 1, 1), torch.randn(3, 8))]),
+}
+
+
+@pytest.mark.parametrize("name", list(KEPT))
+def test_chunks_the_call_must_not_make_stay_where_they_were(name):
+    """The call makes no chunk that a write could change before the group (set_, t_), that an outer block makes
+    (its error would depend on the branch or the loop's trips), whose list unpack needs chunks the group does not
+    read, or that is one chunk (its dim is still checked): the chunk stays, and every call gives the unfused
+    function's results or its error."""
+    fn, argsets = KEPT[name]
+    plain = torch.jit.script(fn)
+    ff = fuser.fuse(torch.jit.script(fn))
+    def all_nodes(block):
+        for n in block.nodes():
+            yield n
+            for b in n.blocks():
+                yield from all_nodes(b)
+    kinds = [n.kind() for n in all_nodes(ff.graph.block())]
+    assert "aten::chunk" in kinds or "prim::ConstantChunk" in kinds
+    if name != "chunk_of_one":  # (there the call makes y's two chunks)
+        for call in [n for n in all_nodes(ff.graph.block()) if graph_fuser.is_group_call(n)]:
+            assert not any(n > 1 for _, _, n, _ in graph_fuser.group_call_chunks(call)), call
+    for make in argsets:
+        for _ in range(4):
+            args_plain = make()
+            args_fused = [a.clone() if isinstance(a, torch.Tensor) else a for a in args_plain]
+            want_error = _error(plain, *[a.clone() if isinstance(a, torch.Tensor) else a for a in args_plain])
+            with torch.no_grad():
+                assert _error(ff, *args_fused) == want_error
+            if want_error is None:
+                got = _as_tuple(ff(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args_plain]))
+                want = _as_tuple(plain(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args_plain]))
+                for g, w in zip(got, want):
+                    assert_same(g, w)
