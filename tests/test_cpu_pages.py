@@ -167,6 +167,66 @@ def test_a_freed_large_output_serves_the_next_call():
 
 
 @pytest.mark.skipif(not native.loaded(), reason="the native hot path is not loaded")
+@pytest.mark.parametrize("rows", [17, 1024])  # outputs of 272 KB and 16 MB: above the small blocks' 64 KB
+def test_a_freed_mid_size_output_serves_the_next_call(rows):
+    """An output between the small blocks and the huge-page ones (glibc's heap otherwise, whose trimmed blocks fault
+    in again): a freed one's block serves the next call's output, values its own; one alive keeps its block, and a
+    larger size does not take a smaller block; resize_ of one copies its values."""
+    ff = _affine_fused()
+    x, col, row = args = [torch.randn(rows, 4096), torch.randn(rows, 1), torch.randn(4096)]
+    with torch.no_grad():
+        first = native.stats()["new_large_blocks"]
+        for _ in range(3):
+            ff(*args)
+        out = ff(*args)
+        assert native.stats()["new_large_blocks"] > first  # the block cache's, not c10's allocator's
+        addr = out.data_ptr()
+        assert addr % 64 == 0
+        del out
+        before = native.stats()["new_large_blocks"]
+        for _ in range(3):
+            x.normal_()
+            out = ff(*args)
+            assert out.data_ptr() == addr  # the block freed last
+            assert_same(out, x * col + row)
+            del out
+        assert native.stats()["new_large_blocks"] == before
+        kept = ff(*args)
+        other = ff(*args)
+        assert kept.data_ptr() != other.data_ptr()
+        assert_same(kept, x * col + row) and assert_same(other, x * col + row)
+        del other
+        bigger = [torch.randn(2 * rows, 4096), torch.randn(2 * rows, 1), torch.randn(4096)]
+        for _ in range(3):
+            ff(*bigger)
+        got = ff(*bigger)
+        assert_same(got, bigger[0] * bigger[1] + bigger[2])
+        want = kept.clone()
+        kept.resize_(rows + 3, 4096)
+        assert_same(kept[:rows], want)
+
+
+@pytest.mark.skipif(not native.loaded(), reason="the native hot path is not loaded")
+def test_the_block_cache_keeps_the_latest_blocks():
+    """Outputs of more distinct sizes than the cache holds, each freed: the oldest blocks leave the cache, so the
+    latest size's block serves its next call (a full cache that kept its first blocks took a new one each time)."""
+    ff = _affine_fused()
+    with torch.no_grad():
+        sets = [[torch.randn(rows, 4096), torch.randn(rows, 1), torch.randn(4096)] for rows in range(20, 56, 3)]
+        for args in sets:  # 12 sizes from 320 KB to 880 KB, more than the 8 blocks kept
+            for _ in range(3):
+                ff(*args)
+        for args in sets:
+            ff(*args)
+        before = native.stats()["new_large_blocks"]
+        for _ in range(3):
+            got = ff(*sets[-1])
+            assert_same(got, sets[-1][0] * sets[-1][1] + sets[-1][2])
+            del got
+        assert native.stats()["new_large_blocks"] == before
+
+
+@pytest.mark.skipif(not native.loaded(), reason="the native hot path is not loaded")
 def test_a_large_output_from_a_cached_block_resizes():
     """resize_ of an output whose storage is a large block (the storage keeps the block allocator): a larger size
     copies the values into a new block and frees the old one; its values kept."""

@@ -211,7 +211,7 @@ void advise_huge_pages(const at::Tensor& t) {
 // posix_memalign and free for every tensor (glibc's aligned path, its free consolidating the heap: about 0.2 us of a
 // 3 us call of a small group on a 2-core EPYC). A block is freed into the cache of the thread that drops the tensor,
 // or to the heap when that cache is full or its thread is exiting. The storage keeps this allocator, so resize_
-// works as on any CPU tensor; larger sizes go to c10's allocator. FUSER_CPU_BLOCK_CACHE=0 turns it off (read once).
+// works as on any CPU tensor; larger sizes are large blocks (below). FUSER_CPU_BLOCK_CACHE=0 turns it off (read once).
 constexpr size_t kSmallMax = size_t(64) << 10, kBlockHeader = 64, kMinBlock = 64;
 constexpr int kClasses = 11, kPerClass = 8;  // 64 B .. 64 KB
 
@@ -240,16 +240,20 @@ void release_block(void* base) {
   std::free(base);
 }
 
-// Large CPU outputs (more than kHugeMin bytes) come from a process-wide cache of freed large blocks, at most
+// Larger CPU outputs (more than kSmallMax bytes) come from a process-wide cache of freed large blocks, at most
 // kLargeBlocks of them and kLargeKeep bytes together: a call's output reuses the block of an output freed since,
 // whose pages are mapped already. A fresh block is a new mapping whose every page the kernel's first writes fault in
 // (2 MB at a time with huge pages) and zero: part of each large call's time, and on a VM that reports freed memory
 // to its host (Firecracker's free page reporting), mapped again on the host's side after other code freed a lot: a
 // 2-core EPYC VM, gelu_bias_transposed float32 [16384 x 4096] (a 256 MB output), 70-80 ms a call, 150-300 ms right
 // after eager's calls of the same function freed gigabytes (same faults, 230-280 ms more system time). A block
-// serves an output of its size or up to an eighth smaller. FUSER_CPU_BLOCK_CACHE=0 turns it off with the small one.
+// serves an output of its size or up to an eighth smaller. Blocks of kHugeMin bytes or less are whole 4 KB pages from
+// the heap: c10's allocator gave those to glibc, whose heap handed a freed 16 MB block back to the kernel and faulted
+// it in again where other code's frees had trimmed it (softmax_scale_r16k_train float32 [256 x 16384] on the 2-core
+// EPYC, in the benchmark's process: 2,478 page faults and 3.5 ms of system time in a 7.9 ms step).
+// FUSER_CPU_BLOCK_CACHE=0 turns it off with the small one.
 constexpr size_t kLargeKeep = size_t(1) << 30;
-constexpr int kLargeBlocks = 4;
+constexpr int kLargeBlocks = 8;
 std::atomic<int64_t> n_new_large{0};  // large blocks mapped (see LargeCache)
 
 struct LargeBlock {
@@ -272,22 +276,36 @@ LargeCache::~LargeCache() {
   }
 }
 
+// A freed block joins the cache, the oldest ones leaving it (to the heap) where it would hold more than kLargeBlocks
+// or kLargeKeep bytes: blocks of sizes no call takes any more do not stay.
 void release_large(void* ctx) {
   auto* b = static_cast<LargeBlock*>(ctx);
-  if (!large_cache_gone) {
+  std::vector<LargeBlock*> gone;
+  if (!large_cache_gone && b->bytes <= kLargeKeep) {
     std::lock_guard<std::mutex> guard(large_cache.mu);
-    if ((int)large_cache.blocks.size() < kLargeBlocks && large_cache.bytes + b->bytes <= kLargeKeep) {
-      large_cache.blocks.push_back(b);
-      large_cache.bytes += b->bytes;
-      return;
+    auto& cached = large_cache.blocks;
+    size_t n_gone = 0;
+    while (cached.size() - n_gone >= static_cast<size_t>(kLargeBlocks) || large_cache.bytes + b->bytes > kLargeKeep) {
+      large_cache.bytes -= cached[n_gone]->bytes;
+      gone.push_back(cached[n_gone++]);
     }
+    cached.erase(cached.begin(), cached.begin() + n_gone);
+    cached.push_back(b);
+    large_cache.bytes += b->bytes;
+  } else {
+    gone.push_back(b);
   }
-  std::free(b->base);
-  delete b;
+  for (LargeBlock* g : gone) {  // (outside the lock: freeing a mapping takes the kernel's time)
+    std::free(g->base);
+    delete g;
+  }
 }
 
 c10::DataPtr allocate_large(size_t nbytes) {
-  const size_t bytes = (nbytes + kHugePage - 1) & ~(kHugePage - 1);
+  // huge pages above kHugeMin; below it, whole 4 KB pages at c10's alignment (64 bytes)
+  const bool huge = nbytes > kHugeMin;
+  const size_t align = huge ? kHugePage : kBlockHeader, page = huge ? kHugePage : size_t(4096);
+  const size_t bytes = (nbytes + page - 1) & ~(page - 1);
   LargeBlock* b = nullptr;
   {
     std::lock_guard<std::mutex> guard(large_cache.mu);
@@ -304,11 +322,11 @@ c10::DataPtr allocate_large(size_t nbytes) {
     }
   }
   if (b == nullptr) {
-    void* base = std::aligned_alloc(kHugePage, bytes);
+    void* base = std::aligned_alloc(align, bytes);
     if (base == nullptr) return at::getCPUAllocator()->allocate(nbytes);  // (c10's raises its out-of-memory error)
     n_new_large.fetch_add(1, std::memory_order_relaxed);
 #ifdef MADV_HUGEPAGE
-    if (huge_pages_on()) madvise(base, bytes, MADV_HUGEPAGE);  // before the first write (advise_huge_pages)
+    if (huge && huge_pages_on()) madvise(base, bytes, MADV_HUGEPAGE);  // before the first write (advise_huge_pages)
 #endif
     b = new LargeBlock{base, bytes};
   }
@@ -317,8 +335,8 @@ c10::DataPtr allocate_large(size_t nbytes) {
 
 struct BlockAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
-    if (nbytes > kHugeMin) return allocate_large(nbytes);
-    if (nbytes == 0 || nbytes > kSmallMax) return at::getCPUAllocator()->allocate(nbytes);
+    if (nbytes > kSmallMax) return allocate_large(nbytes);
+    if (nbytes == 0) return at::getCPUAllocator()->allocate(nbytes);
     int c = 0;
     while ((kMinBlock << c) < nbytes) ++c;
     void* base = nullptr;
@@ -433,16 +451,40 @@ const c10::DispatchKeySet kIgnored = c10::autograd_dispatch_keyset | c10::autoca
 const c10::DispatchKeySet kPlainCpu(c10::DispatchKey::CPU);
 const c10::DispatchKeySet kPlainCuda(c10::DispatchKey::CUDA);
 
-bool matches(const Launch& l, at::TensorList inputs) {
+// A group input of a chunked call as the hot path reads it (see chunked_call): chunk `index` of equal parts of
+// `len` along `dim` of the argument `arg`, described without a tensor of its own (a TensorImpl made and freed per
+// chunk per call cost more than the rest of a small call's checks); dim -1: the argument itself.
+struct InView {
+  const at::Tensor* arg = nullptr;
+  int64_t dim = -1, len = 0, index = 0;
+};
+
+const at::Tensor& tensor_of(const at::Tensor& t) { return t; }
+const at::Tensor& tensor_of(const InView& v) { return *v.arg; }
+void* data_of(const at::Tensor& t) { return t.data_ptr(); }
+void* data_of(const InView& v) {
+  char* p = static_cast<char*>(v.arg->data_ptr());
+  return v.dim < 0 ? p : p + v.index * v.len * v.arg->stride(v.dim) * static_cast<int64_t>(v.arg->element_size());
+}
+
+template <class In>
+bool matches(const Launch& l, c10::ArrayRef<In> inputs) {
   const int64_t* s = l.sig.data();
-  for (const at::Tensor& t : inputs) {
+  for (const In& in : inputs) {
+    const at::Tensor& t = tensor_of(in);
     if (static_cast<int64_t>(t.scalar_type()) != s[0]) return false;
     const c10::Device d = t.device();
     if (static_cast<int64_t>(d.type()) != s[1] || d.index() != s[2]) return false;
     const int64_t dim = t.dim();
     if (dim != s[3]) return false;
     s += 4;
-    if (std::memcmp(t.sizes().data(), s, dim * sizeof(int64_t)) != 0) return false;
+    if constexpr (std::is_same_v<In, InView>) {
+      const int64_t* sizes = t.sizes().data();
+      for (int64_t k = 0; k < dim; ++k)
+        if ((k == in.dim ? in.len : sizes[k]) != s[k]) return false;
+    } else if (std::memcmp(t.sizes().data(), s, dim * sizeof(int64_t)) != 0) {
+      return false;
+    }
     s += dim;
     if (std::memcmp(t.strides().data(), s, dim * sizeof(int64_t)) != 0) return false;
     s += dim;
@@ -531,7 +573,8 @@ std::optional<std::vector<double>> with_cuda_launch_state(at::ArrayRef<double> s
 
 // false, launching nothing, where the kernel takes vectors only and a pointer is not aligned for them, or where a
 // random kernel's launch state cannot be drawn (the stream captures a graph)
-bool launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> scalars,
+template <class In>
+bool launch_cuda(const Launch& l, c10::ArrayRef<In> inputs, at::ArrayRef<double> scalars,
                  const std::vector<at::Tensor>& outs) {
   thread_local std::vector<uint8_t> buf;
   buf.assign(l.args.begin(), l.args.end());
@@ -544,7 +587,7 @@ bool launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sc
     if (l.align[k] && a % l.align[k]) vec = false;
     ++k;
   };
-  for (const at::Tensor& t : inputs) put(t.data_ptr());
+  for (const In& t : inputs) put(data_of(t));
   for (size_t j = 0; j < outs.size(); ++j)
     for (int64_t p = 0; p < l.outs[j].pieces; ++p) put(static_cast<char*>(outs[j].data_ptr()) + p * l.outs[j].step);
   if (!vec && l.vec_shape == 2) return false;
@@ -592,7 +635,8 @@ bool launch_cuda(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sc
   return true;
 }
 
-void launch_cpu(const Launch& l, at::TensorList inputs, at::ArrayRef<double> scalars,
+template <class In>
+void launch_cpu(const Launch& l, c10::ArrayRef<In> inputs, at::ArrayRef<double> scalars,
                 const std::vector<at::Tensor>& outs) {
   void* ptrs[64];
   std::vector<void*> many;
@@ -603,7 +647,7 @@ void launch_cpu(const Launch& l, at::TensorList inputs, at::ArrayRef<double> sca
     p = many.data();
   }
   size_t k = 0;
-  for (const at::Tensor& t : inputs) p[k++] = t.data_ptr();
+  for (const In& t : inputs) p[k++] = data_of(t);
   for (size_t j = 0; j < outs.size(); ++j)
     for (int64_t q = 0; q < l.outs[j].pieces; ++q) p[k++] = static_cast<char*>(outs[j].data_ptr()) + q * l.outs[j].step;
   const double none = 0.0;
@@ -665,22 +709,34 @@ struct Chunked {
 
 std::vector<at::Tensor> chunk_inputs(const Chunked& c);
 
-// inputs: the group's; chunked: where they are the light chunks of a chunked call (see chunked_call), that call, whose
-// chunks are made as eager makes them for anything handed to Python
-std::vector<at::Tensor> serve(at::TensorList inputs, at::ArrayRef<double> scalars, int64_t key,
+// inputs: the group's tensors, or (InView) the chunks of a chunked call's arguments, a plain call's (chunked_call
+// classified them), made as eager makes them for anything handed to Python
+template <class In>
+std::vector<at::Tensor> serve(c10::ArrayRef<In> inputs, at::ArrayRef<double> scalars, int64_t key,
                               c10::string_view digest, c10::string_view ir, const Chunked* chunked) {
+  constexpr bool kViews = std::is_same_v<In, InView>;
   timer.start();
   const auto handed = [&](bool offer) {
-    if (chunked == nullptr) return hand_over(inputs, scalars, key, digest, ir, offer);
-    return hand_over(chunk_inputs(*chunked), scalars, key, digest, ir, offer);
+    if constexpr (kViews)
+      return hand_over(chunk_inputs(*chunked), scalars, key, digest, ir, offer);
+    else
+      return hand_over(inputs, scalars, key, digest, ir, offer);
   };
-  const Call call = classify(inputs);
-  if (call == kNotPlain) return handed(false);
+  Call call = kPlain;
+  if constexpr (!kViews) {
+    call = classify(inputs);
+    if (call == kNotPlain) return handed(false);
+  }
   timer.mark(kClassify);
   const bool grad = call == kGrad;
   const auto fits = [&](const Launch& l) {
-    return l.n_tensors == static_cast<int64_t>(inputs.size()) && l.n_scalars == static_cast<int64_t>(scalars.size()) &&
-           l.requires_grad.empty() != grad && matches(l, inputs) && (!grad || grads_match(l, inputs));
+    if (l.n_tensors != static_cast<int64_t>(inputs.size()) || l.n_scalars != static_cast<int64_t>(scalars.size()) ||
+        l.requires_grad.empty() == grad || !matches(l, inputs))
+      return false;
+    if constexpr (kViews)
+      return true;
+    else
+      return !grad || grads_match(l, inputs);
   };
   LastHit& last = last_hit;
   const Launch* hit = nullptr;
@@ -711,11 +767,13 @@ std::vector<at::Tensor> serve(at::TensorList inputs, at::ArrayRef<double> scalar
   const Launch& l = *hit;
   if (l.kind == kPython) return handed(false);
   std::vector<torch::autograd::Edge> sources;  // per chunked tensor, its edge
-  if (grad) {
-    for (const auto& c : l.backward->chunks) {
-      auto e = chunk_source(c, inputs);
-      if (!e) return handed(false);  // chunks of no one tensor: Python's
-      sources.push_back(std::move(*e));
+  if constexpr (!kViews) {
+    if (grad) {
+      for (const auto& c : l.backward->chunks) {
+        auto e = chunk_source(c, inputs);
+        if (!e) return handed(false);  // chunks of no one tensor: Python's
+        sources.push_back(std::move(*e));
+      }
     }
   }
   for (const Limit& lim : l.limits) {
@@ -750,11 +808,13 @@ std::vector<at::Tensor> serve(at::TensorList inputs, at::ArrayRef<double> scalar
       launch_cpu(l, inputs, scalars, outs);
   }
   n_hits.fetch_add(1, std::memory_order_relaxed);
-  if (grad) {
-    auto recorded = record_call(std::move(found), inputs, scalars, std::move(outs), sources);
-    timer.mark(kRecord);
-    timer.served();
-    return recorded;
+  if constexpr (!kViews) {
+    if (grad) {
+      auto recorded = record_call(std::move(found), inputs, scalars, std::move(outs), sources);
+      timer.mark(kRecord);
+      timer.served();
+      return recorded;
+    }
   }
   timer.served();
   return outs;
@@ -789,18 +849,8 @@ std::vector<at::Tensor> chunk_inputs(const Chunked& c) {
   return inputs;
 }
 
-// Chunk i of n along dim of w, where n divides its size there: a tensor of w's storage with no autograd meta (no
-// view of w to autograd: used by a plain call only, where nothing records it), which costs no dispatch.
-at::Tensor light_chunk(const at::Tensor& w, int64_t dim, int64_t len, int64_t i) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(w.storage()), w.key_set(), w.dtype());
-  c10::SmallVector<int64_t, 8> sizes(w.sizes().begin(), w.sizes().end());
-  sizes[dim] = len;
-  impl->set_sizes_and_strides(sizes, w.strides(), w.storage_offset() + i * len * w.stride(dim));
-  return at::Tensor(std::move(impl));
-}
-
-// A chunked call: a plain one (no autograd to record) whose every chunk is one of equal parts takes light chunks
-// (the hot path checks and launches them as it would eager's views); any other, eager's chunks.
+// A chunked call: a plain one (no autograd to record) whose every chunk is one of equal parts reads them as InViews
+// (checked and launched as eager's views would be); any other takes eager's chunks.
 std::vector<at::Tensor> chunked_call(at::TensorList args, at::IntArrayRef chunks, at::ArrayRef<double> scalars,
                                      int64_t key, c10::string_view digest, c10::string_view ir, size_t n_out) {
   std::vector<at::Tensor> outs;
@@ -808,37 +858,32 @@ std::vector<at::Tensor> chunked_call(at::TensorList args, at::IntArrayRef chunks
   if (chunks.empty()) {
     outs = serve(args, scalars, key, digest, ir, nullptr);
   } else {
+    const size_t n_in = chunks.size() / 4;
+    std::array<InView, 8> few;
+    std::vector<InView> many;
+    InView* in = few.data();
+    if (n_in > few.size()) {
+      many.resize(n_in);
+      in = many.data();
+    }
     bool light = chunks.size() % 4 == 0 && classify(args) == kPlain;
-    for (size_t k = 0; light && k < chunks.size(); k += 4) {
-      const int64_t j = chunks[k], i = chunks[k + 1], n = chunks[k + 2];
-      int64_t dim = chunks[k + 3];
+    for (size_t k = 0; light && k < n_in; ++k) {
+      const int64_t j = chunks[4 * k], i = chunks[4 * k + 1], n = chunks[4 * k + 2];
+      int64_t dim = chunks[4 * k + 3];
       if (j < 0 || j >= static_cast<int64_t>(args.size()) || n < 1 || i < 0 || i >= n) {
         light = false;
         break;
       }
-      const int64_t nd = args[j].dim();
+      const at::Tensor& w = args[j];
+      const int64_t nd = w.dim();
       if (dim < 0) dim += nd;
-      light = 0 <= dim && dim < nd && args[j].size(dim) > 0 && args[j].size(dim) % n == 0;
+      light = 0 <= dim && dim < nd && w.size(dim) > 0 && w.size(dim) % n == 0;
+      in[k] = n == 1 ? InView{&w} : InView{&w, dim, w.size(dim) / n, i};
     }
-    if (light) {
-      std::array<at::Tensor, 8> few;
-      std::vector<at::Tensor> many;
-      const size_t n_in = chunks.size() / 4;
-      at::Tensor* in = few.data();
-      if (n_in > few.size()) {
-        many.resize(n_in);
-        in = many.data();
-      }
-      for (size_t k = 0; k < n_in; ++k) {
-        const at::Tensor& w = args[chunks[4 * k]];
-        const int64_t n = chunks[4 * k + 2];
-        const int64_t dim = chunks[4 * k + 3] < 0 ? chunks[4 * k + 3] + w.dim() : chunks[4 * k + 3];
-        in[k] = n == 1 ? w : light_chunk(w, dim, w.size(dim) / n, chunks[4 * k + 1]);
-      }
-      outs = serve(at::TensorList(in, n_in), scalars, key, digest, ir, &c);
-    } else {
-      outs = serve(chunk_inputs(c), scalars, key, digest, ir, nullptr);
-    }
+    if (light)
+      outs = serve(c10::ArrayRef<InView>(in, n_in), scalars, key, digest, ir, &c);
+    else
+      outs = serve(at::TensorList(chunk_inputs(c)), scalars, key, digest, ir, nullptr);
   }
   TORCH_CHECK(outs.size() == n_out, "fuser: a group call of ", n_out, " outputs: the group gave ", outs.size());
   return outs;
