@@ -999,3 +999,42 @@ def test_the_benchmarks_row_workloads_fuse_into_one_row_kernel(name):
     ref = bench._python_function(wl)(*[a.double() for a in args])
     for (out,) in _both(group, inputs):
         torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5 * max(1.0, ref.abs().max().item()))
+
+
+_SOFTMAX_IR = """graph(%x : Float(*, *, device=cpu)):
+  %c : float = prim::Constant[value=0.125]()
+  %y : Tensor = aten::mul(%x, %c)
+  %d : int = prim::Constant[value=-1]()
+  %n : NoneType = prim::Constant()
+  %z : Tensor = aten::{op}(%y, %d, %n)
+  return (%z)"""
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("cols", [4096, 1000])
+def test_cpu_softmax_exp_is_at_vecs_exp_u20_within_float32s_rounding(op, cols):
+    """A float32 softmax's exp(x - max) on the CPU vector path is at::vec's exp_u20 (2 ulp; the pointwise exp keeps
+    SLEEF's 1-ulp one): the kernel's source says so, and its results stay as close to float64 as eager's own (rows
+    over vector trips and a tail, values spread over exp's range)."""
+    if fuser.compiler._cpu_vectorize() is False:
+        pytest.skip("no at::vec toolchain: scalar kernels only")
+    g = torch.parse_ir(_SOFTMAX_IR.replace("{op}", op))
+    x = torch.randn(6, cols) * 40
+    src = fuser.debug_get_fused_kernel_code(g, [x])
+    assert "fz_exp_row(" in src
+    got, = fused_run(_spec(ts_ir.lower(g)), [x])
+    fn = getattr(torch, op)
+    ref64 = fn(x.double() * 0.125, -1)
+    err = (got.double() - ref64).abs().max().item()
+    eager_err = (fn(x * 0.125, -1).double() - ref64).abs().max().item()
+    assert err <= max(4 * eager_err, 1e-6 if op == "softmax" else 1e-5), (err, eager_err)
+    assert torch.allclose(got, fn(x * 0.125, -1), rtol=1e-5, atol=1e-6)
+
+
+def test_pointwise_cpu_exp_keeps_sleefs():
+    g = torch.parse_ir("""graph(%x : Float(*, *, device=cpu)):
+  %y : Tensor = aten::exp(%x)
+  %c : int = prim::Constant[value=1]()
+  %z : Tensor = aten::add(%y, %x, %c)
+  return (%z)""")
+    assert "fz_exp_row(" not in fuser.debug_get_fused_kernel_code(g, [torch.randn(8, 64)])
