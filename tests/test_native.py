@@ -1113,15 +1113,17 @@ def test_cuda_outputs_come_from_the_caching_allocator():
     x, y = torch.randn(1024, 1000, device="cuda"), torch.randn(1024, 1000, device="cuda")
     with torch.no_grad():
         _served(ff, x, y)
+        wanted = _two_outputs(x, y)
         torch.cuda.synchronize()
         before, hits = torch.cuda.memory_allocated(), _stats()["hits"]
         a, b = ff(x, y)
         assert _stats()["hits"] == hits + 1
         assert torch.cuda.memory_allocated() - before >= 2 * x.numel() * 4
-        for got, want in zip((a, b), _two_outputs(x, y)):
+        for got, want in zip((a, b), wanted):
             assert got.device == x.device and got.untyped_storage().device == x.device
-            assert_same(got, want)
-        del a, b, got, want
+            # (not assert_close here: under compute-sanitizer its frames outlived it, holding both tensors)
+            assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+        del a, b, got
         assert torch.cuda.memory_allocated() == before
         reserved = torch.cuda.memory_reserved()
         a, b = ff(x, y)
