@@ -227,6 +227,26 @@ def test_the_block_cache_keeps_the_latest_blocks():
 
 
 @pytest.mark.skipif(not native.loaded(), reason="the native hot path is not loaded")
+def test_mid_size_blocks_do_not_push_out_a_huge_pages_block():
+    """A 64 MB output freed, then more mid-size outputs freed than the cache keeps of them: the next 64 MB output still
+    takes the cached huge-page block (the kinds are kept apart)."""
+    ff = _affine_fused()
+    big = _affine_args()
+    mids = [[torch.randn(rows, 4096), torch.randn(rows, 1), torch.randn(4096)] for rows in range(20, 56, 3)]
+    with torch.no_grad():
+        for args in [big] + mids:
+            for _ in range(3):
+                ff(*args)
+        ff(*big)  # freed at once: its block cached
+        for args in mids:
+            ff(*args)
+        before = native.stats()["new_large_blocks"]
+        got = ff(*big)
+        assert native.stats()["new_large_blocks"] == before
+        assert_same(got, big[0] * big[1] + big[2])
+
+
+@pytest.mark.skipif(not native.loaded(), reason="the native hot path is not loaded")
 def test_a_large_output_from_a_cached_block_resizes():
     """resize_ of an output whose storage is a large block (the storage keeps the block allocator): a larger size
     copies the values into a new block and frees the old one; its values kept."""

@@ -1038,3 +1038,18 @@ def test_pointwise_cpu_exp_keeps_sleefs():
   %z : Tensor = aten::add(%y, %x, %c)
   return (%z)""")
     assert "fz_exp_row(" not in fuser.debug_get_fused_kernel_code(g, [torch.randn(8, 64)])
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_cpu_softmax_of_rows_with_inf_and_nan_in_the_vector_loop(op):
+    """Rows long enough for the vector loop, holding +inf, -inf or NaN among their first elements (exp_u20 alone
+    turns a NaN lane into inf: a row holding +inf gave 0 where eager gives NaN): eager's NaNs and values."""
+    g = torch.parse_ir(_SOFTMAX_IR.replace("{op}", op))
+    x = torch.randn(6, 256)
+    x[0, 3] = float("inf")
+    x[1, 5] = float("nan")
+    x[2, :] = float("-inf")
+    x[3, 7] = float("-inf")
+    x[4, 0], x[4, 9] = float("inf"), float("inf")
+    got, = fused_run(_spec(ts_ir.lower(g)), [x])
+    torch.testing.assert_close(got, getattr(torch, op)(x * 0.125, -1), equal_nan=True, rtol=1e-5, atol=1e-6)

@@ -229,8 +229,10 @@ FZ_V1(lgamma, lgammaf, lgamma) FZ_V1(log, logf, log) FZ_V1(log10, log10f, log10)
 FZ_V1(log2, log2f, log2) FZ_V1(nearbyint, nearbyintf, round) FZ_V1(sin, sinf, sin) FZ_V1(sinh, sinhf, sinh)
 FZ_V1(sqrt, sqrtf, sqrt) FZ_V1(tan, tanf, tan) FZ_V1(tanh, tanhf, tanh)
 FZ_V2(atan2, atan2f, atan2) FZ_V2(fmod, fmodf, fmod) FZ_V2(pow, powf, pow)
-// a softmax's exp(x - max) (fuser.codegen.cpu_vector.ROW_EXP_ORIGINS): at::vec's exp_u20 on float vectors
-FZ_VFN fz_vf fz_exp_row(const fz_vf& a) { return a.exp_u20(); }
+// a softmax's exp(x - max) (fuser.codegen.cpu_vector.ROW_EXP_ORIGINS): at::vec's exp_u20 on float vectors, NaN lanes
+// kept NaN (exp_u20 clamps its input with a min that turns NaN into 88.72, whose exp is inf: a row holding +inf,
+// whose x - max is NaN there, summed to inf and gave 0 where eager gives NaN)
+FZ_VFN fz_vf fz_exp_row(const fz_vf& a) { return fz_vf::blendv(a.exp_u20(), a, a != a); }
 // erf: at::vec's float erf is an approximation (1.5e-7 absolute error: 1e-3 relative near 0); SLEEF's is 1 ulp
 #if defined(CPU_CAPABILITY_AVX512)
 #define FZ_SLEEF_ERFF Sleef_erff16_u10

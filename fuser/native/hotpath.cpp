@@ -253,7 +253,9 @@ void release_block(void* base) {
 // EPYC, in the benchmark's process: 2,478 page faults and 3.5 ms of system time in a 7.9 ms step).
 // FUSER_CPU_BLOCK_CACHE=0 turns it off with the small one.
 constexpr size_t kLargeKeep = size_t(1) << 30;
-constexpr int kLargeBlocks = 8;
+// blocks kept, per kind: up to kHugeMin bytes, and above (huge pages): a step that frees many mid-size outputs does
+// not push out the huge-page blocks of the large ones
+constexpr std::array<size_t, 2> kLargeBlocks{8, 4};
 std::atomic<int64_t> n_new_large{0};  // large blocks mapped (see LargeCache)
 
 struct LargeBlock {
@@ -262,35 +264,44 @@ struct LargeBlock {
 };
 struct LargeCache {
   std::mutex mu;
-  std::vector<LargeBlock*> blocks;  // freed, the latest last
+  std::array<std::vector<LargeBlock*>, 2> blocks;  // freed, per kind (huge: more than kHugeMin bytes), the latest last
   size_t bytes = 0;
   ~LargeCache();
 };
+int large_kind(size_t bytes) { return bytes > kHugeMin ? 1 : 0; }
 std::atomic<bool> large_cache_gone{false};
 LargeCache large_cache;
 LargeCache::~LargeCache() {
   large_cache_gone = true;
-  for (LargeBlock* b : blocks) {
-    std::free(b->base);
-    delete b;
+  for (auto& kind : blocks) {
+    for (LargeBlock* b : kind) {
+      std::free(b->base);
+      delete b;
+    }
   }
 }
 
-// A freed block joins the cache, the oldest ones leaving it (to the heap) where it would hold more than kLargeBlocks
-// or kLargeKeep bytes: blocks of sizes no call takes any more do not stay.
+// A freed block joins the cache, the oldest of its kind leaving it (to the heap) where that kind would hold more than
+// kLargeBlocks, then the oldest of either where the cache would hold more than kLargeKeep bytes: blocks of sizes no
+// call takes any more do not stay.
 void release_large(void* ctx) {
   auto* b = static_cast<LargeBlock*>(ctx);
   std::vector<LargeBlock*> gone;
   if (!large_cache_gone && b->bytes <= kLargeKeep) {
     std::lock_guard<std::mutex> guard(large_cache.mu);
-    auto& cached = large_cache.blocks;
-    size_t n_gone = 0;
-    while (cached.size() - n_gone >= static_cast<size_t>(kLargeBlocks) || large_cache.bytes + b->bytes > kLargeKeep) {
-      large_cache.bytes -= cached[n_gone]->bytes;
-      gone.push_back(cached[n_gone++]);
+    const int kind = large_kind(b->bytes);
+    const auto evict = [&](std::vector<LargeBlock*>& from) {
+      large_cache.bytes -= from.front()->bytes;
+      gone.push_back(from.front());
+      from.erase(from.begin());
+    };
+    auto& mine = large_cache.blocks[kind];
+    while (mine.size() >= kLargeBlocks[kind]) evict(mine);
+    for (int k : {kind, 1 - kind}) {
+      auto& from = large_cache.blocks[k];
+      while (!from.empty() && large_cache.bytes + b->bytes > kLargeKeep) evict(from);
     }
-    cached.erase(cached.begin(), cached.begin() + n_gone);
-    cached.push_back(b);
+    mine.push_back(b);
     large_cache.bytes += b->bytes;
   } else {
     gone.push_back(b);
@@ -309,7 +320,7 @@ c10::DataPtr allocate_large(size_t nbytes) {
   LargeBlock* b = nullptr;
   {
     std::lock_guard<std::mutex> guard(large_cache.mu);
-    auto& cached = large_cache.blocks;
+    auto& cached = large_cache.blocks[large_kind(bytes)];
     int best = -1;
     for (int k = (int)cached.size() - 1; k >= 0; --k)  // the smallest that fits, the latest of equals
       if (cached[k]->bytes >= bytes && cached[k]->bytes - bytes <= cached[k]->bytes / 8 &&
