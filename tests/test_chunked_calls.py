@@ -119,11 +119,11 @@ def _error(fn, *args):
     return None
 
 
-@pytest.mark.parametrize("shapes", [[(5, 3), (5, 1)], [(5, 0), (5, 0)], [(5,), (5,)]],
-                         ids=["fewer_chunks", "empty", "one_dim"])
+@pytest.mark.parametrize("shapes", [[(5, 3), (5, 1)], [(5, 0), (5, 0)], [(5,), (5,)], [(), (5, 1)]],
+                         ids=["fewer_chunks", "empty", "one_dim", "zero_dim"])
 def test_chunk_errors_and_empty_tensors_follow_the_unfused_function(shapes):
     """3 columns make 3 chunks of the 4 taken: the interpreter's error; 0 columns: 4 empty chunks; a 1-D gates
-    tensor has no dim 1: at::chunk's error. Each as the unfused scripted function gives it."""
+    tensor has no dim 1, a 0-dim one no dims: at::chunk's errors. Each as the unfused scripted function gives it."""
     plain = torch.jit.script(_lstm_tail)
     ff = fuser.fuse(torch.jit.script(_lstm_tail))
     for _ in range(4):

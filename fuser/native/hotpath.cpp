@@ -889,6 +889,7 @@ std::vector<at::Tensor> chunked_call(at::TensorList args, at::IntArrayRef chunks
       const int64_t nd = w.dim();
       if (dim < 0) dim += nd;
       light = 0 <= dim && dim < nd && w.size(dim) > 0 && w.size(dim) % n == 0;
+      if (!light) break;  // (at::chunk's own error for a dim out of range: the eager path below)
       in[k] = n == 1 ? InView{&w} : InView{&w, dim, w.size(dim) / n, i};
     }
     if (light)
