@@ -166,6 +166,17 @@ def test_a_freed_large_output_serves_the_next_call():
             del got
 
 
+def _push_out_mid_size_blocks(ff) -> None:
+    """Eight outputs of 37 x 4096 floats (592 KB) alive at once, then freed: the cache keeps the latest 8 mid-size
+    blocks, so the blocks earlier tests of this process left there are gone, and an output of another size (more
+    than 1/8 away) takes a new block."""
+    a = [torch.randn(37, 4096), torch.randn(37, 1), torch.randn(4096)]
+    for _ in range(3):
+        ff(*a)
+    outs = [ff(*a) for _ in range(8)]
+    del outs
+
+
 @pytest.mark.skipif(not native.loaded(), reason="the native hot path is not loaded")
 @pytest.mark.parametrize("rows", [17, 1024])  # outputs of 272 KB and 16 MB: above the small blocks' 64 KB
 def test_a_freed_mid_size_output_serves_the_next_call(rows):
@@ -175,6 +186,7 @@ def test_a_freed_mid_size_output_serves_the_next_call(rows):
     ff = _affine_fused()
     x, col, row = args = [torch.randn(rows, 4096), torch.randn(rows, 1), torch.randn(4096)]
     with torch.no_grad():
+        _push_out_mid_size_blocks(ff)  # (a block of an earlier test's output could serve this size)
         first = native.stats()["new_large_blocks"]
         for _ in range(3):
             ff(*args)
