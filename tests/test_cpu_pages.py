@@ -56,8 +56,12 @@ def _inside(t: torch.Tensor) -> int:
     return t.data_ptr() + 2 * pages.HUGE_PAGE
 
 
-def _affine_args():
-    return [torch.randn(4096, 4096), torch.randn(4096, 1), torch.randn(4096)]  # a 64 MB output
+def _affine_args(rows: int = 4096):
+    """x [rows, 4096], col [rows, 1], row [4096]: an output of rows x 16 KB (64 MB by default)."""
+    return [torch.randn(rows, 4096), torch.randn(rows, 1), torch.randn(4096)]
+
+
+MID_ROWS = range(20, 56, 3)  # 12 output sizes from 320 KB to 880 KB, more than the 8 mid-size blocks kept
 
 
 def test_a_pointwise_groups_large_output_asks_for_huge_pages():
@@ -154,7 +158,7 @@ def test_a_freed_large_output_serves_the_next_call():
         # a slightly smaller output (3840 rows: 60 MB of the 64 MB block) takes a cached block; a much smaller one
         # (2304 rows: 36 MB) does not
         for rows, reused in ((3840, True), (2304, False)):
-            small = [torch.randn(rows, 4096), torch.randn(rows, 1), torch.randn(4096)]
+            small = _affine_args(rows)
             for _ in range(3):
                 ff(*small)
             block = ff(*args)
@@ -170,7 +174,7 @@ def _push_out_mid_size_blocks(ff) -> None:
     """Eight outputs of 37 x 4096 floats (592 KB) alive at once, then freed: the cache keeps the latest 8 mid-size
     blocks, so the blocks earlier tests of this process left there are gone, and an output of another size (more
     than 1/8 away) takes a new block."""
-    a = [torch.randn(37, 4096), torch.randn(37, 1), torch.randn(4096)]
+    a = _affine_args(37)
     for _ in range(3):
         ff(*a)
     outs = [ff(*a) for _ in range(8)]
@@ -184,7 +188,7 @@ def test_a_freed_mid_size_output_serves_the_next_call(rows):
     in again): a freed one's block serves the next call's output, values its own; one alive keeps its block, and a
     larger size does not take a smaller block; resize_ of one copies its values."""
     ff = _affine_fused()
-    x, col, row = args = [torch.randn(rows, 4096), torch.randn(rows, 1), torch.randn(4096)]
+    x, col, row = args = _affine_args(rows)
     with torch.no_grad():
         _push_out_mid_size_blocks(ff)  # (a block of an earlier test's output could serve this size)
         first = native.stats()["new_large_blocks"]
@@ -208,7 +212,7 @@ def test_a_freed_mid_size_output_serves_the_next_call(rows):
         assert kept.data_ptr() != other.data_ptr()
         assert_same(kept, x * col + row) and assert_same(other, x * col + row)
         del other
-        bigger = [torch.randn(2 * rows, 4096), torch.randn(2 * rows, 1), torch.randn(4096)]
+        bigger = _affine_args(2 * rows)
         for _ in range(3):
             ff(*bigger)
         got = ff(*bigger)
@@ -224,8 +228,8 @@ def test_the_block_cache_keeps_the_latest_blocks():
     latest size's block serves its next call (a full cache that kept its first blocks took a new one each time)."""
     ff = _affine_fused()
     with torch.no_grad():
-        sets = [[torch.randn(rows, 4096), torch.randn(rows, 1), torch.randn(4096)] for rows in range(20, 56, 3)]
-        for args in sets:  # 12 sizes from 320 KB to 880 KB, more than the 8 blocks kept
+        sets = [_affine_args(rows) for rows in MID_ROWS]
+        for args in sets:
             for _ in range(3):
                 ff(*args)
         for args in sets:
@@ -244,7 +248,7 @@ def test_mid_size_blocks_do_not_push_out_a_huge_pages_block():
     takes the cached huge-page block (the kinds are kept apart)."""
     ff = _affine_fused()
     big = _affine_args()
-    mids = [[torch.randn(rows, 4096), torch.randn(rows, 1), torch.randn(4096)] for rows in range(20, 56, 3)]
+    mids = [_affine_args(rows) for rows in MID_ROWS]
     with torch.no_grad():
         for args in [big] + mids:
             for _ in range(3):
