@@ -14,6 +14,8 @@
 #   GPU_CHECK_TESTS=others GPU_CHECK_SKIP="memcheck fuzz bench models"
 #   GPU_CHECK_SKIP="tests bench models"
 #   GPU_CHECK_SKIP="tests memcheck fuzz"
+# GPU_CHECK_OVERLAP=1 runs memcheck and racecheck in the background beside the test stage (not yet timed on a GPU:
+# the aim is the whole check, with a shorter fuzz budget, in one 10-minute call).
 # GPU_CHECK_JOBS=N runs the test stage in N processes sharing the GPU (pytest-xdist, --dist loadfile), where xdist
 # imports; the device machines lack it, and a session can put a copy of pytest-xdist and execnet (with their
 # dist-info) in an untracked folder it carries and names in PYTHONPATH. H200, 2026-11-29, six processes: the whole
@@ -37,6 +39,70 @@ status=0
 note() { echo "$*" | tee -a "$SUMMARY"; }
 skipped() { [[ "$SKIP" == *" $1 "* ]]; }
 
+sanitizers() {
+  local status=0 rc t
+  # 3. memcheck over a representative subset: the native hot path's launches (forward, training, row kernels), the
+  # tiled path (both forms) and eager's output layouts, every layout class, cat outputs, random ops, chunk views, both
+  # index widths' kernels, and one op of each shape of the table in a reduced dtype. Reports about cuGetProcAddress (the
+  # runtime probing for driver entry points) are not errors of ours and are filtered out.
+  if ! skipped memcheck; then
+    if command -v compute-sanitizer > /dev/null; then
+      t=$(date +%s)
+      compute-sanitizer --tool memcheck --leak-check no --print-limit 200 \
+        "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_native.py tests/test_layouts.py tests/test_normalizations.py tests/test_outer_reductions.py tests/test_staged_rows.py tests/test_chunked_calls.py -p no:cacheprovider -x -k \
+        "test_native or chunked_call or cuda_row_kernel_matches_eager or staged_rows_on_the_gpu or column_vectors_on_the_gpu or cuda_column_kernel_is_deterministic or gpu_tiled or gpu_outputs_have_eagers_strides or layouts or concat_on_cuda or rand_like_on_cuda or lstm_cell_with_chunk or signed_zero or mixed_dtypes or cheap_walking or side_stream or (op_cuda_vs_eager and float16 and (add-Tensor or where-self or clamp-Tensor or lerp-Tensor or addcmul or sigmoid or pow-Tensor_Scalar))" \
+        > "$OUT/memcheck.log" 2>&1
+      rc=$?
+      errors=$("$PY" - "$OUT/memcheck.log" <<'EOF'
+import re, sys
+text = open(sys.argv[1], errors="replace").read().splitlines()
+errors, block = [], []
+for line in text + ["========= "]:
+    if line.startswith("========= ") and not line.startswith("=========  ") and block:
+        errors.append("\n".join(block)); block = []
+    if re.match(r"========= (Invalid|Program hit|Out-of-range|Misaligned|Race|Uninitialized|Barrier|Error)", line):
+        block = [line]
+    elif block and line.startswith("========="):
+        block.append(line)
+ours = [e for e in errors if "cuGetProcAddress" not in e]
+print(len(ours), len(errors) - len(ours))
+EOF
+  )
+      read -r ours probes <<< "$errors"
+      tests=$(grep -E '(passed|failed|error).* in [0-9.]+s' "$OUT/memcheck.log" | tail -1)
+      note "memcheck: rc=$rc, $(( $(date +%s) - t ))s, $ours errors ($probes cuGetProcAddress reports filtered): $tests"
+      { [ "$ours" = 0 ] && [ $rc -eq 0 ]; } || status=1
+    else
+      note "memcheck: compute-sanitizer not found"
+      status=1
+    fi
+  fi
+
+  # 3b. racecheck over the row kernels (their shared memory between the warps of a row)
+  if ! skipped memcheck; then
+    if command -v compute-sanitizer > /dev/null; then
+      t=$(date +%s)
+      compute-sanitizer --tool racecheck "$PY" -m pytest -q -m gpu tests/test_normalizations.py -p no:cacheprovider -x \
+        -k "cuda_row_kernel_matches_eager and (softmax or layer_norm)" > "$OUT/racecheck.log" 2>&1
+      rc=$?
+      # ... and the norms' backward row kernels that sum the weight/bias gradients in partial rows, with their second
+      # kernel (shared memory across its warps); the small shapes (racecheck is slow)
+      compute-sanitizer --tool racecheck "$PY" -m pytest -q -m gpu tests/test_row_partial_sums.py -p no:cacheprovider -x \
+        -k "sums_in_the_row_kernel_on_the_gpu and in_row and (7x32 or 300x36 or 4096x1024 or 300x33)" \
+        >> "$OUT/racecheck.log" 2>&1
+      rc=$(( rc > $? ? rc : $? ))
+      # rows kept in shared memory (fuser/rows/plan.py's staged_inputs)
+      compute-sanitizer --tool racecheck "$PY" -m pytest -q -m gpu tests/test_staged_rows.py -p no:cacheprovider -x \
+        -k "staged_rows_on_the_gpu and (softmax-16392 or layer_norm_block-16392)" >> "$OUT/racecheck.log" 2>&1
+      rc=$(( rc > $? ? rc : $? ))
+      summary=$(grep -E "RACECHECK SUMMARY" "$OUT/racecheck.log" | tr -s ' ' | paste -sd ';')
+      note "racecheck: rc=$rc, $(( $(date +%s) - t ))s: $summary"
+      { [ $rc -eq 0 ] && [ "$(grep -c "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" "$OUT/racecheck.log")" = 3 ]; } || status=1
+    fi
+  fi
+  return $status
+}
+
 : > "$SUMMARY"
 note "fuser gpu_check $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo '+changes'), $(date -u +%FT%TZ)"
 note "$("$PY" -c 'import torch; print(torch.cuda.get_device_name(), "| torch", torch.__version__)' 2>&1 | tail -1)"
@@ -48,6 +114,13 @@ if ! skipped fuzz; then
   "$PY" -m fuser.fuzz --device cuda --seed "$FUZZ_SEED" --graphs 1000000 --time-budget "$FUZZ_SECONDS" \
     --jobs "$FUZZ_JOBS" --out "$OUT/fuzz_failures" --max-shrink "${FUSER_GPU_FUZZ_SHRINK:-4}" --shrink-budget 40 > "$OUT/fuzz.log" 2>&1 &
   fuzz_pid=$!
+fi
+
+# the sanitizers beside the tests (GPU_CHECK_OVERLAP=1: one GPU shared by both, their logs apart), else after them
+san_pid=
+if [ "${GPU_CHECK_OVERLAP:-0}" = 1 ] && ! skipped memcheck; then
+  sanitizers &
+  san_pid=$!
 fi
 
 # 2. the GPU test suite
@@ -69,64 +142,11 @@ if ! skipped tests; then
   [ $rc -eq 0 ] || status=1
 fi
 
-# 3. memcheck over a representative subset: the native hot path's launches (forward, training, row kernels), the
-# tiled path (both forms) and eager's output layouts, every layout class, cat outputs, random ops, chunk views, both
-# index widths' kernels, and one op of each shape of the table in a reduced dtype. Reports about cuGetProcAddress (the
-# runtime probing for driver entry points) are not errors of ours and are filtered out.
-if ! skipped memcheck; then
-  if command -v compute-sanitizer > /dev/null; then
-    t=$(date +%s)
-    compute-sanitizer --tool memcheck --leak-check no --print-limit 200 \
-      "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_native.py tests/test_layouts.py tests/test_normalizations.py tests/test_outer_reductions.py tests/test_staged_rows.py tests/test_chunked_calls.py -p no:cacheprovider -x -k \
-      "test_native or chunked_call or cuda_row_kernel_matches_eager or staged_rows_on_the_gpu or column_vectors_on_the_gpu or cuda_column_kernel_is_deterministic or gpu_tiled or gpu_outputs_have_eagers_strides or layouts or concat_on_cuda or rand_like_on_cuda or lstm_cell_with_chunk or signed_zero or mixed_dtypes or cheap_walking or side_stream or (op_cuda_vs_eager and float16 and (add-Tensor or where-self or clamp-Tensor or lerp-Tensor or addcmul or sigmoid or pow-Tensor_Scalar))" \
-      > "$OUT/memcheck.log" 2>&1
-    rc=$?
-    errors=$("$PY" - "$OUT/memcheck.log" <<'EOF'
-import re, sys
-text = open(sys.argv[1], errors="replace").read().splitlines()
-errors, block = [], []
-for line in text + ["========= "]:
-    if line.startswith("========= ") and not line.startswith("=========  ") and block:
-        errors.append("\n".join(block)); block = []
-    if re.match(r"========= (Invalid|Program hit|Out-of-range|Misaligned|Race|Uninitialized|Barrier|Error)", line):
-        block = [line]
-    elif block and line.startswith("========="):
-        block.append(line)
-ours = [e for e in errors if "cuGetProcAddress" not in e]
-print(len(ours), len(errors) - len(ours))
-EOF
-)
-    read -r ours probes <<< "$errors"
-    tests=$(grep -E '(passed|failed|error).* in [0-9.]+s' "$OUT/memcheck.log" | tail -1)
-    note "memcheck: rc=$rc, $(( $(date +%s) - t ))s, $ours errors ($probes cuGetProcAddress reports filtered): $tests"
-    { [ "$ours" = 0 ] && [ $rc -eq 0 ]; } || status=1
-  else
-    note "memcheck: compute-sanitizer not found"
-    status=1
-  fi
-fi
 
-# 3b. racecheck over the row kernels (their shared memory between the warps of a row)
-if ! skipped memcheck; then
-  if command -v compute-sanitizer > /dev/null; then
-    t=$(date +%s)
-    compute-sanitizer --tool racecheck "$PY" -m pytest -q -m gpu tests/test_normalizations.py -p no:cacheprovider -x \
-      -k "cuda_row_kernel_matches_eager and (softmax or layer_norm)" > "$OUT/racecheck.log" 2>&1
-    rc=$?
-    # ... and the norms' backward row kernels that sum the weight/bias gradients in partial rows, with their second
-    # kernel (shared memory across its warps); the small shapes (racecheck is slow)
-    compute-sanitizer --tool racecheck "$PY" -m pytest -q -m gpu tests/test_row_partial_sums.py -p no:cacheprovider -x \
-      -k "sums_in_the_row_kernel_on_the_gpu and in_row and (7x32 or 300x36 or 4096x1024 or 300x33)" \
-      >> "$OUT/racecheck.log" 2>&1
-    rc=$(( rc > $? ? rc : $? ))
-    # rows kept in shared memory (fuser/rows/plan.py's staged_inputs)
-    compute-sanitizer --tool racecheck "$PY" -m pytest -q -m gpu tests/test_staged_rows.py -p no:cacheprovider -x \
-      -k "staged_rows_on_the_gpu and (softmax-16392 or layer_norm_block-16392)" >> "$OUT/racecheck.log" 2>&1
-    rc=$(( rc > $? ? rc : $? ))
-    summary=$(grep -E "RACECHECK SUMMARY" "$OUT/racecheck.log" | tr -s ' ' | paste -sd ';')
-    note "racecheck: rc=$rc, $(( $(date +%s) - t ))s: $summary"
-    { [ $rc -eq 0 ] && [ "$(grep -c "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" "$OUT/racecheck.log")" = 3 ]; } || status=1
-  fi
+if [ -n "$san_pid" ]; then
+  wait "$san_pid" || status=1
+elif ! skipped memcheck; then
+  sanitizers || status=1
 fi
 
 # 4. wait for the campaign
