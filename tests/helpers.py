@@ -814,14 +814,15 @@ def assert_close_to_float64(got, want64, want, dtype) -> None:
             assert err <= 2 * eager_err + 8e-3 * scale, (err, eager_err)
 
 
-def ptxas_registers(source: str) -> tuple[int, int]:
+def ptxas_registers(source: str, fmad: bool = False) -> tuple[int, int]:
     """(registers a thread, bytes of spill stores) of the kernel in ``source``, from ptxas for sm_90 through this
-    machine's NVRTC (needs no GPU), with the flags fuser compiles its kernels with."""
+    machine's NVRTC (needs no GPU), with the flags fuser compiles its kernels with (``fmad``: contracted, as
+    ``fuser.cuda.launch.contracts`` says for the kernel's outputs)."""
     from cuda.bindings import nvrtc
 
     from fuser.cuda.driver import NvrtcOptions
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"k.cu", 0, [], [])
-    opts = [*NvrtcOptions(90, cubin=True, fast_compile="").flags(), b"--ptxas-options=-v"]
+    opts = [*NvrtcOptions(90, cubin=True, fast_compile="", fmad=fmad).flags(), b"--ptxas-options=-v"]
     err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
     log = b" " * size

@@ -186,6 +186,27 @@ def test_nvrtc_compile_error_carries_log_and_numbered_source():
     assert "--gpu-architecture=sm_90" in str(e.value)
 
 
+def test_contraction_only_where_every_floating_output_is_16_bit(monkeypatch):
+    """NVRTC contracts multiplies and adds (--fmad=true) in a kernel whose floating outputs are all float16 or
+    bfloat16, never where one is float32 or float64 (eager's two roundings kept), nor when settings turn it off."""
+    from fuser import settings
+    from fuser.cuda import driver, launch
+    f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+    monkeypatch.setattr(settings, "round_reduced", False)
+    monkeypatch.setattr(settings, "cuda_contract", True)
+    assert launch.contracts((bf16,)) and launch.contracts((f16, bf16, torch.bool))
+    for outs in ((f32,), (bf16, f32), (f64, f16), (torch.bool,), (torch.int64, torch.bool), ()):
+        assert not launch.contracts(outs), outs
+    monkeypatch.setattr(settings, "round_reduced", True)
+    assert not launch.contracts((bf16,))
+    monkeypatch.setattr(settings, "round_reduced", False)
+    monkeypatch.setattr(settings, "cuda_contract", False)
+    assert not launch.contracts((bf16,))
+    assert b"--fmad=false" in driver.NvrtcOptions(90).flags()
+    assert b"--fmad=true" in driver.NvrtcOptions(90, fmad=True).flags()
+    assert b"--fmad=false" not in driver.NvrtcOptions(90, fmad=True).flags()
+
+
 def _fused_sin(x, y):
     return (x * y).sin() + y
 

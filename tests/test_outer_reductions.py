@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fuser
-from helpers import REDUCE_EAGER, reduce_node
+from helpers import REDUCE_EAGER, ptxas_registers, reduce_node
 from fuser import executor, ir, rows
 from fuser.cuda import emulate
 from fuser.kernel_cache import STORE
@@ -431,11 +431,12 @@ def test_cuda_column_kernel_is_deterministic_and_non_contiguous_inputs_work():
         _check(out, case.eager, args)
 
 
-def _vector_layouts(dtype):
+def _vector_layouts(dtype, stores: bool = False):
     """(id, args, cvec wanted, whole vectors at launch) for the prologue case on CUDA: x [40, 64] in layouts that
-    keep or lose the column vectors (4 columns, 2 of 8-byte values: outer._column_vector), y of shape [64] or a
-    column of x's rows."""
-    cv = 2 if torch.empty((), dtype=dtype).element_size() == 8 else 4
+    keep or lose the column vectors (4 columns, 2 of 8-byte values, 8 of 2-byte values in a pass that ``stores``
+    element-level outputs: outer._column_vector), y of shape [64] or a column of x's rows."""
+    size = torch.empty((), dtype=dtype).element_size()
+    cv = 2 if size == 8 else 8 if size == 2 and stores else 4
     x, y = torch.randn(40, 64, dtype=dtype), torch.randn(64, dtype=dtype)
     yield "contiguous", [x, y, 1.5], cv, True
     flat = torch.randn(40 * 64 + 1, dtype=dtype)
@@ -444,21 +445,23 @@ def _vector_layouts(dtype):
     yield "y-per-row", [x, torch.randn(40, 1, dtype=dtype), 1.5], cv, True  # steps by 0 along the columns
     yield "x-broadcast-rows", [torch.randn(1, 64, dtype=dtype).expand(40, 64), y, 1.5], cv, True
     yield "no-rows", [torch.randn(0, 64, dtype=dtype), y, 1.5], cv, True
+    # 68 columns: 4 divide them, 8 do not
+    yield "68-columns", [torch.randn(40, 68, dtype=dtype), torch.randn(68, dtype=dtype), 1.5], min(cv, 4), True
 
 
 def _vector_cases(dtype):
     """(case, args) of :func:`_vector_layouts` for the prologue case and for the element-level output case (its
     [40, 64] output written by the vector path's loop and by the element by element one)."""
     for case in (_prologue_epilogue(), _element_output()):
-        for what, args, cvec, whole in _vector_layouts(dtype):
+        for what, args, cvec, whole in _vector_layouts(dtype, stores=case.id == "element-output"):
             if what != "no-rows" or case.id == "prologue-epilogue":  # (the amax of no rows raises, as eager's)
                 yield case, (what, args if case.id == "prologue-epilogue" else args[:2], cvec, whole)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16), ids=lambda d: str(d)[6:])
 def test_cuda_column_vectors(dtype):
-    """A CUDA column kernel's thread takes 4 consecutive columns (2 of 8-byte values) where every input steps by 0 or
-    1 along them and its other strides keep vectors aligned (``outer.OuterKey.cvec``), loading whole vectors where
+    """A CUDA column kernel's thread takes 4 consecutive columns (2 of 8-byte values, 8 of 2-byte values where it
+    stores element-level outputs, each as one vector a row) where every input steps by 0 or 1 along them and its other strides keep vectors aligned (``outer.OuterKey.cvec``), loading whole vectors where
     the pointers allow, else element by element, in the same kernel; otherwise one column a thread. Through the host emulation, against eager."""
     from fuser.rows import launch
     for case, (what, args, cvec, whole) in _vector_cases(dtype):
@@ -502,6 +505,27 @@ def _gelu_bias_backward_with_sums() -> ir.Group:
     total = ir.Node("aten::sum.dim_IntList", (g.outputs[0], (0,), True, None),
                     ir.Value(1 + max([v.id for v in g.inputs] + [n.out.id for n in g.nodes])))
     return ir.Group(g.inputs, g.nodes + (total,), (g.outputs[0], total.out))
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=lambda d: str(d)[6:])
+def test_gelu_backward_column_kernel_stores_vectors_within_four_blocks_an_sm(dtype):
+    """The column kernel of gelu(x + b)'s 2-byte backward: 8 columns a thread, x's gradient stored as one 16-byte
+    vector a row in the whole-vector loop (element by element in the other); by sm_90 ptxas (contracted, as its
+    16-bit outputs are: cuda.launch.contracts), at most 64 registers and no spills, so that the split's
+    ``outer_launch.BLOCKS_PER_SM`` blocks of 256 threads fit an SM at once (one wave)."""
+    from fuser.cuda import launch
+    group = _gelu_bias_backward_with_sums()
+    spec = _spec(group)
+    x, b, g = torch.randn(64, 256, dtype=dtype), torch.randn(256, dtype=dtype), torch.randn(64, 256, dtype=dtype)
+    p = rows.plan(spec, [x, b, g], "cuda")
+    assert p.key.cvec == 8 and launch.contracts(p.out_dtypes)
+    _, source = outer_launch.source_for(spec, p)
+    whole, _, single = source.partition("if (args.vec) {")[2].partition("} else {")
+    assert whole.count("*reinterpret_cast<fz_vec<") == 1 and "o0[r * cols + c + v] =" not in whole
+    single = single.split("fz_lane_reduce")[0]
+    assert "*reinterpret_cast<fz_vec<" not in single and "o0[r * cols + c + v] =" in single
+    regs, spill = ptxas_registers(source, fmad=True)
+    assert 65536 // (256 * regs) >= outer_launch.BLOCKS_PER_SM and spill == 0, (regs, spill)
 
 
 @pytest.mark.parametrize("dtype,unrolled", [(torch.float32, 1), (torch.bfloat16, 8)], ids=["float32", "bfloat16"])

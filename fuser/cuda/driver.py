@@ -64,13 +64,16 @@ class NvrtcOptions:
     cubin: bool = True
     # NVRTC's --Ofast-compile level ("" for none; "min", "mid", "max" trade optimization for compile time)
     fast_compile: str = os.environ.get("FUSER_NVRTC_FAST_COMPILE", "")
+    # multiplies and adds contracted into FMAs (--fmad=true); see fuser.cuda.launch.contracts for where
+    fmad: bool = False
 
     def flags(self) -> list[bytes]:
         target = f"sm_{self.arch}" if self.cubin else f"compute_{self.arch}"
-        # --fmad=false: a multiply and an add that eager runs as two ops (two kernels, two roundings) stay two
-        # roundings, as -ffp-contract=off keeps them on the CPU; the fma() calls the op table writes where eager's
+        # --fmad=false by default: a multiply and an add that eager runs as two ops (two kernels, two roundings) stay
+        # two roundings, as -ffp-contract=off keeps them on the CPU; the fma() calls the op table writes where eager's
         # own kernel has one are kept
-        flags = [f"--gpu-architecture={target}".encode(), b"-std=c++17", b"-DNDEBUG", b"--fmad=false"]
+        fmad = b"--fmad=true" if self.fmad else b"--fmad=false"
+        flags = [f"--gpu-architecture={target}".encode(), b"-std=c++17", b"-DNDEBUG", fmad]
         if self.fast_compile:
             flags.append(f"--Ofast-compile={self.fast_compile}".encode())
         return flags

@@ -7,6 +7,7 @@ refilled per call, so a launch costs a few attribute stores and one ``cuLaunchKe
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 import threading
@@ -236,9 +237,23 @@ def _unload(library) -> None:
         pass
 
 
-def cached_image(source: str, name: str, index: int) -> tuple[bytes, bool]:
-    """The compiled image of ``source`` for device ``index``: NVRTC's, or the disk cache's; and whether NVRTC ran."""
-    options = options_for(torch.cuda.get_device_capability(index))
+def contracts(out_dtypes) -> bool:
+    """Whether a kernel with these outputs is compiled with multiplies and adds contracted into FMAs: where every
+    floating output is float16 or bfloat16 (``settings.cuda_contract``). Such a kernel computes in float32 where
+    eager rounds each op's result to 16 bits, so a contraction's difference (the product's rounding, 2^-24 of it)
+    is far below what the kernel already differs by and below the output's own rounding (2^-11, 2^-8); a float32
+    or float64 output keeps eager's two roundings. Not under ``settings.round_reduced`` (eager's bits asked for)."""
+    from .. import settings
+    if not settings.cuda_contract or settings.round_reduced:
+        return False
+    floats = [dt for dt in out_dtypes if dt.is_floating_point]
+    return bool(floats) and all(dt in (torch.float16, torch.bfloat16) for dt in floats)
+
+
+def cached_image(source: str, name: str, index: int, fmad: bool = False) -> tuple[bytes, bool]:
+    """The compiled image of ``source`` for device ``index``: NVRTC's, or the disk cache's; and whether NVRTC ran.
+    ``fmad``: multiplies and adds contracted (:func:`contracts`)."""
+    options = dataclasses.replace(options_for(torch.cuda.get_device_capability(index)), fmad=fmad)
     compiled = []
 
     def build() -> bytes:
@@ -255,7 +270,7 @@ def load_kernel(source: str, name: str, arg_spec, n_strided: int, out_dtypes, n_
     """Compile ``source`` with NVRTC for the arg spec's device (or take it from the disk cache) and load it.
     Returns the kernel and whether NVRTC ran. ``waves``: see :class:`CudaKernel`."""
     index = arg_spec.device_index if arg_spec.device_index is not None else torch.cuda.current_device()
-    image, compiled = cached_image(source, name, index)
+    image, compiled = cached_image(source, name, index, contracts(out_dtypes))
     kernel = CudaKernel(name, image, index, arg_spec.index32, n_strided, len(arg_spec.inputs) + len(out_dtypes),
                         n_scalars, vec, vector_alignment(arg_spec, out_dtypes, vec), waves)
     return kernel, compiled

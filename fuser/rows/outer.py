@@ -121,7 +121,8 @@ def plan(group: ir.Group, key: tuple, tensors: list, scalars: list, metas: list,
     cvec, vec_align = 1, ()
     if target == "cuda":
         cvec = _column_vector(col_sizes, strides, [t.element_size() for t in tensors]
-                              + [torch.empty((), dtype=dt).element_size() for dt in out_dtypes])
+                              + [torch.empty((), dtype=dt).element_size() for dt in out_dtypes],
+                              any(v.id not in cols_v for v in group.outputs))
         if cvec > 1:
             vec_align = tuple(cvec * t.element_size() if st[-2] == 1 else 0 for t, st in zip(tensors, strides)) + tuple(
                 cvec * torch.empty((), dtype=dt).element_size() if v.id not in cols_v else 0
@@ -131,24 +132,28 @@ def plan(group: ir.Group, key: tuple, tensors: list, scalars: list, metas: list,
                      math.prod(drop), col_sizes, strides, [shape[v.id] for v in group.outputs], out_dtypes, types, vec_align)
 
 
-def _column_vector(col_sizes: list, strides: list, sizes: list) -> int:
+def _column_vector(col_sizes: list, strides: list, sizes: list, stores: bool = False) -> int:
     """Consecutive columns a CUDA thread takes: 4 (2 where a tensor holds 8-byte values: 16 bytes of it; 1 where
-    every tensor holds 1-byte values) where every input steps by 0 or 1 along the innermost column dim, whose size
-    they divide, and a vector of each input stays aligned to its own size from one row and column group to the next
-    (its other strides are multiples of it); else 1. H200, ``(x * y).sum(0)``, fraction of the copy floor, the
-    column counts of one launch shape and its split side by side in one process (2026-11-28): bfloat16 over
-    [16384, 4096] 0.76 with 1 column a thread, 0.94 with 2, 0.96 with 4, 0.88 with 8 (the loads of 8 rows in
-    flight: 8 rows of 16 bytes of two inputs a thread); [65536, 1024] 0.74 / 0.96 / 0.94, [4096, 16384]
+    every tensor holds 1-byte values; 8, 16 bytes, where the widest holds 2-byte values and the pass ``stores``
+    element-level outputs) where every input steps by 0 or 1 along the innermost column dim, whose size they
+    divide (else 4 where 8 do not), and a vector of each input stays aligned to its own size from one row and column
+    group to the next (its other strides are multiples of it); else 1. H200, ``(x * y).sum(0)``, fraction of the
+    copy floor, the column counts of one launch shape and its split side by side in one process (2026-11-28):
+    bfloat16 over [16384, 4096] 0.76 with 1 column a thread, 0.94 with 2, 0.96 with 4, 0.88 with 8 (the loads of 8
+    rows in flight: 8 rows of 16 bytes of two inputs a thread); [65536, 1024] 0.74 / 0.96 / 0.94, [4096, 16384]
     0.76 / - / 0.97 with 1 / 2 / 4 (Inductor 0.99-1.01 on these); float32 1.00-1.02 with 1, 2 or 4 on the same
-    shapes."""
+    shapes. A pass that stores takes one row at a time (its stores keep the next row's loads behind them), so its
+    accesses are what it has in flight: gelu(x + b)'s bfloat16 backward over [16384, 4096] (x's gradient stored,
+    b's summed), 132 us with 4 columns, 121 us with 8 (each output stored as one vector in both; H200, 2026-12-01,
+    two processes each)."""
     widest = max(sizes, default=4)
-    cv = 2 if widest >= 8 else 4 if widest >= 2 else 1
-    if cv == 1 or not col_sizes or col_sizes[-1] % cv:
-        return 1
-    for st in strides:  # per input: its column strides, then its stride along the reduced dims
-        if st[-2] not in (0, 1) or (st[-2] == 1 and any(x % cv for x in (*st[:-2], st[-1]))):
-            return 1
-    return cv
+    wanted = 2 if widest >= 8 else 4 if widest >= 4 or (widest == 2 and not stores) else 8 if widest == 2 else 1
+    for cv in (wanted, 4) if wanted == 8 else (wanted,):  # (8 columns, else 4 where 8 do not divide the sizes)
+        if cv == 1 or not col_sizes or col_sizes[-1] % cv:
+            continue
+        if all(st[-2] in (0, 1) and (st[-2] == 0 or all(x % cv == 0 for x in (*st[:-2], st[-1]))) for st in strides):
+            return cv  # (per input: its column strides, then its stride along the reduced dims)
+    return 1
 
 
 __all__ = ["MAX_COL_DIMS", "OuterKey", "OuterPlan", "column_level", "plan"]
