@@ -110,6 +110,14 @@ note "fuser gpu_check $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git
 note "$("$PY" -c 'import torch; print(torch.cuda.get_device_name(), "| torch", torch.__version__)' 2>&1 | tail -1)"
 note "FUSER_TEST_SEED=$FUSER_TEST_SEED FUSER_FUZZ_SEED=$FUZZ_SEED, fuzz ${FUZZ_SECONDS}s x $FUZZ_JOBS processes"
 
+# which GPU tests (checked before anything starts in the background)
+case "${GPU_CHECK_TESTS:-all}" in
+  all) which=(tests) ;;
+  gpu_py) which=(tests/test_gpu.py) ;;
+  others) which=(tests --ignore=tests/test_gpu.py) ;;
+  *) echo "GPU_CHECK_TESTS: all, gpu_py or others" >&2; exit 2 ;;
+esac
+
 # 1. the CUDA fuzz campaign, in the background on most cores
 fuzz_pid=
 if ! skipped fuzz; then
@@ -128,12 +136,6 @@ fi
 # 2. the GPU test suite
 if ! skipped tests; then
   t=$(date +%s)
-  case "${GPU_CHECK_TESTS:-all}" in
-    all) which=(tests) ;;
-    gpu_py) which=(tests/test_gpu.py) ;;
-    others) which=(tests --ignore=tests/test_gpu.py) ;;
-    *) echo "GPU_CHECK_TESTS: all, gpu_py or others" >&2; exit 2 ;;
-  esac
   par=()
   if [ "${GPU_CHECK_JOBS:-1}" -gt 1 ] && "$PY" -c "import xdist" 2> /dev/null; then
     par=(-n "$GPU_CHECK_JOBS" --dist loadfile)

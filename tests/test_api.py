@@ -186,22 +186,24 @@ def test_nvrtc_compile_error_carries_log_and_numbered_source():
     assert "--gpu-architecture=sm_90" in str(e.value)
 
 
-def test_contraction_only_where_every_floating_output_is_16_bit(monkeypatch):
-    """NVRTC contracts multiplies and adds (--fmad=true) in a kernel whose floating outputs are all float16 or
-    bfloat16, never where one is float32 or float64 (eager's two roundings kept), nor when settings turn it off."""
+def test_contraction_only_where_every_output_and_floating_input_is_16_bit(monkeypatch):
+    """With contraction turned on, NVRTC contracts multiplies and adds (--fmad=true) in a kernel whose outputs and
+    floating inputs are all float16 or bfloat16; never where one is float32 or float64 (eager's two roundings
+    kept) or an output is bool or an integer, nor when settings turn it off or ask for eager's bits."""
     from fuser import settings
     from fuser.cuda import driver, launch
     f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
     monkeypatch.setattr(settings, "round_reduced", False)
     monkeypatch.setattr(settings, "cuda_contract", True)
-    assert launch.contracts((bf16,)) and launch.contracts((f16, bf16, torch.bool))
-    for outs in ((f32,), (bf16, f32), (f64, f16), (torch.bool,), (torch.int64, torch.bool), ()):
-        assert not launch.contracts(outs), outs
+    assert launch.contracts((bf16, bf16), (bf16,)) and launch.contracts((f16, torch.int64, torch.bool), (f16, bf16))
+    for ins, outs in (((bf16,), (f32,)), ((bf16,), (bf16, f32)), ((f16,), (f64, f16)), ((bf16,), (bf16, torch.bool)),
+                      ((bf16,), (torch.int64,)), ((f32, bf16), (bf16,)), ((f64,), (f16,)), ((bf16,), ())):
+        assert not launch.contracts(ins, outs), (ins, outs)
     monkeypatch.setattr(settings, "round_reduced", True)
-    assert not launch.contracts((bf16,))
+    assert not launch.contracts((bf16,), (bf16,))
     monkeypatch.setattr(settings, "round_reduced", False)
     monkeypatch.setattr(settings, "cuda_contract", False)
-    assert not launch.contracts((bf16,))
+    assert not launch.contracts((bf16,), (bf16,))
     assert b"--fmad=false" in driver.NvrtcOptions(90).flags()
     assert b"--fmad=true" in driver.NvrtcOptions(90, fmad=True).flags()
     assert b"--fmad=false" not in driver.NvrtcOptions(90, fmad=True).flags()

@@ -432,7 +432,7 @@ def test_cuda_column_kernel_is_deterministic_and_non_contiguous_inputs_work():
 
 
 def _vector_layouts(dtype, stores: bool = False):
-    """(id, args, cvec wanted, whole vectors at launch) for the prologue case on CUDA: x [40, 64] in layouts that
+    """(id, args, cvec wanted, whole vectors at launch) for a column case on CUDA: x [40, 64] in layouts that
     keep or lose the column vectors (4 columns, 2 of 8-byte values, 8 of 2-byte values in a pass that ``stores``
     element-level outputs: outer._column_vector), y of shape [64] or a column of x's rows."""
     size = torch.empty((), dtype=dtype).element_size()
@@ -441,6 +441,8 @@ def _vector_layouts(dtype, stores: bool = False):
     yield "contiguous", [x, y, 1.5], cv, True
     flat = torch.randn(40 * 64 + 1, dtype=dtype)
     yield "pointer-off-by-one", [flat[1:].view(40, 64), y, 1.5], cv, False  # strides suit vectors, the pointer not
+    flat = torch.randn(40 * 64 + 4, dtype=dtype)
+    yield "pointer-off-by-four", [flat[4:].view(40, 64), y, 1.5], cv, cv <= 4  # aligned to 4 elements, not 8
     yield "row-stride-off", [torch.randn(40, 65, dtype=dtype)[:, :64], y, 1.5], 1, False
     yield "y-per-row", [x, torch.randn(40, 1, dtype=dtype), 1.5], cv, True  # steps by 0 along the columns
     yield "x-broadcast-rows", [torch.randn(1, 64, dtype=dtype).expand(40, 64), y, 1.5], cv, True
@@ -461,8 +463,10 @@ def _vector_cases(dtype):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16), ids=lambda d: str(d)[6:])
 def test_cuda_column_vectors(dtype):
     """A CUDA column kernel's thread takes 4 consecutive columns (2 of 8-byte values, 8 of 2-byte values where it
-    stores element-level outputs, each as one vector a row) where every input steps by 0 or 1 along them and its other strides keep vectors aligned (``outer.OuterKey.cvec``), loading whole vectors where
-    the pointers allow, else element by element, in the same kernel; otherwise one column a thread. Through the host emulation, against eager."""
+    stores element-level outputs, each as one vector a row) where every input steps by 0 or 1 along them and its
+    other strides keep vectors aligned (``outer.OuterKey.cvec``), loading whole vectors where the pointers allow,
+    else element by element, in the same kernel; otherwise one column a thread. Through the host emulation,
+    against eager."""
     from fuser.rows import launch
     for case, (what, args, cvec, whole) in _vector_cases(dtype):
         spec = _spec(_GROUPS[case.id])

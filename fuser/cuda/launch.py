@@ -237,17 +237,19 @@ def _unload(library) -> None:
         pass
 
 
-def contracts(out_dtypes) -> bool:
-    """Whether a kernel with these outputs is compiled with multiplies and adds contracted into FMAs: where every
-    floating output is float16 or bfloat16 (``settings.cuda_contract``). Such a kernel computes in float32 where
-    eager rounds each op's result to 16 bits, so a contraction's difference (the product's rounding, 2^-24 of it)
-    is far below what the kernel already differs by and below the output's own rounding (2^-11, 2^-8); a float32
-    or float64 output keeps eager's two roundings. Not under ``settings.round_reduced`` (eager's bits asked for)."""
+def contracts(in_dtypes, out_dtypes) -> bool:
+    """Whether a kernel with these inputs and outputs is compiled with multiplies and adds contracted into FMAs
+    (``settings.cuda_contract``): where every output and every floating input is float16 or bfloat16. Such a
+    kernel computes in float32 where eager rounds each op's result to 16 bits, so a contraction's difference (the
+    product's rounding, 2^-24 of it) is far below what the kernel already differs by and below the output's own
+    rounding (2^-11, 2^-8). A float32 or float64 input or output keeps eager's two roundings (eager computes such
+    a kernel's ops in float32 or wider), and so does a bool or integer output (a comparison of a*b + c could
+    flip). Not under ``settings.round_reduced`` (eager's bits asked for)."""
     from .. import settings
-    if not settings.cuda_contract or settings.round_reduced:
+    if not settings.cuda_contract or settings.round_reduced or not out_dtypes:
         return False
-    floats = [dt for dt in out_dtypes if dt.is_floating_point]
-    return bool(floats) and all(dt in (torch.float16, torch.bfloat16) for dt in floats)
+    half = (torch.float16, torch.bfloat16)
+    return all(dt in half for dt in out_dtypes) and all(dt in half for dt in in_dtypes if dt.is_floating_point)
 
 
 def cached_image(source: str, name: str, index: int, fmad: bool = False) -> tuple[bytes, bool]:
@@ -270,7 +272,7 @@ def load_kernel(source: str, name: str, arg_spec, n_strided: int, out_dtypes, n_
     """Compile ``source`` with NVRTC for the arg spec's device (or take it from the disk cache) and load it.
     Returns the kernel and whether NVRTC ran. ``waves``: see :class:`CudaKernel`."""
     index = arg_spec.device_index if arg_spec.device_index is not None else torch.cuda.current_device()
-    image, compiled = cached_image(source, name, index, contracts(out_dtypes))
+    image, compiled = cached_image(source, name, index, contracts([d.dtype for d in arg_spec.inputs], out_dtypes))
     kernel = CudaKernel(name, image, index, arg_spec.index32, n_strided, len(arg_spec.inputs) + len(out_dtypes),
                         n_scalars, vec, vector_alignment(arg_spec, out_dtypes, vec), waves)
     return kernel, compiled

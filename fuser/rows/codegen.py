@@ -150,8 +150,10 @@ def _finite(expr: str) -> str:
 def _compensated(acc: str, comp: str, value: str) -> str:
     """C: ``acc += value`` in float with Kahan's compensation: ``comp`` carries the rounding error each addition
     made, and the next subtracts it first (``acc - comp`` is the better sum at the end). 0 while the sum is not
-    finite, so an inf in the row still gives inf (inf - inf would make the compensation NaN). Needs
-    ``--fmad=false`` or the like: a contracted or reassociated form loses the error it tracks."""
+    finite, so an inf in the row still gives inf (inf - inf would make the compensation NaN). Its steps are adds
+    and subtracts, which neither ``--fmad=true`` (``settings.cuda_contract``: it contracts a multiply into the add
+    after it, at most the value's own) nor anything NVRTC does by default reassociates; a reassociated form would
+    lose the error it tracks."""
     return (f"{{ const float ky = (float)({value}) - {comp}; const float kt = {acc} + ky; "
             f"{comp} = fabsf(kt) <= 3.402823466e38f ? (kt - {acc}) - ky : 0.0f; {acc} = kt; }}")
 

@@ -227,7 +227,8 @@ def parts_grid(p_cols: int) -> int:
 def _load_cuda(source: str, name: str, p: RowPlan):
     from ..cuda import launch as cuda_launch
     index = p.key.device_index if p.key.device_index is not None else torch.cuda.current_device()
-    image, compiled = cuda_launch.cached_image(source, name, index, cuda_launch.contracts(p.out_dtypes))
+    fmad = cuda_launch.contracts([dt for dt, _ in p.key.inputs], p.out_dtypes)
+    image, compiled = cuda_launch.cached_image(source, name, index, fmad)
     n_in, n_out, n_sums = len(p.key.inputs), len(p.out_dtypes), len(p.key.sums)
     kernel = cuda_launch.CudaKernel(name, image, index, False, 0, n_in + n_out, len(p.scalars), 1,
                                     (0,) * (n_in + n_out))

@@ -185,7 +185,8 @@ def n_reductions(spec) -> int:
 def _load_cuda(source: str, name: str, p: OuterPlan, n_red: int):
     from ..cuda import launch as cuda_launch
     index = p.key.device_index if p.key.device_index is not None else torch.cuda.current_device()
-    image, compiled = cuda_launch.cached_image(source, name, index, cuda_launch.contracts(p.out_dtypes))
+    fmad = cuda_launch.contracts([dt for dt, _ in p.key.inputs], p.out_dtypes)
+    image, compiled = cuda_launch.cached_image(source, name, index, fmad)
     n_in, n_out = len(p.key.inputs), len(p.out_dtypes)
     kernel = cuda_launch.CudaKernel(name, image, index, False, 0, n_in + n_out + 1, len(p.scalars), 1,
                                     (0,) * (n_in + n_out + 1))

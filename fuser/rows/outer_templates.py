@@ -10,7 +10,8 @@ at::vec pass takes the chunk's whole vectors of columns (:data:`CPU_VECTOR_PASS`
 
 CUDA: one by-value ``FzArgs`` (mirrored by ``fuser.rows.outer_launch.args_struct``); one 1-D grid, 256 threads
 a block seen as ``tile`` threads along the columns (consecutive threads, consecutive columns: coalesced; each
-thread ``cvec`` consecutive columns, loaded as one vector where the launch allows) times ``256 / tile``
+thread ``cvec`` consecutive columns, loaded, and its element-level outputs stored, as one vector a row where the
+launch allows) times ``256 / tile``
 lanes, each lane accumulating every ``lanes``-th row of its split of the column; the lanes combine through
 shared memory in a fixed tree. ``stage`` 0 with one split stores the results; with ``splits`` > 1 each block
 writes its partial results to the workspace (double: a float accumulator converts to it and back exactly) and
@@ -202,7 +203,7 @@ struct FzArgs {
   int rank;
   int stage;
   int tile;  // threads a block along the columns: a power of two, at most 32
-  int vec;  // the launch may load whole vectors of ${cvec} columns (fuser.rows.outer_launch)
+  int vec;  // the launch may load and store whole vectors of ${cvec} columns (fuser.rows.outer_launch)
   void* ptrs[${n_ptrs}];  // inputs, outputs, the workspace
   double scalars[${n_scalar_slots}];
 };
