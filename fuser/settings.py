@@ -25,8 +25,8 @@ round_reduced: bool = os.environ.get("FUSER_ROUND_REDUCED", "") == "1"
 # bias's error 4.6e-5 on, 3.1e-5 off, eager 2.1e-5, over terms up to 300; the test's tolerance now allows eager's
 # own rounding error, tests/test_models.py.) Read on each backward call.
 cuda_column_sums: bool = os.environ.get("FUSER_CUDA_COLUMN_SUMS", "1") != "0"
-# CUDA kernels whose floating outputs are all float16/bfloat16 may be compiled with multiplies and adds contracted
-# into FMAs (NVRTC --fmad=true; fuser/cuda/launch.py's contracts says why their results would stay within eager's
+# CUDA kernels whose outputs and floating inputs are all float16/bfloat16 may be compiled with multiplies and adds
+# contracted into FMAs (NVRTC --fmad=true; fuser/cuda/launch.py's contracts says why their results would stay within eager's
 # tolerance). Off by default: on an H200 it cut a hand-edited equivalent of gelu(x + b)'s bfloat16 backward column
 # kernel (8 columns a thread) from 121 to 117.5 us, but the benchmark's training step as generated took 199-200 us
 # with it and 200-201 us without (two processes each, 2026-12-01), and gpu_check ran without it.

@@ -11,8 +11,7 @@ at::vec pass takes the chunk's whole vectors of columns (:data:`CPU_VECTOR_PASS`
 CUDA: one by-value ``FzArgs`` (mirrored by ``fuser.rows.outer_launch.args_struct``); one 1-D grid, 256 threads
 a block seen as ``tile`` threads along the columns (consecutive threads, consecutive columns: coalesced; each
 thread ``cvec`` consecutive columns, loaded, and its element-level outputs stored, as one vector a row where the
-launch allows) times ``256 / tile``
-lanes, each lane accumulating every ``lanes``-th row of its split of the column; the lanes combine through
+launch allows) times ``256 / tile`` lanes, each lane accumulating every ``lanes``-th row of its split of the column; the lanes combine through
 shared memory in a fixed tree. ``stage`` 0 with one split stores the results; with ``splits`` > 1 each block
 writes its partial results to the workspace (double: a float accumulator converts to it and back exactly) and
 ``stage`` 1 (a second launch, one thread a column) combines the splits in order: deterministic, no atomics.
