@@ -51,8 +51,8 @@ sanitizers() {
     if command -v compute-sanitizer > /dev/null; then
       t=$(date +%s)
       compute-sanitizer --tool memcheck --leak-check no --print-limit 200 \
-        "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_native.py tests/test_layouts.py tests/test_normalizations.py tests/test_outer_reductions.py tests/test_staged_rows.py tests/test_chunked_calls.py -p no:cacheprovider -x -k \
-        "test_native or chunked_call or cuda_row_kernel_matches_eager or staged_rows_on_the_gpu or column_vectors_on_the_gpu or cuda_column_kernel_is_deterministic or gpu_tiled or gpu_outputs_have_eagers_strides or layouts or concat_on_cuda or rand_like_on_cuda or lstm_cell_with_chunk or signed_zero or mixed_dtypes or cheap_walking or side_stream or (op_cuda_vs_eager and float16 and (add-Tensor or where-self or clamp-Tensor or lerp-Tensor or addcmul or sigmoid or pow-Tensor_Scalar))" \
+        "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_native.py tests/test_layouts.py tests/test_normalizations.py tests/test_outer_reductions.py tests/test_staged_rows.py tests/test_chunked_calls.py tests/test_grad_sums.py -p no:cacheprovider -x -k \
+        "test_native or several_trips_in_its_row_kernel or chunked_call or cuda_row_kernel_matches_eager or staged_rows_on_the_gpu or column_vectors_on_the_gpu or cuda_column_kernel_is_deterministic or gpu_tiled or gpu_outputs_have_eagers_strides or layouts or concat_on_cuda or rand_like_on_cuda or lstm_cell_with_chunk or signed_zero or mixed_dtypes or cheap_walking or side_stream or (op_cuda_vs_eager and float16 and (add-Tensor or where-self or clamp-Tensor or lerp-Tensor or addcmul or sigmoid or pow-Tensor_Scalar))" \
         > "$OUT/memcheck.log" 2>&1
       rc=$?
       errors=$("$PY" - "$OUT/memcheck.log" <<'EOF'

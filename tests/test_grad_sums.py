@@ -348,6 +348,29 @@ def test_cuda_kernels_emulated_sum_as_eager(case, monkeypatch):
         _check_emulated_sums(case, n, (3, 5), _emulated)
 
 
+@pytest.mark.parametrize("n", (12289, 16384))
+@pytest.mark.parametrize("case", [c for c in CASES if c.row_backward], ids=lambda c: c.id)
+def test_cuda_row_backward_sums_over_rows_of_several_trips_emulated(case, n, monkeypatch):
+    """A row backward's fused form over rows its CUDA row kernel takes in several trips (16384 float32 elements
+    past one trip of this form's, 12289 not a whole number of trips): the column sums in the row kernel, a slot per
+    column in shared memory (CudaShape.trip_sums), where they were written whole for a column kernel before; eager's
+    float64 gradients."""
+    from fuser.rows.plan import plan as row_plan
+    monkeypatch.setattr(grad_sums, "_no_fused", set())
+    shapes = []
+
+    def launch(sp, a):
+        if sp.has_reduction:
+            with torch.no_grad():
+                p = row_plan(sp, list(a), target="cuda")
+            shapes.append((p.key.shape, p.key.sums, p.key.apart))
+        return _emulated(sp, a)
+
+    _check_emulated_sums(case, n, (3, 5), launch)
+    assert len(shapes) == 1 and shapes[0][0].trip_sums and shapes[0][1] and not shapes[0][2], shapes
+    assert n > shapes[0][0].tpr * shapes[0][0].items, shapes  # (several trips)
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if not c.row_backward], ids=lambda c: c.id)
 def test_cuda_fused_pointwise_backward_emulated(case, monkeypatch):
     """The fused form of a pointwise backward as CUDA takes it (grad_sums._fused_first: on CUDA a pointwise backward
@@ -387,6 +410,22 @@ def test_broadcast_gradients_are_summed_by_a_column_kernel_on_the_gpu(case, dtyp
             got, want = _fused_and_eager64(case, spec, args, watch)
             _assert_grads(got, want, dtype)
             assert watch.summed(True) or (case.row_backward and watch.summed(False)), (n, lead, watch.took())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("case", [c for c in CASES if c.row_backward], ids=lambda c: c.id)
+def test_row_backward_sums_rows_of_several_trips_in_its_row_kernel_on_the_gpu(case, dtype, watch):
+    """Rows of 16384 and 12292 elements (several trips of a CUDA row kernel; rms_norm's rows a multiple of 4, as
+    its forward is fused on CUDA): the weight's and bias's gradients summed in the row kernel (CudaShape.trip_sums,
+    a slot a column in shared memory) over 64 and 1000 rows, within the dtype's tolerance of eager's float64
+    gradients for the same values."""
+    for n in (16384, 12292):
+        for lead in ((64,), (1000,)):
+            args = _leaves(_inputs(case, dtype, n, lead, "cuda"))
+            got, want = _fused_and_eager64(case, _spec(case, n), args, watch)
+            _assert_grads(got, want, dtype)
+            assert watch.summed(True), (n, lead, watch.took())
 
 
 # ------------------------------------------------------------------------- column groups under autograd

@@ -784,6 +784,10 @@ def _rms_long(x, w):
     return torch.rms_norm(x, [16384], None, 1e-6) * w
 
 
+def _ln_longer(x, w, b):
+    return torch.layer_norm(x, [65536], None, None, 1e-5) * w + b
+
+
 @pytest.fixture
 def column_sums_setting(monkeypatch):
     """Sets ``settings.cuda_column_sums`` for a test; the prepared signatures are forgotten before and after (they
@@ -809,10 +813,10 @@ def _cuda_tol(dtype):
     return dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else None  # (rounded once, from float)
 
 
-# (function, [rows, cols], whether the fused row kernel can take the sums: the row in one trip; 16384 float32 or
-# bfloat16 elements take several, the plan's bound)
+# (function, [rows, cols], whether the fused row kernel can take the sums: the row in one trip, or in several whose
+# sums fit the block's shared memory (16384 float32 or bfloat16 elements: CudaShape.trip_sums); 65536 do not)
 _CUDA_NORMS = [(_ln_affine, (9, 48), True), (_rms_weight, (9, 48), True), (_ln_affine, (300, 48), True),
-               (_ln_long, (8, 16384), False), (_rms_long, (8, 16384), False)]
+               (_ln_long, (8, 16384), True), (_rms_long, (8, 16384), True), (_ln_longer, (4, 65536), False)]
 
 
 @pytest.mark.gpu
@@ -822,8 +826,8 @@ _CUDA_NORMS = [(_ln_affine, (9, 48), True), (_rms_weight, (9, 48), True), (_ln_a
                          ids=[f"{f.__name__}-{r}x{n}" for f, (r, n), _ in _CUDA_NORMS])
 def test_cuda_norm_training_steps_run_natively(case, dtype, in_row, column_sums_setting, monkeypatch):
     """layer_norm(x) * w + b and rms_norm(x) * w training steps on CUDA: after the first calls the native backward
-    launches the fused row kernel with its partial rows and second kernel (a row of one trip, in-row sums on), or
-    the split (the row kernel, then the column kernel of the weight's and bias's sums), without handing anything to
+    launches the fused row kernel with its partial rows and second kernel (in-row sums on, a row of one trip or of
+    several trips whose sums fit in shared memory), or the split (the row kernel, then the column kernel of the weight's and bias's sums), without handing anything to
     Python: bfloat16 too, as the forward saves the statistics in float32 (the split reads them unrounded; it formed
     them in bfloat16 before, and bfloat16 rows kept Python's backward). Eager's float64 gradients on fresh inputs
     every call."""
@@ -1003,10 +1007,38 @@ def test_cuda_records_of_row_sums_and_column_kernels(monkeypatch):
     backend.kernel, backend.second, backend.shape, backend.sums = fn, None, p.key.shape, ()
     backend.struct = launch.args_struct(1, 2, len(p.scalars))
     backend.block, backend.rows_per_block = p.key.shape.block, 1
-    backend.stage_sizes, backend._stage_blocks, backend.sms = (2,), {65536 * 2: 7}, 132
+    backend.stage_sizes, backend._stage_blocks, backend.sms = (2,), {65536 * 2: 1}, 132  # (a wave: one block)
     geo = RowGeometry(p, launch.RowKernel("k", "", "cuda", tuple(p.out_dtypes), backend))
     rec, _, _ = record._row_or_column_cuda(geo, True, p.tensors, p.scalars, geo.new_outputs(), [], [])
-    assert _cuda_record_tail(rec)[0][:5] == [0x1000, 1024, 65536 * 2, 7, 7]
+    grid = min(20, launch.ROW_WAVES)  # (ROW_WAVES waves of it, at most a block a row)
+    assert _cuda_record_tail(rec)[0][:5] == [0x1000, 1024, 65536 * 2, grid, grid]
+    # a row of several trips with column sums (CudaShape.trip_sums): its launch's shared memory holds the staged rows,
+    # then a slot a column for each sum; its grid is one wave with that shared memory
+    b = ir.Builder()
+    x, w, c = b.input(), b.input(), b.input()
+    spec = STORE.get(STORE.register(b.build([b.add("aten::layer_norm", x, (20000,), w, c, 1e-5, True)])))
+    args = [torch.randn(30, 20000), torch.randn(20000), torch.randn(20000)]
+    bw = autodiff.backward_for(spec, (True,) * 3, (True,), sig)
+    bargs = autodiff.backward_args(spec, bw, args, [torch.randn(30, 20000)], [a.shape for a in args])
+    fused = grad_sums.fused_for(bw, grad_sums.plan(spec, bw, [a.shape for a in args], args[0].shape, sig, bargs))
+    p = row_plan(fused.spec, bargs, target="cuda")
+    sh = p.key.shape
+    assert sh.trip_sums and p.key.sums == (1, 2) and 20000 > sh.tpr * sh.items and sh.block == sh.tpr, p
+    trip = sh.tpr * sh.items
+    smem = launch.plan_stage_bytes(p)
+    staged = sum(-(-20000 * 4 // 16) * 16 for _ in sh.staged)
+    assert smem == staged + 2 * -(-20000 // trip) * trip * 4
+    backend = object.__new__(launch.RowCudaKernel)
+    backend.kernel, backend.second, backend.shape, backend.sums = fn, second, sh, p.key.sums
+    backend.struct = launch.args_struct(len(p.tensors), len(p.tensors) + len(p.out_dtypes) + 2, len(p.scalars))
+    backend.block, backend.rows_per_block = sh.block, 1
+    backend.stage_sizes, backend._stage_blocks, backend.sms = (4,) * len(sh.staged), {smem: 4}, 132
+    backend.parts_blocks, backend.max_blocks = 99, 99 * launch.ROW_WAVES  # (not a trip sums kernel's: its smem's)
+    geo = RowGeometry(p, launch.RowKernel("k", "", "cuda", tuple(p.out_dtypes), backend))
+    rec, _, _ = record._row_or_column_cuda(geo, True, p.tensors, p.scalars, geo.new_outputs(), [], [])
+    head, _, raw, form, temps, then = _cuda_record_tail(rec)
+    assert head[:5] == [0x1000, sh.block, smem, 4, 4] and form == record.FORM_ROW_SUMS
+    assert temps == [(record.scalar_type(torch.float32), 4 * 20000)] * 2
 
     b = ir.Builder()
     x, y = b.input(), b.input()

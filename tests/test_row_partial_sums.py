@@ -429,7 +429,7 @@ def test_column_sums_apart_in_the_cuda_emulation(rows, n):
     trips, so the column sum is kept apart (and over no rows it is zeros, eager's); a row of 40 sums it in the
     kernel."""
     from fuser.rows import decompose, emulate as row_emulate
-    from fuser.rows.plan import cuda_sums_in_one_trip
+    from fuser.rows.plan import cuda_sums_in_kernel
     spec = STORE.get(STORE.register(_apart_group()))
     args = _apart_inputs(rows, n)
     with torch.no_grad():
@@ -438,5 +438,5 @@ def test_column_sums_apart_in_the_cuda_emulation(rows, n):
     assert p.key.apart == ((0,) if n > 40 else ()) and p.key.sums == (() if n > 40 else (0,)), p.key
     # what the torch.compile door's partition asks before any call: the plan's choice
     sizes = [a.element_size() for a in args] + [4, 4]
-    assert cuda_sums_in_one_trip(decompose.expand(spec.group), (0,), n, sizes) == (not p.key.apart)
+    assert cuda_sums_in_kernel(decompose.expand(spec.group), (0,), n, sizes, torch.device("cpu")) == (not p.key.apart)
     _check_apart(row_emulate.run(spec.group, args), args)

@@ -419,14 +419,14 @@ def _cuda_sums_refusal(group, ordered: list, inputs: list, outs: list, sums: set
     if not all(type(d) is int for d in row):
         return "column sums beside reductions along a row of a symbolic length (a column kernel of their own)"
     from ..rows import decompose
-    from ..rows.plan import cuda_sums_in_one_trip
+    from ..rows.plan import cuda_sums_in_kernel
     sizes = [fake(a).element_size() for a in inputs if fake(a) is not None] + [fake(o).element_size() for o in outs]
     cols = math.prod(row)
-    if cuda_sums_in_one_trip(decompose.expand(group()), tuple(m for m, o in enumerate(outs) if o in sums), cols,
-                             sizes):
+    if cuda_sums_in_kernel(decompose.expand(group()), tuple(m for m, o in enumerate(outs) if o in sums), cols,
+                           sizes, fake(ordered[0]).device):
         return ""
     return (f"column sums beside reductions along rows of {cols} elements, which a CUDA row kernel takes in several "
-            "trips (a column kernel of their own sums them)")
+            "trips, their sums past its shared memory (a column kernel of their own sums them)")
 
 
 def column_sums(ordered: list, reds: list) -> set:

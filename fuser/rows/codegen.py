@@ -483,10 +483,10 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             stores += [f"        o{m}[{out_row} + cb + v] = w{m}.v[v];" for m, _ in kept_out]
             stores += ["      }", "    }", "  }"]
         stores += ["}"]
-        for m, _ in shared_sums:
+        for m, _ in shared_sums:  # (trip sums: the slots of the item's columns)
             vt = f"fz_vec<{acc_t[m]}, {shape.vec}>"
-            stores += [f"{{ {vt}* const s = reinterpret_cast<{vt}*>(fz_a{m} + (i * {shape.block} + threadIdx.x) * "
-                       f"{shape.vec}); {vt} t = *s;", "#pragma unroll",
+            at = "cb" if shape.trip_sums else f"(i * {shape.block} + threadIdx.x) * {shape.vec}"
+            stores += [f"{{ {vt}* const s = reinterpret_cast<{vt}*>(fz_a{m} + {at}); {vt} t = *s;", "#pragma unroll",
                        f"  for (int v = 0; v < {shape.vec}; ++v) t.v[v] += a{m}.v[v];", "  *s = t; }"]
         phases.append(cuda_pass("", wanted, body, [], item_decls=decls, after_item=stores))
     elif elem_out:
@@ -537,6 +537,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         cache = [f"    {vtype[i]} h_{vname[i]}[{shape.items}];" for i in ever]
         sum_t = {m: accumulator_type(_SUM, node_types[position[group.outputs[m].id]], target) for m in sums}
         n_ptrs = n_in + len(out_dtypes)
+        stage_row = [f"((size_t)cols * sizeof({storage_type(inputs[k])}) + 15) / 16 * 16" for k in shape.staged]
         sums_decl = "\n".join(
             f"  __shared__ __align__(16) {sum_t[m]} fz_a{m}[{shape.items * shape.block}];  // (a thread's own slots)\n"
             f"  for (int k = 0; k < {shape.items // shape.vec}; ++k)\n"
@@ -544,7 +545,19 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             f"fz_vec<{sum_t[m]}, {shape.vec}>{{}};"
             if shape.sums_shared else f"  {sum_t[m]} fz_a{m}[{shape.items}] = {{}};" for m in sums)
         rpb = shape.block // shape.tpr
-        if sums and block_parts(shape):  # the block's rows' slots added first (templates.CUDA_PARTS_STORE_BLOCK)
+        if sums and shape.trip_sums:  # a slot per column of the row's whole trips, after the staged row
+            trip = shape.tpr * shape.items
+            sums_decl = (f"  const long long fz_span = (cols + {trip - 1}) / {trip} * {trip};  // (whole trips' columns)\n"
+                         + "\n".join(
+                f"  {sum_t[m]}* const fz_a{m} = reinterpret_cast<{sum_t[m]}*>(fz_dyn_smem() + "
+                f"{' + '.join(['0'] + stage_row + [f'(size_t)fz_span * sizeof({sum_t[q]})' for q in sums[:k]])});"
+                for k, m in enumerate(sums)))
+            sums_decl += (f"\n  for (long long c = threadIdx.x; c < fz_span; c += {shape.block}) {{"
+                          + "".join(f" fz_a{m}[c] = 0;" for m in sums) + " }\n  __syncthreads();")
+            sums_store = t.CUDA_PARTS_STORE_TRIPS.substitute(block=shape.block, stores="\n".join(
+                f"    (({sum_t[m]}*)args.ptrs[{n_ptrs + k}])[(long long)blockIdx.x * cols + c] = fz_a{m}[c];"
+                for k, m in enumerate(sums)))
+        elif sums and block_parts(shape):  # the block's rows' slots added first (templates.CUDA_PARTS_STORE_BLOCK)
             at = f"(i * {shape.block} + {{}}) * {shape.vec} + v"
             sums_store = t.CUDA_PARTS_STORE_BLOCK.substitute(
                 nv=shape.items // shape.vec, tpr=shape.tpr, vec=shape.vec, block=shape.block,
@@ -579,13 +592,13 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         n_sh = max(1, shape.block // 32) * (2 if paired else 1) + (2 if cl else 0)
         stage = []
         if shape.staged:  # (plan.stage_row_bytes's layout)
-            row = [f"((size_t)cols * sizeof({storage_type(inputs[k])}) + 15) / 16 * 16" for k in shape.staged]
+            row = stage_row
             stage = [t.CUDA_STAGE.substitute(tpr=shape.tpr, row_bytes=" + ".join(row), pointers="\n".join(
                 f"  {storage_type(inputs[k])}* const fz_sg{k} = ({storage_type(inputs[k])}*)(fz_stage"
                 + "".join(f" + {r}" for r in row[:i]) + ");" for i, k in enumerate(shape.staged)))]
         return t.CUDA_KERNEL.substitute(
             sums_decl=sums_decl, sums_store=t.CUDA_CLUSTER_END if cl else sums_store, parts_kernel=parts_kernel,
-            name=name, prelude=cuda_t.PRELUDE + (cuda_t.CLUSTER if cl else "") + (cuda_t.STAGE if shape.staged else ""),
+            name=name, prelude=cuda_t.PRELUDE + (cuda_t.CLUSTER if cl else "") + (cuda_t.STAGE if shape.staged or shape.trip_sums else ""),
             row_prelude=t.ROW_PRELUDE.substitute(
                 fn="__device__ __forceinline__", row_reduce=t.ROW_REDUCE + (t.CLUSTER_REDUCE if cl else "") + (t.ROW_FETCH if shape.staged else "")),
             cluster_dims=f"__cluster_dims__({shape.cluster}, 1, 1) " if cl else "",

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -80,9 +80,16 @@ def element_sizes(dtypes) -> tuple:
 
 
 def plan_stage_bytes(p: RowPlan) -> int:
-    """The dynamic shared memory of a launch of ``p``'s CUDA row kernel (``plan.stage_bytes``)."""
+    """The dynamic shared memory of a launch of ``p``'s CUDA row kernel (``plan.stage_bytes``: staged rows, trip
+    sums)."""
     sh = p.key.shape
-    return stage_bytes(sh, p.cols, element_sizes(p.key.inputs[k][0] for k in sh.staged)) if sh else 0
+    return stage_bytes(sh, p.cols, element_sizes(p.key.inputs[k][0] for k in sh.staged),
+                       sum_sizes(p.out_dtypes, p.key.sums)) if sh else 0
+
+
+def sum_sizes(out_dtypes: Sequence, sums: tuple) -> tuple:
+    """The element sizes of the column sums' accumulators (:func:`part_dtype`) of outputs ``sums``."""
+    return tuple(part_dtype(out_dtypes[m]).itemsize for m in sums)
 
 
 class AnyLaunch:
@@ -288,9 +295,9 @@ class RowCudaKernel:
         self.sums, self.second = sums, second  # column sums, and the kernel adding their partial rows
         self.block, self.rows_per_block = shape.block, shape.block // shape.tpr
         self.stage_sizes = stage_sizes  # the staged inputs' element sizes (CudaShape.staged)
-        self._stage_blocks: dict = {}  # a staged kernel's max_blocks by its launch's shared memory
+        self._stage_blocks: dict = {}  # a wave's blocks by a launch's dynamic shared memory (staged rows, trip sums)
         with torch.cuda.device(kernel.device_index):
-            if shape.staged:  # up to the device's opt-in limit less the kernel's static arrays
+            if shape.staged or shape.trip_sums:  # up to the device's opt-in limit less the kernel's static arrays
                 static = cuda_launch.call(driver.cuFuncGetAttribute,
                                           driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
                                           kernel._function)
@@ -314,27 +321,37 @@ class RowCudaKernel:
         self._local = threading.local()
 
     def smem(self, geo) -> int:
-        """The dynamic shared memory of a launch over ``geo``'s rows (a staged kernel's rows, else 0)."""
-        return stage_bytes(self.shape, geo.cols, self.stage_sizes)
+        """The dynamic shared memory of a launch over ``geo``'s rows (a staged kernel's rows, trip sums' slots;
+        else 0)."""
+        return stage_bytes(self.shape, geo.cols, self.stage_sizes, sum_sizes(geo.out_dtypes, self.sums))
 
-    def grid(self, geo) -> int:
-        if not self.shape.staged:
-            return grid_for(geo.rows, self.shape, self.max_blocks)
-        smem = self.smem(geo)  # the blocks an SM holds with this launch's shared memory, in ROW_WAVES waves
+    def _wave(self, smem: int) -> int:
+        """The blocks of one wave with ``smem`` bytes of dynamic shared memory a block."""
         top = self._stage_blocks.get(smem)
         if top is None:
             from cuda.bindings import driver
             from ..cuda import launch as cuda_launch
             with torch.cuda.device(self.kernel.device_index):
+                # (a thread's first launch may come here first, as a backward's on autograd's thread: the driver's
+                # call needs the context current)
+                cuda_launch._primary_context(self.kernel.device_index)
                 per_sm = cuda_launch.call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, self.kernel._function,
                                           self.block, smem)
-            top = self._stage_blocks[smem] = max(1, per_sm) * self.sms * ROW_WAVES
-        return grid_for(geo.rows, self.shape, top)
+            top = self._stage_blocks[smem] = max(1, per_sm) * self.sms
+        return top
+
+    def grid(self, geo) -> int:
+        if not self.shape.staged:
+            return grid_for(geo.rows, self.shape, self.max_blocks)
+        # the blocks an SM holds with this launch's shared memory, in ROW_WAVES waves
+        return grid_for(geo.rows, self.shape, self._wave(self.smem(geo)) * ROW_WAVES)
 
     def parts(self, geo) -> tuple[int, int, tuple]:
         """Column sums: (the row kernel's grid, its slots, the partial-row buffers' dtypes; each [slots, cols]), as
-        :meth:`launch` allocates them (the native hot path allocates them per call the same way)."""
-        grid, slots = part_layout(geo.rows, self.shape, self.parts_blocks)
+        :meth:`launch` allocates them (the native hot path allocates them per call the same way): one wave, with
+        the launch's shared memory where it has trip sums."""
+        blocks = self._wave(self.smem(geo)) if self.shape.trip_sums else self.parts_blocks
+        grid, slots = part_layout(geo.rows, self.shape, blocks)
         return grid, slots, tuple(part_dtype(geo.out_dtypes[m]) for m in self.sums)
 
     def launch(self, geo, tensors, scalars, outputs) -> None:
@@ -360,8 +377,10 @@ class RowCudaKernel:
         them (the same stream: the buffers go back to the caching allocator after both)."""
         from ..cuda import launch as cuda_launch
         index = self.kernel.device_index
+        smem = self.smem(geo)
         grid, slots, parts = part_buffers(geo.rows, geo.cols, self.shape, self.sums,
-                                          tuple(geo.out_dtypes[m] for m in self.sums), self.parts_blocks, geo.device)
+                                          tuple(geo.out_dtypes[m] for m in self.sums),
+                                          self._wave(smem) if self.shape.trip_sums else self.parts_blocks, geo.device)
         a = fill_args(self.struct, geo.rows, geo.cols, geo.lead, geo.strides, tensors, scalars, outputs, vec,
                       parts, slots)
         params = (ctypes.c_void_p * 1)(ctypes.addressof(a))
@@ -373,9 +392,9 @@ class RowCudaKernel:
                 cuda_launch._primary_context(index)
                 loc.context_ready = True
             stream = cuda_launch._raw_stream(index)
-            for kernel, g, block in ((self.kernel, grid, self.block),
-                                     (self.second, parts_grid(geo.cols), PARTS_BLOCK)):
-                err, = kernel._launch(kernel._function, g, 1, 1, block, 1, 1, 0, stream, ctypes.addressof(params), 0)
+            for kernel, g, block, sh in ((self.kernel, grid, self.block, smem),
+                                         (self.second, parts_grid(geo.cols), PARTS_BLOCK, 0)):
+                err, = kernel._launch(kernel._function, g, 1, 1, block, 1, 1, sh, stream, ctypes.addressof(params), 0)
                 if err != kernel._success:
                     from cuda.bindings import driver
                     cuda_launch.check(driver.CUresult(err), "cuLaunchKernel")

@@ -50,6 +50,12 @@ SUMS_MAX_TPR = 256
 # many bytes (static shared memory: 48 KB a block with the reductions' few words): the registers they took hold more
 # of the row, so more rows are in flight an SM
 SUMS_SHARED_BYTES = 40 * 1024
+# A row of several trips sums its columns in dynamic shared memory: a slot per column of the block's row (one row a
+# block), beside the inputs it stages, where both fit the device's limit a block. The row's passes read x and dy
+# once for the row's reductions and the sums where a column kernel of their own read them again: rows of 16384
+# bfloat16 elements, layer_norm(x) * w + b's backward moved 1.40x the step's floor with that column kernel (bytes
+# counted from its plans). Off: such sums kept apart (a column kernel sums them)
+TRIP_SUMS = True
 # Column sums in a CPU row kernel add each row's values into a partial row in memory, a vector store per vector of
 # each sum on top of the row's own stores, where a column kernel keeps its sums in registers and reads x and dy
 # again from the cache. Measured first (2-core EPYC, one thread, layer_norm(x) * w + b backward, medians): [8 x 4096]
@@ -97,6 +103,12 @@ class CudaShape:
     compensated: bool = False
     staged: tuple[int, ...] = ()
     sums_shared: bool = False  # column sums: a thread's partial sums in shared memory rather than registers
+
+    @property
+    def trip_sums(self) -> bool:
+        """Column sums of a row of several trips (one row a block): a slot per column in dynamic shared memory
+        (:func:`trip_sums_bytes`), a thread adding its own columns of each trip."""
+        return self.sums_shared and not self.held
 
     @property
     def block(self) -> int:
@@ -284,9 +296,21 @@ def stage_row_bytes(cols: int, sizes: Sequence[int]) -> int:
     return sum(-(-cols * s // 16) * 16 for s in sizes)
 
 
-def stage_bytes(shape: CudaShape, cols: int, sizes: Sequence[int]) -> int:
-    """The dynamic shared memory of a launch of a staged row kernel: a staged row per row of its block."""
-    return (shape.block // shape.tpr) * stage_row_bytes(cols, sizes) if shape.staged else 0
+def stage_bytes(shape: CudaShape, cols: int, sizes: Sequence[int], sum_sizes: Sequence[int] = ()) -> int:
+    """The dynamic shared memory of a launch of a row kernel: a staged row per row of its block (``sizes``: the
+    staged inputs' element sizes), then a row of trip sums' slots (:func:`trip_sums_bytes`; ``sum_sizes``: their
+    accumulators' sizes)."""
+    staged = (shape.block // shape.tpr) * stage_row_bytes(cols, sizes) if shape.staged else 0
+    return staged + trip_sums_bytes(shape, cols, sum_sizes)
+
+
+def trip_sums_bytes(shape: CudaShape, cols: int, sum_sizes: Sequence[int]) -> int:
+    """The shared memory of a row of several trips' column sums (``CudaShape.trip_sums``): a slot per column of the
+    row's whole trips for each sum (``sum_sizes``: their accumulators' sizes, 4 or 8), one after the other."""
+    if not shape.trip_sums:
+        return 0
+    trip = shape.tpr * shape.items
+    return sum(-(-cols // trip) * trip * s for s in sum_sizes)
 
 
 # Staged rows are one CTA's: the CTAs of a cluster sharing a staged row (a segment of at most 64 KB each, 512 threads
@@ -828,8 +852,11 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: 
         n_in = len(tensors)
         widths = [sz for j, sz in enumerate(sizes) if j < n_in or group.outputs[j - n_in].id not in rows_v]
         if sums:
-            cuda_sh = _cuda_sums_shape(group, cols, widths, len(sums))
-            if cols > cuda_sh.tpr * cuda_sh.items:
+            def stage(sh: CudaShape, left: int) -> Optional[CudaShape]:  # the trip sums' staged inputs
+                return (staged_shape(group, sh, cols, sizes[:len(tensors)], strides, left)
+                        if settings.cuda_vector_rows and _vectors(cols, strides, sh.vec) else None)
+            cuda_sh = _cuda_sums_shape(group, cols, widths, len(sums), stage_limit(device), stage)
+            if cols > cuda_sh.tpr * cuda_sh.items and not cuda_sh.trip_sums:
                 return _sums_apart(spec, args, target,
                                    "column sums of a CUDA row kernel of several trips along the row")
         else:
@@ -883,28 +910,41 @@ def _cuda_row_shape(group: ir.Group, cols: int, sizes: Sequence[int], n_sums: in
                       *((SUMS_REGISTER_ITEMS, SUMS_MAX_TPR) if n_sums else ()))
 
 
-def cuda_sums_in_one_trip(group: ir.Group, sums: tuple[int, ...], cols: int, sizes: Sequence[int]) -> bool:
+def cuda_sums_in_kernel(group: ir.Group, sums: tuple[int, ...], cols: int, sizes: Sequence[int],
+                        device: torch.device) -> bool:
     """Whether a CUDA row kernel of ``group`` (its composite ops' steps) sums its outputs ``sums`` (column sums) in
-    the kernel over rows of ``cols`` elements (a row of one trip), rather than writing them whole for eager's sum
-    (``RowKey.apart``). ``sizes``: the element sizes of the tensor inputs and outputs. For a caller choosing
-    between the column sums and a column kernel of their own before any call (the torch.compile door's
-    partition)."""
-    sh = _cuda_sums_shape(column_sum_form(group, sums), cols, sizes, len(sums))
-    return cols <= sh.tpr * sh.items
+    the kernel over rows of ``cols`` elements on ``device`` (a row of one trip, or of several whose sums fit its
+    shared memory), rather than writing them whole for eager's sum (``RowKey.apart``). ``sizes``: the element
+    sizes of the tensor inputs and outputs. For a caller choosing between the column sums and a column kernel of
+    their own before any call (the torch.compile door's partition)."""
+    sh = _cuda_sums_shape(column_sum_form(group, sums), cols, sizes, len(sums), stage_limit(device))
+    return cols <= sh.tpr * sh.items or sh.trip_sums
 
 
-def _cuda_sums_shape(form: ir.Group, cols: int, sizes: Sequence[int], n_sums: int) -> CudaShape:
+def _cuda_sums_shape(form: ir.Group, cols: int, sizes: Sequence[int], n_sums: int, limit: int = 0,
+                     stage: Optional[Callable] = None) -> CudaShape:
     """The CUDA shape of a row kernel with ``n_sums`` column sums (``form``: the column sum form): the row held, its
     sums in shared memory where a block's fit :data:`SUMS_SHARED_BYTES` (double sums where a tensor has 8-byte
-    elements), else in registers; else each pass loading what it reads; it sums them only where the row takes one
-    trip (``cols <= tpr * items``)."""
+    elements), else in registers; else each pass loading what it reads, and where the row takes several trips
+    (``cols > tpr * items``), one row a block, its sums in dynamic shared memory where they fit ``limit`` bytes
+    (``CudaShape.trip_sums``), with the inputs ``stage(shape, bytes left)`` stages (a shape or None). A row of
+    several trips without them is not summed in the kernel."""
+    sum_bytes = 8 if max(sizes, default=4) >= 8 else 4
     if SUMS_SHARED_BYTES:
         sh = _cuda_row_shape(form, cols, sizes, n_sums, sums_shared=True)
-        sum_bytes = 8 if max(sizes, default=4) >= 8 else 4
         if sh.held and sh.block * sh.items * n_sums * sum_bytes <= SUMS_SHARED_BYTES:
             return replace(sh, sums_shared=True)
     sh = _cuda_row_shape(form, cols, sizes, n_sums)
-    return sh if sh.held else _cuda_row_shape(form, cols, sizes, n_sums, held=False)
+    if sh.held:
+        return sh
+    sh = _cuda_row_shape(form, cols, sizes, n_sums, held=False)
+    if cols <= sh.tpr * sh.items or not TRIP_SUMS or sh.block != sh.tpr:
+        return sh
+    trips = replace(sh, sums_shared=True)
+    need = trip_sums_bytes(trips, cols, (sum_bytes,) * n_sums)
+    if need > limit:
+        return sh
+    return (stage(trips, limit - need) if stage else None) or trips
 
 
 def sum_apart(apart: tuple, outputs: list) -> list:

@@ -342,6 +342,12 @@ ${stores}
       }
     }
   }""")
+# ...and where the row takes several trips (CudaShape.trip_sums): a slot per column in dynamic shared memory, each
+# thread adding its own columns of each trip; the block writes them as its partial row (the block is the row's)
+CUDA_PARTS_STORE_TRIPS = Template(r"""  __syncthreads();
+  for (long long c = threadIdx.x; c < cols; c += ${block}) {
+${stores}
+  }""")
 CUDA_PARTS_KERNEL = Template(r"""
 // the second kernel: a block takes 32 columns at a time; its 8 warps add every 8th slot's partial rows each (32
 // consecutive columns a load), then the first warp adds the 8 warps' sums in order (a fixed order: deterministic)
