@@ -315,6 +315,7 @@ def generate(rng: random.Random, max_numel: int = 100_000, max_ops: int = 40) ->
         if error_expected:
             break
     reduced = None  # the op after an added reduction or permute: always an output
+    permuted_from = None  # the value an added permute reads (of the full shape)
     viewed_only = False  # the op after a permute is the only output
     if nodes and not error_expected:
         # now and then a reduction or normalization over the last dim of the last value, and an op after it: drawn
@@ -328,6 +329,7 @@ def generate(rng: random.Random, max_numel: int = 100_000, max_ops: int = 40) ->
         view_side = random.Random(hash(rng.getstate()[1]) ^ 0x5EED)
         if reduced is None and view_side.random() < PERMUTE_RATE:
             reduced = _add_permute(view_side, nodes, shadow, shapes, last, full)
+            permuted_from = last if reduced is not None else None
             # mostly its only output: a group writes its outputs in one space (fuser/views.py), so outputs read with
             # and without the permute fall back
             viewed_only = reduced is not None and view_side.random() < 0.7
@@ -345,7 +347,10 @@ def generate(rng: random.Random, max_numel: int = 100_000, max_ops: int = 40) ->
         outs = [("n", len(nodes) - 1)]
     if not outs:
         entry = _ADD
-        nodes.append(PNode(entry, [Arg("val", ("n", len(nodes) - 1)), Arg("val", ("t", 0)), Arg("const", 1)]))
+        # the last value plus t0; after a permute, the value it permuted (of the full shape): a permuted [a, b, 1]
+        # plus t0 [a, b, 1] holds a * b * b elements (a fuzz worker took 108 GB of an H200's memory that way)
+        src = permuted_from or ("n", len(nodes) - 1)
+        nodes.append(PNode(entry, [Arg("val", src), Arg("val", ("t", 0)), Arg("const", 1)]))
         outs = [("n", len(nodes) - 1)]
     rng.shuffle(outs)
     outs = outs[:8]
