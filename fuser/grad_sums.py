@@ -22,9 +22,9 @@ Inductor's layer_norm backward sum per block, then reduce the blocks, the same w
 column group (``fuser/rows/outer.py``) that writes x's gradient and sums the bias's as it goes, so the split's main
 group does not write a gradient that its column group then reads again (gelu(x + b)'s training step on an H200,
 float32 [16384 x 4096]: see the README's benchmark notes); on CUDA only (:func:`_fused_first`). Where that kernel
-does not run for a signature (its plan fell back: a CUDA row of several trips, float32 on the CPU past
-``fuser.rows.plan.CPU_MAX_SUMMED`` elements where that is set, sums over some of the row dims only, sums over two sets
-of dims), that call and the later ones of that signature take the split. Where a pattern does not split (dims that
+does not run for a signature (its plan fell back: a CUDA row of several trips whose sums pass a block's shared
+memory, float32 on the CPU past ``fuser.rows.plan.CPU_MAX_SUMMED`` elements where that is set, sums over some of the
+row dims only, sums over two sets of dims), that call and the later ones of that signature take the split. Where a pattern does not split (dims that
 are not leading, a random or cat group, float16/bfloat16 statistics that would be rounded in memory, an empty shape,
 autograd recording the backward), or where a column kernel did not run for a signature (its plan fell back: that call and the later ones of
 that signature, so that a backward run twice gives the same values), the caller keeps the old path: the whole

@@ -423,11 +423,12 @@ def test_column_sums_the_kernel_cannot_take_are_summed_after_it(monkeypatch):
     assert isinstance(why, str) and "a column kernel sums them" in why, why
 
 
-@pytest.mark.parametrize("rows,n", [(5, 65537), (3, 40), (0, 65537)])
+@pytest.mark.parametrize("rows,n", [(5, 65537), (3, 40), (0, 65537), (5, 20000)])
 def test_column_sums_apart_in_the_cuda_emulation(rows, n):
     """The same group's CUDA row kernel under the host emulation: a row of 65,537 float32 elements takes several
-    trips, so the column sum is kept apart (and over no rows it is zeros, eager's); a row of 40 sums it in the
-    kernel."""
+    trips and its sums would pass a block's shared memory, so the column sum is kept apart (and over no rows it is
+    zeros, eager's); a row of 40 sums it in the kernel, and so does a row of 20,000 (several trips, a slot a column
+    in shared memory: CudaShape.trip_sums)."""
     from fuser.rows import decompose, emulate as row_emulate
     from fuser.rows.plan import cuda_sums_in_kernel
     spec = STORE.get(STORE.register(_apart_group()))
@@ -435,7 +436,8 @@ def test_column_sums_apart_in_the_cuda_emulation(rows, n):
     with torch.no_grad():
         p = row_plan(spec, args, target="cuda")
     assert isinstance(p, RowPlan), p
-    assert p.key.apart == ((0,) if n > 40 else ()) and p.key.sums == (() if n > 40 else (0,)), p.key
+    assert p.key.apart == ((0,) if n > 20000 else ()) and p.key.sums == (() if n > 20000 else (0,)), p.key
+    assert p.key.shape.trip_sums == (n == 20000), p.key.shape
     # what the torch.compile door's partition asks before any call: the plan's choice
     sizes = [a.element_size() for a in args] + [4, 4]
     assert cuda_sums_in_kernel(decompose.expand(spec.group), (0,), n, sizes, torch.device("cpu")) == (not p.key.apart)

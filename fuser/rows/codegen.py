@@ -188,8 +188,10 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     always: once per row, it costs nothing; so is the operand of an eager op's reduction, per element:
     :func:`rounded_operands`). ``shape``: the CUDA kernel's (``plan.cuda_shape``). ``sums``: the
     outputs that are column sums (``plan.column_sum_form``: ``group`` is the form's, those outputs the values
-    summed): on the CPU added into a partial row per part of the rows, on CUDA (a row of one trip) into each
-    thread's registers over its rows, then written as its slot's partial row; a second stage adds the partial rows.
+    summed): on the CPU added into a partial row per part of the rows, on CUDA into each thread's registers or
+    shared slots over its rows (a row of one trip), or a slot per column in shared memory (a row of several trips,
+    one a block: ``CudaShape.trip_sums``), then written as its slot's or block's partial row; a second stage adds
+    the partial rows.
     ``steps``: CUDA, per tensor input its step along the row (``plan.RowKey.steps``) in a kernel that takes whole
     vectors only (``fz_row_vec``; no launch's ``args.vec`` checked); None: loads and stores check it."""
     rows_v = row_level(group)
@@ -229,8 +231,9 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         target == "cpu" and vectorize) else None
 
     cuda = target == "cuda"
-    # CUDA column sums: the plan gives them a row of one trip (held in registers or not: tb is 0), so a thread's
-    # columns, element i * vec + v of its trip, are the same every row
+    # CUDA column sums: a row of one trip (held in registers or not: tb is 0), so a thread's columns, element
+    # i * vec + v of its trip, are the same every row; or a row of several trips, one a block, a slot per column in
+    # shared memory (CudaShape.trip_sums: column tb + (i * tpr + lane) * vec + v, again the thread's own)
     # CUDA, a row held in registers: per pass, the values it finds in registers (plan.held_values), in arrays
     # h_<name>[items]; the pass being generated is counted in npass
     holds = held_values(group) if cuda and shape.held else [frozenset()] * len(row_passes(group, merge=cuda))
@@ -546,6 +549,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             if shape.sums_shared else f"  {sum_t[m]} fz_a{m}[{shape.items}] = {{}};" for m in sums)
         rpb = shape.block // shape.tpr
         if sums and shape.trip_sums:  # a slot per column of the row's whole trips, after the staged row
+            assert shape.block == shape.tpr, "trip sums take one row a block (plan._cuda_sums_shape)"
             trip = shape.tpr * shape.items
             sums_decl = (f"  const long long fz_span = (cols + {trip - 1}) / {trip} * {trip};  // (whole trips' columns)\n"
                          + "\n".join(

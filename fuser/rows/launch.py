@@ -378,9 +378,8 @@ class RowCudaKernel:
         from ..cuda import launch as cuda_launch
         index = self.kernel.device_index
         smem = self.smem(geo)
-        grid, slots, parts = part_buffers(geo.rows, geo.cols, self.shape, self.sums,
-                                          tuple(geo.out_dtypes[m] for m in self.sums),
-                                          self._wave(smem) if self.shape.trip_sums else self.parts_blocks, geo.device)
+        grid, slots, dtypes = self.parts(geo)
+        parts = [torch.empty((slots, geo.cols), dtype=dt, device=geo.device) for dt in dtypes]
         a = fill_args(self.struct, geo.rows, geo.cols, geo.lead, geo.strides, tensors, scalars, outputs, vec,
                       parts, slots)
         params = (ctypes.c_void_p * 1)(ctypes.addressof(a))

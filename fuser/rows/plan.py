@@ -10,7 +10,8 @@ leading dims (with the reduced dims kept as 1, or dropped); a row-level value re
 its dims (otherwise broadcasting would align it with F's trailing dims, not its rows). An output that sums an
 element-level value of shape F over F's leading dims (a weight's gradient in a norm's backward) is a column sum
 (:func:`column_sum_form`): the kernel adds it up across the rows as it goes (on CUDA where the row takes one trip
-of a thread's elements). Where the kernel cannot (a CUDA row of several trips), the plan keeps such sums apart
+of a thread's elements, or several whose sums fit a block's shared memory: ``CudaShape.trip_sums``). Where the
+kernel cannot (a CUDA row of several trips whose sums do not fit), the plan keeps such sums apart
 (``RowKey.apart``): the kernel writes the summed values whole and eager's ``sum`` adds them up after it, unless the
 group's spec is in :data:`SUMS_IN_KERNEL_ONLY` (``fuser/grad_sums.py``'s fused backwards, which have a split of their
 own: a column kernel that recomputes the summed values from the inputs).
@@ -276,10 +277,14 @@ _STAGE_DEVICES: dict = {}
 
 
 def stage_limit(device: torch.device) -> int:
-    """Bytes of shared memory a block of a staged row kernel may take (``CudaShape.staged``): the device's opt-in
-    limit a block less :data:`STAGE_RESERVE`; 0 where staging is off (``settings.cuda_staged_rows``)."""
-    if not settings.cuda_staged_rows:
-        return 0
+    """Bytes of shared memory a block of a staged row kernel may take (``CudaShape.staged``): :func:`shared_limit`;
+    0 where staging is off (``settings.cuda_staged_rows``)."""
+    return shared_limit(device) if settings.cuda_staged_rows else 0
+
+
+def shared_limit(device: torch.device) -> int:
+    """Bytes of dynamic shared memory a block of a row kernel may take (staged rows, trip sums): the device's opt-in
+    limit a block less :data:`STAGE_RESERVE` (the host emulation's: an H100/H200's)."""
     if device.type != "cuda":
         return STAGE_EMULATED_BYTES - STAGE_RESERVE
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -854,11 +859,14 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: 
         if sums:
             def stage(sh: CudaShape, left: int) -> Optional[CudaShape]:  # the trip sums' staged inputs
                 return (staged_shape(group, sh, cols, sizes[:len(tensors)], strides, left)
-                        if settings.cuda_vector_rows and _vectors(cols, strides, sh.vec) else None)
-            cuda_sh = _cuda_sums_shape(group, cols, widths, len(sums), stage_limit(device), stage)
+                        if settings.cuda_staged_rows and settings.cuda_vector_rows and _vectors(cols, strides, sh.vec)
+                        else None)
+            cuda_sh = _cuda_sums_shape(group, cols, widths, len(sums), shared_limit(device), stage,
+                                       tuple(8 if out_dtypes[m] == torch.float64 else 4 for m in sums))
             if cols > cuda_sh.tpr * cuda_sh.items and not cuda_sh.trip_sums:
                 return _sums_apart(spec, args, target,
-                                   "column sums of a CUDA row kernel of several trips along the row")
+                                   "column sums of a CUDA row kernel of several trips along the row, past a "
+                                   "block's shared memory")
         else:
             cuda_sh = _cuda_row_shape(group, cols, widths, 0)
             if not cuda_sh.held and min(widths) >= CLUSTER_MIN_BYTES and _clusters(device):  # a cluster's
@@ -917,20 +925,21 @@ def cuda_sums_in_kernel(group: ir.Group, sums: tuple[int, ...], cols: int, sizes
     shared memory), rather than writing them whole for eager's sum (``RowKey.apart``). ``sizes``: the element
     sizes of the tensor inputs and outputs. For a caller choosing between the column sums and a column kernel of
     their own before any call (the torch.compile door's partition)."""
-    sh = _cuda_sums_shape(column_sum_form(group, sums), cols, sizes, len(sums), stage_limit(device))
+    sh = _cuda_sums_shape(column_sum_form(group, sums), cols, sizes, len(sums), shared_limit(device))
     return cols <= sh.tpr * sh.items or sh.trip_sums
 
 
 def _cuda_sums_shape(form: ir.Group, cols: int, sizes: Sequence[int], n_sums: int, limit: int = 0,
-                     stage: Optional[Callable] = None) -> CudaShape:
+                     stage: Optional[Callable] = None, sum_sizes: Sequence[int] = ()) -> CudaShape:
     """The CUDA shape of a row kernel with ``n_sums`` column sums (``form``: the column sum form): the row held, its
     sums in shared memory where a block's fit :data:`SUMS_SHARED_BYTES` (double sums where a tensor has 8-byte
     elements), else in registers; else each pass loading what it reads, and where the row takes several trips
     (``cols > tpr * items``), one row a block, its sums in dynamic shared memory where they fit ``limit`` bytes
-    (``CudaShape.trip_sums``), with the inputs ``stage(shape, bytes left)`` stages (a shape or None). A row of
-    several trips without them is not summed in the kernel."""
+    (``CudaShape.trip_sums``; ``sum_sizes``: the sums' accumulator sizes, else 8 bytes each where a tensor has
+    8-byte elements), with the inputs ``stage(shape, bytes left)`` stages (a shape or None). A row of several trips
+    without them is not summed in the kernel."""
     sum_bytes = 8 if max(sizes, default=4) >= 8 else 4
-    if SUMS_SHARED_BYTES:
+    if SUMS_SHARED_BYTES:  # (a held row's sums: double where any tensor has 8-byte elements, an upper bound)
         sh = _cuda_row_shape(form, cols, sizes, n_sums, sums_shared=True)
         if sh.held and sh.block * sh.items * n_sums * sum_bytes <= SUMS_SHARED_BYTES:
             return replace(sh, sums_shared=True)
@@ -941,7 +950,7 @@ def _cuda_sums_shape(form: ir.Group, cols: int, sizes: Sequence[int], n_sums: in
     if cols <= sh.tpr * sh.items or not TRIP_SUMS or sh.block != sh.tpr:
         return sh
     trips = replace(sh, sums_shared=True)
-    need = trip_sums_bytes(trips, cols, (sum_bytes,) * n_sums)
+    need = trip_sums_bytes(trips, cols, sum_sizes or (sum_bytes,) * n_sums)
     if need > limit:
         return sh
     return (stage(trips, limit - need) if stage else None) or trips
