@@ -551,11 +551,13 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         if sums and shape.trip_sums:  # a slot per column of the row's whole trips, after the staged row
             assert shape.block == shape.tpr, "trip sums take one row a block (plan._cuda_sums_shape)"
             trip = shape.tpr * shape.items
-            sums_decl = (f"  const long long fz_span = (cols + {trip - 1}) / {trip} * {trip};  // (whole trips' columns)\n"
-                         + "\n".join(
-                f"  {sum_t[m]}* const fz_a{m} = reinterpret_cast<{sum_t[m]}*>(fz_dyn_smem() + "
-                f"{' + '.join(['0'] + stage_row + [f'(size_t)fz_span * sizeof({sum_t[q]})' for q in sums[:k]])});"
-                for k, m in enumerate(sums)))
+            lines = [f"  const long long fz_span = (cols + {trip - 1}) / {trip} * {trip};  // (whole trips' columns)"]
+            at = ["0"] + stage_row  # each sum's slots after the staged rows and the sums before it
+            for m in sums:
+                lines.append(f"  {sum_t[m]}* const fz_a{m} = reinterpret_cast<{sum_t[m]}*>(fz_dyn_smem() + "
+                             f"{' + '.join(at)});")
+                at.append(f"(size_t)fz_span * sizeof({sum_t[m]})")
+            sums_decl = "\n".join(lines)
             sums_decl += (f"\n  for (long long c = threadIdx.x; c < fz_span; c += {shape.block}) {{"
                           + "".join(f" fz_a{m}[c] = 0;" for m in sums) + " }\n  __syncthreads();")
             sums_store = t.CUDA_PARTS_STORE_TRIPS.substitute(block=shape.block, stores="\n".join(

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 
@@ -18,7 +18,7 @@ from .. import codegen, ir, settings
 from . import codegen as row_codegen
 from . import decompose
 from . import templates as t
-from .plan import RowPlan, column_sum_form, stage_bytes, with_row_inputs
+from .plan import RowPlan, column_sum_form, stage_bytes, sum_sizes, with_row_inputs
 
 
 @dataclass
@@ -85,11 +85,6 @@ def plan_stage_bytes(p: RowPlan) -> int:
     sh = p.key.shape
     return stage_bytes(sh, p.cols, element_sizes(p.key.inputs[k][0] for k in sh.staged),
                        sum_sizes(p.out_dtypes, p.key.sums)) if sh else 0
-
-
-def sum_sizes(out_dtypes: Sequence, sums: tuple) -> tuple:
-    """The element sizes of the column sums' accumulators (:func:`part_dtype`) of outputs ``sums``."""
-    return tuple(part_dtype(out_dtypes[m]).itemsize for m in sums)
 
 
 class AnyLaunch:
@@ -208,7 +203,12 @@ def part_buffers(p_rows: int, p_cols: int, shape, sums: tuple, sum_dtypes: tuple
     if not sums:
         return 0, 0, []
     grid, slots = part_layout(p_rows, shape, max_blocks)
-    return grid, slots, [torch.empty((slots, p_cols), dtype=part_dtype(dt), device=device) for dt in sum_dtypes]
+    return grid, slots, part_tensors(slots, p_cols, [part_dtype(dt) for dt in sum_dtypes], device)
+
+
+def part_tensors(slots: int, p_cols: int, dtypes, device) -> list:
+    """The partial-row buffers, [slots, cols] of each dtype."""
+    return [torch.empty((slots, p_cols), dtype=dt, device=device) for dt in dtypes]
 
 
 def part_layout(p_rows: int, shape, max_blocks: int) -> tuple[int, int]:
@@ -379,7 +379,7 @@ class RowCudaKernel:
         index = self.kernel.device_index
         smem = self.smem(geo)
         grid, slots, dtypes = self.parts(geo)
-        parts = [torch.empty((slots, geo.cols), dtype=dt, device=geo.device) for dt in dtypes]
+        parts = part_tensors(slots, geo.cols, dtypes, geo.device)
         a = fill_args(self.struct, geo.rows, geo.cols, geo.lead, geo.strides, tensors, scalars, outputs, vec,
                       parts, slots)
         params = (ctypes.c_void_p * 1)(ctypes.addressof(a))

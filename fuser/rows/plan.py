@@ -309,6 +309,12 @@ def stage_bytes(shape: CudaShape, cols: int, sizes: Sequence[int], sum_sizes: Se
     return staged + trip_sums_bytes(shape, cols, sum_sizes)
 
 
+def sum_sizes(out_dtypes: Sequence[torch.dtype], sums: Sequence[int]) -> tuple:
+    """The element sizes of the column sums' accumulators (their partial rows' dtype) of outputs ``sums``: double
+    for float64 sums, else float."""
+    return tuple(8 if out_dtypes[m] == torch.float64 else 4 for m in sums)
+
+
 def trip_sums_bytes(shape: CudaShape, cols: int, sum_sizes: Sequence[int]) -> int:
     """The shared memory of a row of several trips' column sums (``CudaShape.trip_sums``): a slot per column of the
     row's whole trips for each sum (``sum_sizes``: their accumulators' sizes, 4 or 8), one after the other."""
@@ -862,7 +868,7 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: 
                         if settings.cuda_staged_rows and settings.cuda_vector_rows and _vectors(cols, strides, sh.vec)
                         else None)
             cuda_sh = _cuda_sums_shape(group, cols, widths, len(sums), shared_limit(device), stage,
-                                       tuple(8 if out_dtypes[m] == torch.float64 else 4 for m in sums))
+                                       sum_sizes(out_dtypes, sums))
             if cols > cuda_sh.tpr * cuda_sh.items and not cuda_sh.trip_sums:
                 return _sums_apart(spec, args, target,
                                    "column sums of a CUDA row kernel of several trips along the row, past a "
