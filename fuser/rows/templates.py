@@ -55,7 +55,10 @@ static inline fz_vd fz_wdiff(const fz_vf& v, const fz_vd& c) { fz_vd lo, hi; fz_
 
 # CUDA: the TPR threads of a row (a power of two; TPR consecutive threads of the block) combine their partial
 # results: a butterfly of warp shuffles (a fixed order: deterministic), then, for rows wider than a warp, each
-# warp's result through shared memory, combined by every thread in warp order. Every thread of the block calls
+# warp's result through shared memory, lane l of every warp of the row reading warp l's (l below the row's warps,
+# lane l + k * warps the same one again) and a second butterfly over them (the same fixed tree in every warp: every
+# warp of the row gets the same value; a thread reading all the row's warps' results one after another took 64
+# loads and adds a row at 1024 threads with two sums). Every thread of the block calls
 # it the same number of times (rows past the end take part with the identity), so the barriers are uniform.
 # Every thread of a row gets the value of the row's first lane (fz_max keeps its first operand on a tie, so the
 # butterfly's lanes may hold zeros of different signs).
@@ -67,9 +70,11 @@ ROW_REDUCE = r"""template <class Op, int TPR, class A> __device__ __forceinline_
   if (TPR > 32) {
     if ((threadIdx.x & 31) == 0) sh[threadIdx.x / 32] = v;
     __syncthreads();
-    const int first = (threadIdx.x / TPR) * (TPR / 32);
-    v = sh[first];
-    for (int w = 1; w < TPR / 32; ++w) v = Op::f(v, sh[first + w]);
+    constexpr int NWR = TPR / 32;  // the row's warps (a power of two, at most 32)
+    v = sh[(threadIdx.x / TPR) * NWR + (threadIdx.x & (NWR - 1))];
+#pragma unroll
+    for (int o = NWR / 2; o > 0; o >>= 1) v = Op::f(v, __shfl_xor_sync(0xffffffffu, v, o));
+    v = __shfl_sync(0xffffffffu, v, 0);
     __syncthreads();  // sh is free for the next reduction
   }
   return v;
@@ -92,13 +97,17 @@ template <class Op, int TPR, int NW, class A> __device__ __forceinline__ void fz
       sh[NW + threadIdx.x / 32] = b;
     }
     __syncthreads();
-    const int first = (threadIdx.x / TPR) * (TPR / 32);
-    a = sh[first];
-    b = sh[NW + first];
-    for (int w = 1; w < TPR / 32; ++w) {
-      a = Op::f(a, sh[first + w]);
-      b = Op::f(b, sh[NW + first + w]);
+    constexpr int NWR = TPR / 32;
+    const int at = (threadIdx.x / TPR) * NWR + (threadIdx.x & (NWR - 1));
+    a = sh[at];
+    b = sh[NW + at];
+#pragma unroll
+    for (int o = NWR / 2; o > 0; o >>= 1) {
+      a = Op::f(a, __shfl_xor_sync(0xffffffffu, a, o));
+      b = Op::f(b, __shfl_xor_sync(0xffffffffu, b, o));
     }
+    a = __shfl_sync(0xffffffffu, a, 0);
+    b = __shfl_sync(0xffffffffu, b, 0);
     __syncthreads();  // sh is free for the next reduction
   }
 }
