@@ -170,6 +170,35 @@ def test_nan_and_inf_as_eager(kind):
         torch.testing.assert_close(out, ref, equal_nan=True, rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("dim", (-1, 0))
+@pytest.mark.parametrize("kind", ("amax", "amin"))
+def test_max_and_min_on_the_gpu_with_nan_infinities_and_signed_zeros(kind, dim, dtype):
+    """The CUDA reductions combine with one max.NaN / min.NaN instruction from sm_80 on (fuser/cuda/templates.py
+    fz_max_nan, the host emulation's is fz_max): against eager CUDA, rows (dim -1, row kernels) and columns (dim 0,
+    column kernels) of 300 and 5000 elements (one warp, several) holding a NaN, an inf, -inf, only zeros of both
+    signs, only -inf, NaN beside inf: NaN where eager's is, every other value equal (a zero's sign is not fixed by
+    eager either: its reductions' order decides it)."""
+    b = ir.Builder()
+    x = b.input()
+    g = b.build([reduce_node(b, kind, b.call("aten::mul", x, 2.0), (dim,), False)])
+    spec = _spec(g)
+    for n in (300, 5000):
+        t = torch.randn(7, n)
+        t[0, 17], t[1, n - 1], t[2, 0] = float("nan"), float("inf"), -float("inf")
+        t[3] = torch.where(torch.rand(n) < 0.5, 0.0, -0.0)
+        t[4] = -float("inf")
+        t[5, 5], t[5, 6] = float("inf"), float("nan")
+        t[6, :] = float("nan")
+        t = (t if dim == -1 else t.t().contiguous()).to(dtype).cuda()
+        ref = REDUCE_EAGER[kind](t * 2.0, dim)
+        out, = fused_run(spec, [t])
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        assert torch.equal(out.isnan(), ref.isnan())
+        torch.testing.assert_close(out, ref, equal_nan=True, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind,sign", (("amax", 1), ("amin", -1)))
 def test_a_max_of_float16_values_past_its_range_stays_in_float(kind, sign):
     """(CUDA fuzz, seed 2584215266) x - amax(x) over float16 values held in float past 65504: the max is one of

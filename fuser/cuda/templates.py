@@ -66,6 +66,20 @@ __device__ __forceinline__ double fz_max(double a, double b) {
 __device__ __forceinline__ double fz_min(double a, double b) {
   return (a != a || b != b) ? a + b : a != b ? (a < b ? a : b) : (__double_as_longlong(a) < 0 ? a : b);
 }
+// a reduction's max/min (fuser/rows/templates.py ROW_COMBINE): NaN propagates; which zero a tie of signed zeros
+// gives and which NaN comes out are left open (eager's reductions do not fix them either). One instruction from
+// sm_80 on (max.NaN.f32) where fz_max takes seven with a select chain: the max of softmax's row was the longest
+// step of its kernel's first pass; other types and devices take fz_max/fz_min
+template <class T> __device__ __forceinline__ T fz_max_nan(T a, T b) { return fz_max(a, b); }
+template <class T> __device__ __forceinline__ T fz_min_nan(T a, T b) { return fz_min(a, b); }
+#if __CUDA_ARCH__ >= 800
+template <> __device__ __forceinline__ float fz_max_nan<float>(float a, float b) {
+  float r; asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+template <> __device__ __forceinline__ float fz_min_nan<float>(float a, float b) {
+  float r; asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+#endif
 // CUDA eager's clamp with Scalar bounds (clamp, clamp_min, clamp_max, hardtanh): both bounds given and one NaN
 // fills the result with NaN; otherwise a NaN input stays NaN and a NaN bound is ignored (fmaxf/fminf)
 template <class T> __device__ __forceinline__ T fz_clamp_scalar(T x, T lo, T hi, bool has_lo, bool has_hi) {

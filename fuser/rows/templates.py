@@ -15,11 +15,16 @@ from string import Template
 
 MAX_DIMS = 8  # row dims (fuser.rows.plan.MAX_LEAD_DIMS)
 
-# combine functions of the reductions (ops.Reduction.combine); CUDA adds the row reduction across a row's threads
+# ROW_PRELUDE's max and min per target (fuser/cuda/templates.py's fz_max_nan: max.NaN.f32 from sm_80 on)
+ROW_COMBINE = {"cuda": {"max": "fz_max_nan", "min": "fz_min_nan"}, "cpu": {"max": "fz_max", "min": "fz_min"}}
+
+# combine functions of the reductions (ops.Reduction.combine); CUDA adds the row reduction across a row's threads.
+# ${max} / ${min}: the max and min a reduction combines with (ROW_COMBINE): CUDA's need not order signed zeros or
+# keep a NaN's payload (a reduction's order does not fix them in eager either), so one instruction does it there
 ROW_PRELUDE = Template(r"""
 struct fz_rsum { template <class A> static ${fn} A f(A a, A b) { return a + b; } };
-struct fz_rmax { template <class A> static ${fn} A f(A a, A b) { return fz_max(a, b); } };
-struct fz_rmin { template <class A> static ${fn} A f(A a, A b) { return fz_min(a, b); } };
+struct fz_rmax { template <class A> static ${fn} A f(A a, A b) { return ${max}(a, b); } };
+struct fz_rmin { template <class A> static ${fn} A f(A a, A b) { return ${min}(a, b); } };
 ${row_reduce}""")
 
 # CPU: a vector's lanes combined in double (or the accumulator's type) as a tree, halves pairwise (a fixed order;
