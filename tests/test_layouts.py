@@ -649,3 +649,40 @@ def test_tiled_vector_tiles_fit_static_shared_memory():
         assert common.tile_shape(wide, options) == ((64, 32) if n <= 2 else common.TILE_SCALAR)
     mixed = [TensorDesc(torch.float16, STRIDED), TensorDesc(torch.float32, STRIDED)]
     assert not common.tiled_vector(mixed, options) and common.tile_shape(mixed, options) == common.TILE_SCALAR
+
+
+def test_tiled_scalar_tiles_fit_static_shared_memory():
+    """The tiled path's scalar form declares a [64][33] tile of values per staged input: a kernel gets the path only
+    where they fit 48 KB (two 8-byte inputs, five 4-byte ones; 2-byte ones are held in 4 bytes)."""
+    from fuser.descs import STRIDED, TensorDesc
+    for dtype, most in ((torch.float64, 2), (torch.int64, 2), (torch.float32, 5), (torch.bfloat16, 5),
+                        (torch.int32, 5)):
+        for n in (1, most, most + 1):
+            inputs = [TensorDesc(dtype, STRIDED)] * n + [TensorDesc(dtype, DENSE)]
+            assert common.has_tiled_path(inputs, "cuda") == (n <= most), (dtype, n)
+    assert not common.has_tiled_path([TensorDesc(torch.float64, STRIDED)], "cpu")
+
+
+THREE_TRANSPOSED = """graph(%t0 : Tensor, %t1 : Tensor, %t2 : Tensor, %t3 : Tensor, %f0 : float):
+  %v0 : Tensor = aten::mul(%t0, %t1)
+  %v1 : Tensor = aten::add(%t0, %t2, %f0)
+  %v2 : Tensor = aten::sub(%t0, %t3, %f0)
+  return (%v2, %v1, %v0)
+"""
+
+
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32), ids=str)
+def test_three_transposed_float64_inputs_compile_and_match_eager(dtype):
+    """(CUDA fuzz, seed 608887534, graph 529: three strided float64 inputs beside a dense one, dense outputs) the
+    scalar form's tiles (50688 bytes) made ptxas refuse the kernel, so the call raised. Now such a kernel has no
+    tiled path (float32 keeps it); NVRTC compiles it and the emulated kernel gives eager's values and strides."""
+    from fuser.cuda import driver
+    graph = torch.parse_ir(THREE_TRANSPOSED)
+    spec = STORE.get(STORE.register(lower(graph)))
+    args = [random_tensor((3, 48, 40), dtype)] + [random_tensor((3, 40, 48), dtype).transpose(1, 2)
+                                                  for _ in range(3)] + [-0.5]
+    p = executor.plan(spec, args, target="cuda")
+    kernel = compiler.build(spec, p.arg_spec, load=lambda *_: (None, False), probe_device="cpu")
+    assert ("fz_tile1" in kernel.source) == (dtype == torch.float32)
+    driver.compile_source(kernel.source, kernel.name, driver.NvrtcOptions(90))
+    _assert_like_eager(emulate.run_graph(graph, args), _reference(THREE_TRANSPOSED, args))

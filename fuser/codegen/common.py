@@ -101,11 +101,18 @@ def has_vector_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Sequ
             and all(lay in (DENSE, ROWS) for lay in out_layouts))
 
 
+_VALUE_BYTES = {"float": 4, "double": 8, "int": 4, "int8_t": 1, "uint8_t": 1, "int16_t": 2, "int32_t": 4, "int64_t": 8,
+                "bool": 1}
+
+
 def has_tiled_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Sequence[str] = ()) -> bool:
     """Whether a kernel gets the CUDA tiled loop (``cuda.templates.TILED_LOOP``): some input generically strided
-    (a transposed one reads along another dim than the map's innermost), every output dense."""
-    return (target == "cuda" and any(d.layout == STRIDED for d in inputs)
-            and all(lay == DENSE for lay in out_layouts))
+    (a transposed one reads along another dim than the map's innermost), every output dense, and the scalar form's
+    shared tiles (a [64][33] tile of values per strided input) within :data:`SHARED_BYTES` (three float64 inputs
+    take 50688 bytes: ptxas refused the kernel, the CUDA fuzzer, seed 608887534)."""
+    staged = [d for d in inputs if d.layout == STRIDED]
+    return (target == "cuda" and bool(staged) and all(lay == DENSE for lay in out_layouts)
+            and sum(TILE_SCALAR[0] * 33 * _VALUE_BYTES[value_type(d.dtype, target)] for d in staged) <= SHARED_BYTES)
 
 
 # The CUDA tiled path's tiles, (along the map's innermost dim a, along the staged inputs' fastest dim b), in elements.
