@@ -333,7 +333,7 @@ def test_the_row_kernels_lane_combines_compile_for_both_isas(isa, tmp_path):
     if cpu_compiler.vector_capability() is None:
         pytest.skip("no at::vec headers or not x86-64")
     src = tmp_path / "lanes.cpp"
-    src.write_text(cpu_t.VECTOR_HEADER + row_t.ROW_PRELUDE.substitute(fn="inline", row_reduce=row_t.CPU_LANE_REDUCE) +
+    src.write_text(cpu_t.VECTOR_HEADER + row_t.row_prelude("cpu", row_t.CPU_LANE_REDUCE) +
                    "double f(const fz_vf& a, const fz_vd& b) {\n  const fz_vd c = fz_vd(1.5);\n"
                    "  return fz_lane_tree<fz_rsum, double>(fz_wsum(a) + fz_wdiff(a, c) + fz_wsum(b) + fz_wdiff(b, c))\n"
                    "         + fz_lane_tree<fz_rmax, float>(a);\n}\n")

@@ -663,26 +663,30 @@ def test_tiled_scalar_tiles_fit_static_shared_memory():
     assert not common.has_tiled_path([TensorDesc(torch.float64, STRIDED)], "cpu")
 
 
-THREE_TRANSPOSED = """graph(%t0 : Tensor, %t1 : Tensor, %t2 : Tensor, %t3 : Tensor, %f0 : float):
-  %v0 : Tensor = aten::mul(%t0, %t1)
-  %v1 : Tensor = aten::add(%t0, %t2, %f0)
-  %v2 : Tensor = aten::sub(%t0, %t3, %f0)
-  return (%v2, %v1, %v0)
-"""
+def _strided_inputs_graph(k: int) -> str:
+    """t0 plus each of k more inputs (one output each; a float scalar as the adds' alpha)."""
+    ins = ", ".join(f"%t{j} : Tensor" for j in range(k + 1))
+    body = "".join(f"  %v{j} : Tensor = aten::add(%t0, %t{j}, %f0)\n" for j in range(1, k + 1))
+    outs = ", ".join(f"%v{j}" for j in range(1, k + 1))
+    return f"graph({ins}, %f0 : float):\n{body}  return ({outs})\n"
 
 
-@pytest.mark.parametrize("dtype", (torch.float64, torch.float32), ids=str)
-def test_three_transposed_float64_inputs_compile_and_match_eager(dtype):
+@pytest.mark.parametrize("dtype,k", ((torch.float64, 3), (torch.float32, 3), (torch.float32, 6)), ids=str)
+def test_strided_inputs_past_the_tiles_shared_memory_compile_and_match_eager(dtype, k):
     """(CUDA fuzz, seed 608887534, graph 529: three strided float64 inputs beside a dense one, dense outputs) the
-    scalar form's tiles (50688 bytes) made ptxas refuse the kernel, so the call raised. Now such a kernel has no
-    tiled path (float32 keeps it); NVRTC compiles it and the emulated kernel gives eager's values and strides."""
+    scalar form's tiles (50688 bytes, as for six float32 inputs) made ptxas refuse the kernel, so the call raised.
+    Now such a kernel has no tiled path (three float32 inputs keep it; the launcher's tile_dim agrees with the
+    source); NVRTC compiles it and the emulated kernel gives eager's values and strides."""
     from fuser.cuda import driver
-    graph = torch.parse_ir(THREE_TRANSPOSED)
+    text = _strided_inputs_graph(k)
+    graph = torch.parse_ir(text)
     spec = STORE.get(STORE.register(lower(graph)))
     args = [random_tensor((3, 48, 40), dtype)] + [random_tensor((3, 40, 48), dtype).transpose(1, 2)
-                                                  for _ in range(3)] + [-0.5]
+                                                  for _ in range(k)] + [-0.5]
     p = executor.plan(spec, args, target="cuda")
     kernel = compiler.build(spec, p.arg_spec, load=lambda *_: (None, False), probe_device="cpu")
-    assert ("fz_tile1" in kernel.source) == (dtype == torch.float32)
+    tiled = dtype == torch.float32 and k == 3
+    assert ("fz_tile1" in kernel.source) == tiled
+    assert (executor.Geometry(p, kernel).tile_dim >= 0) == tiled
     driver.compile_source(kernel.source, kernel.name, driver.NvrtcOptions(90))
-    _assert_like_eager(emulate.run_graph(graph, args), _reference(THREE_TRANSPOSED, args))
+    _assert_like_eager(emulate.run_graph(graph, args), _reference(text, args))

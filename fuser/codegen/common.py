@@ -101,10 +101,6 @@ def has_vector_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Sequ
             and all(lay in (DENSE, ROWS) for lay in out_layouts))
 
 
-_VALUE_BYTES = {"float": 4, "double": 8, "int": 4, "int8_t": 1, "uint8_t": 1, "int16_t": 2, "int32_t": 4, "int64_t": 8,
-                "bool": 1}
-
-
 def has_tiled_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Sequence[str] = ()) -> bool:
     """Whether a kernel gets the CUDA tiled loop (``cuda.templates.TILED_LOOP``): some input generically strided
     (a transposed one reads along another dim than the map's innermost), every output dense, and the scalar form's
@@ -112,7 +108,14 @@ def has_tiled_path(inputs: Sequence[TensorDesc], target: str, out_layouts: Seque
     take 50688 bytes: ptxas refused the kernel, the CUDA fuzzer, seed 608887534)."""
     staged = [d for d in inputs if d.layout == STRIDED]
     return (target == "cuda" and bool(staged) and all(lay == DENSE for lay in out_layouts)
-            and sum(TILE_SCALAR[0] * 33 * _VALUE_BYTES[value_type(d.dtype, target)] for d in staged) <= SHARED_BYTES)
+            and sum(TILE_SCALAR[0] * 33 * _value_bytes(d.dtype) for d in staged) <= SHARED_BYTES)
+
+
+def _value_bytes(dtype: torch.dtype) -> int:
+    """Bytes of a CUDA kernel's value of ``dtype`` (:func:`value_type`: float16/bfloat16 in float, narrow
+    integers in int)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return max(4, size) if dtype.is_floating_point or dtype in _NARROW_INTS else size
 
 
 # The CUDA tiled path's tiles, (along the map's innermost dim a, along the staged inputs' fastest dim b), in elements.
@@ -165,6 +168,7 @@ POINTWISE_HEAVY_THREADS = int(os.environ.get("FUSER_CUDA_POINTWISE_HEAVY_THREADS
 # Static shared memory a CUDA kernel may declare (48 KB). A kernel with the vector form declares both forms' tiles: per
 # staged input the scalar form's [64][33] values (4 bytes at least) and the vector form's 64 x tile_b 2-byte
 # elements; 64 x 64 fits two staged inputs, 64 x 32 three (an H100's ptxas refused three at 64 x 64: 49920 bytes).
+# The scalar form alone must fit too (has_tiled_path): two staged 8-byte inputs, five 4-byte ones.
 SHARED_BYTES = 48 * 1024
 
 

@@ -66,10 +66,11 @@ __device__ __forceinline__ double fz_max(double a, double b) {
 __device__ __forceinline__ double fz_min(double a, double b) {
   return (a != a || b != b) ? a + b : a != b ? (a < b ? a : b) : (__double_as_longlong(a) < 0 ? a : b);
 }
-// a reduction's max/min (fuser/rows/templates.py ROW_COMBINE): NaN propagates; which zero a tie of signed zeros
-// gives and which NaN comes out are left open (eager's reductions do not fix them either). One instruction from
-// sm_80 on (max.NaN.f32) where fz_max takes seven with a select chain: the max of softmax's row was the longest
-// step of its kernel's first pass; other types and devices take fz_max/fz_min
+// a reduction's max/min (fuser/rows/templates.py row_prelude): NaN propagates. One instruction from sm_80 on
+// (max.NaN.f32) where fz_max takes seven with a select chain: the max of softmax's row was the longest step of its
+// kernel's first pass. PTX defines max.NaN to order -0 below +0 and to give the canonical NaN, which is what fz_max
+// gives on the GPU; the tests hold it to eager's values and NaNs only (eager's reductions' order decides a zero's
+// sign). Other types and devices take fz_max/fz_min
 template <class T> __device__ __forceinline__ T fz_max_nan(T a, T b) { return fz_max(a, b); }
 template <class T> __device__ __forceinline__ T fz_min_nan(T a, T b) { return fz_min(a, b); }
 #if __CUDA_ARCH__ >= 800
@@ -247,7 +248,8 @@ ${vstores}
     first = nvec * ${vec} + first;
   }""")
 
-# Only emitted when some input is generically strided and every output is dense; args.tile_dim >= 0 says the
+# Only emitted when some input is generically strided, every output is dense and the scalar form's tiles fit 48 KB
+# (codegen.common.has_tiled_path); args.tile_dim >= 0 says the
 # launcher chose it (fuser.executor.Geometry.tile_dim: a strided input's fastest dim, not the map's innermost).
 # The map is cut into tiles of tile_a (along the innermost dim, a) x tile_b (along that dim, b), a tile per block and
 # trip (codegen.tile_shape): the strided inputs are read along b into shared memory, then every tensor is read and

@@ -605,8 +605,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         return t.CUDA_KERNEL.substitute(
             sums_decl=sums_decl, sums_store=t.CUDA_CLUSTER_END if cl else sums_store, parts_kernel=parts_kernel,
             name=name, prelude=cuda_t.PRELUDE + (cuda_t.CLUSTER if cl else "") + (cuda_t.STAGE if shape.staged or shape.trip_sums else ""),
-            row_prelude=t.ROW_PRELUDE.substitute(
-                fn="__device__ __forceinline__", **t.ROW_COMBINE["cuda"], row_reduce=t.ROW_REDUCE + (t.CLUSTER_REDUCE if cl else "") + (t.ROW_FETCH if shape.staged else "")),
+            row_prelude=t.row_prelude(
+                "cuda", t.ROW_REDUCE + (t.CLUSTER_REDUCE if cl else "") + (t.ROW_FETCH if shape.staged else "")),
             cluster_dims=f"__cluster_dims__({shape.cluster}, 1, 1) " if cl else "",
             cols=t.CUDA_CLUSTER_COLS.substitute(seg=shape.tpr * shape.items) if cl else t.CUDA_COLS,
             first_block=f"(blockIdx.x / {shape.cluster})" if cl else "blockIdx.x",
@@ -658,7 +658,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     return t.CPU_KERNEL.substitute(
         name=name, head=t.CPU_HEAD.substitute(
             prelude=cpu_t.VECTOR_INCLUDE if vectorized else cpu_t.PRELUDE,
-            row_prelude=t.ROW_PRELUDE.substitute(fn="inline", **t.ROW_COMBINE["cpu"], row_reduce=t.CPU_LANE_REDUCE if vectorized else ""),
+            row_prelude=t.row_prelude("cpu", t.CPU_LANE_REDUCE if vectorized else ""),
             name=name, count="rows"),
         vector_types=t.CPU_VECTOR_TYPES.substitute(vtype=vector.vtype) if vectorized else "",
         params="\n".join(params), parallel=parallel, end=end, offsets=offsets, phases="\n".join(phases),

@@ -175,8 +175,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         accs = [(pos, red, acc_t) for _, pos, red, _, acc_t in reductions]
         return t.CUDA_KERNEL.substitute(
             name=name, prelude=cuda_t.PRELUDE,
-            row_prelude=row_t.ROW_PRELUDE.substitute(fn="__device__ __forceinline__", **row_t.ROW_COMBINE["cuda"],
-                                                            row_reduce=t.LANE_REDUCE),
+            row_prelude=row_t.row_prelude("cuda", t.LANE_REDUCE),
             max_dims=t.MAX_DIMS, n_stride_rows=max(1, n_in), n_ptrs=n_in + len(out_dtypes) + 1,
             n_scalar_slots=max(1, n_scalar_slots), block_size=t.BLOCK_SIZE, params="\n".join(params),
             ws_index=n_in + len(out_dtypes),
@@ -214,7 +213,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     return t.CPU_KERNEL.substitute(
         name=name, head=row_t.CPU_HEAD.substitute(
             prelude=cpu_t.VECTOR_INCLUDE if vector is not None else cpu_t.PRELUDE,
-            row_prelude=row_t.ROW_PRELUDE.substitute(fn="inline", **row_t.ROW_COMBINE["cpu"], row_reduce=""), name=name, count="red"),
+            row_prelude=row_t.row_prelude("cpu", ""), name=name, count="red"),
         vector=vector[1] if vector is not None else "",
         params="\n".join(params), chunk=t.CPU_CHUNK, parallel_threshold=max(1, CPU_PARALLEL_WORK // work),
         red_strides=block([f"const int64_t rs{kk} = strides[{kk} * (rank + 1) + rank];" for kk in range(n_in)], "  "),

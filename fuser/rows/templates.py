@@ -15,17 +15,24 @@ from string import Template
 
 MAX_DIMS = 8  # row dims (fuser.rows.plan.MAX_LEAD_DIMS)
 
-# ROW_PRELUDE's max and min per target (fuser/cuda/templates.py's fz_max_nan: max.NaN.f32 from sm_80 on)
-ROW_COMBINE = {"cuda": {"max": "fz_max_nan", "min": "fz_min_nan"}, "cpu": {"max": "fz_max", "min": "fz_min"}}
-
 # combine functions of the reductions (ops.Reduction.combine); CUDA adds the row reduction across a row's threads.
-# ${max} / ${min}: the max and min a reduction combines with (ROW_COMBINE): CUDA's need not order signed zeros or
-# keep a NaN's payload (a reduction's order does not fix them in eager either), so one instruction does it there
+# ${max} / ${min}: the max and min a reduction combines with (row_prelude): on CUDA fz_max_nan / fz_min_nan (one
+# max.NaN / min.NaN instruction from sm_80 on, see fuser/cuda/templates.py), on the CPU eager's fz_max / fz_min
 ROW_PRELUDE = Template(r"""
 struct fz_rsum { template <class A> static ${fn} A f(A a, A b) { return a + b; } };
 struct fz_rmax { template <class A> static ${fn} A f(A a, A b) { return ${max}(a, b); } };
 struct fz_rmin { template <class A> static ${fn} A f(A a, A b) { return ${min}(a, b); } };
 ${row_reduce}""")
+
+
+def row_prelude(target: str, row_reduce: str) -> str:
+    """:data:`ROW_PRELUDE` for ``target`` ("cuda" or "cpu"), followed by ``row_reduce`` (the target's reduction
+    helpers): its qualifiers and the max and min its reductions combine with."""
+    if target == "cuda":
+        return ROW_PRELUDE.substitute(fn="__device__ __forceinline__", max="fz_max_nan", min="fz_min_nan",
+                                      row_reduce=row_reduce)
+    return ROW_PRELUDE.substitute(fn="inline", max="fz_max", min="fz_min", row_reduce=row_reduce)
+
 
 # CPU: a vector's lanes combined in double (or the accumulator's type) as a tree, halves pairwise (a fixed order;
 # the lanes' chains are independent, where one running sum over them waits on each add); sums widened to double
@@ -65,8 +72,9 @@ static inline fz_vd fz_wdiff(const fz_vf& v, const fz_vd& c) { fz_vd lo, hi; fz_
 # warp of the row gets the same value; a thread reading all the row's warps' results one after another took 64
 # loads and adds a row at 1024 threads with two sums). Every thread of the block calls
 # it the same number of times (rows past the end take part with the identity), so the barriers are uniform.
-# Every thread of a row gets the value of the row's first lane (fz_max keeps its first operand on a tie, so the
-# butterfly's lanes may hold zeros of different signs).
+# Every thread of a row gets the value of the row's first lane: on the GPU the butterfly's lanes already hold the same
+# bits (its combines give one result in either operand order), but the host emulation's a + b of two NaNs keeps the
+# first operand's payload, so its lanes may differ.
 ROW_REDUCE = r"""template <class Op, int TPR, class A> __device__ __forceinline__ A fz_row_reduce(A v, A* sh) {
   constexpr int W = TPR < 32 ? TPR : 32;
 #pragma unroll
