@@ -470,11 +470,11 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         # the same every row)
         acc_t = {m: accumulator_type(_SUM, node_types[position[o.id]], target) for m, o in elem_out if m in sums}
         shared_sums = [(m, o) for m, o in elem_out if m in sums] if shape.sums_shared else []
-        # shared slots: an item's values into a vector (0 for a row past the end), added to its slots whole
+        # shared slots: an item's values into a vector (0 past the row's end), added to its slots whole
         decls += [f"fz_vec<{acc_t[m]}, {shape.vec}> a{m} = {{}};" for m, _ in shared_sums]
         body = guarded(element_lines(wanted) + [store(m, o, "v").replace(f"o{m}[v]", f"w{m}.v[v]")
                                                 for m, o in kept_out] + [
-            f"if (live) a{m}.v[v] = ({acc_t[m]})({vname[o.id]});" if shape.sums_shared else
+            f"a{m}.v[v] = ({acc_t[m]})({vname[o.id]});" if shape.sums_shared else
             f"if (live) fz_a{m}[{sum_at}] += ({acc_t[m]})({vname[o.id]});" for m, o in elem_out if m in sums])
         stores = [f"if (live{'' if shape.full else ' && cb < cols'}) {{"]
         stores += ["  if (args.vec) {"] if steps is None else []
@@ -486,11 +486,14 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             stores += [f"        o{m}[{out_row} + cb + v] = w{m}.v[v];" for m, _ in kept_out]
             stores += ["      }", "    }", "  }"]
         stores += ["}"]
+        # (a live row's: one branch around the adds, where a select an element zeroed a row past the end's values)
+        stores += ["if (live) {"] if shared_sums else []
         for m, _ in shared_sums:  # (trip sums: the slots of the item's columns)
             vt = f"fz_vec<{acc_t[m]}, {shape.vec}>"
             at = "cb" if shape.trip_sums else f"(i * {shape.block} + threadIdx.x) * {shape.vec}"
-            stores += [f"{{ {vt}* const s = reinterpret_cast<{vt}*>(fz_a{m} + {at}); {vt} t = *s;", "#pragma unroll",
-                       f"  for (int v = 0; v < {shape.vec}; ++v) t.v[v] += a{m}.v[v];", "  *s = t; }"]
+            stores += [f"  {{ {vt}* const s = reinterpret_cast<{vt}*>(fz_a{m} + {at}); {vt} t = *s;", "#pragma unroll",
+                       f"    for (int v = 0; v < {shape.vec}; ++v) t.v[v] += a{m}.v[v];", "    *s = t; }"]
+        stores += ["}"] if shared_sums else []
         phases.append(cuda_pass("", wanted, body, [], item_decls=decls, after_item=stores))
     elif elem_out:
         body = element_lines([o for _, o in elem_out], cpass) + [

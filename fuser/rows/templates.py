@@ -125,6 +125,29 @@ template <class Op, int TPR, int NW, class A> __device__ __forceinline__ void fz
   }
 }
 
+// a vector of V elements at q as the kernel's value type C: bfloat16 pairs widened from their 32-bit words (the low
+// element a shift, the high one a mask; from the 16-bit lanes, sm_90 took two instructions for a high element),
+// other types element by element
+template <int V, class C, class S> __device__ __forceinline__ void fz_vec_ld(C* dst, const S* q) {
+  const fz_vec<S, V> w = *reinterpret_cast<const fz_vec<S, V>*>(q);
+#pragma unroll
+  for (int v = 0; v < V; ++v) dst[v] = (C)fz_ld(w.v[v]);
+}
+template <int V> __device__ __forceinline__ void fz_vec_ld(float* dst, const fz_bf16* q) {
+  if (V % 2) {
+    const fz_vec<fz_bf16, V> w = *reinterpret_cast<const fz_vec<fz_bf16, V>*>(q);
+#pragma unroll
+    for (int v = 0; v < V; ++v) dst[v] = fz_ld(w.v[v]);
+    return;
+  }
+  constexpr int W = V / 2 > 0 ? V / 2 : 1;
+  const fz_vec<unsigned int, W> u = *reinterpret_cast<const fz_vec<unsigned int, W>*>(q);
+#pragma unroll
+  for (int k = 0; k < W; ++k) {
+    dst[2 * k] = __uint_as_float(u.v[k] << 16);
+    dst[2 * k + 1] = __uint_as_float(u.v[k] & 0xffff0000u);
+  }
+}
 // a thread's elements of one trip along a row (NV vectors of V elements, vector i at column
 // tb + (i * TPR + lane) * V), as the kernel's value type C, every load issued before any is used: whole vectors
 // where the launch allows them (args.vec: the row starts, the row length and the pointers suit them; a vector
@@ -140,9 +163,7 @@ template <int NV, int V, int TPR, bool FULL, class C, class S> __device__ __forc
     for (int i = 0; i < NV; ++i) {
       int cb = tb + (i * TPR + lane) * V;
       if (!FULL) cb = cb < cols ? cb : cols - V;
-      const fz_vec<S, V> w = *reinterpret_cast<const fz_vec<S, V>*>(p + off + cb);
-#pragma unroll
-      for (int v = 0; v < V; ++v) dst[i * V + v] = (C)fz_ld(w.v[v]);
+      fz_vec_ld<V>(dst + i * V, p + off + cb);
     }
   } else if (vec) {
     const C x = (C)fz_ld(p[off]);
@@ -174,9 +195,7 @@ template <int NV, int V, int TPR, bool FULL, int STEP, class C, class S> __devic
   for (int i = 0; i < NV; ++i) {
     int cb = tb + (i * TPR + lane) * V;
     if (!FULL) cb = cb < cols ? cb : cols - V;
-    const fz_vec<S, V> w = *reinterpret_cast<const fz_vec<S, V>*>(p + off + cb);
-#pragma unroll
-    for (int v = 0; v < V; ++v) dst[i * V + v] = (C)fz_ld(w.v[v]);
+    fz_vec_ld<V>(dst + i * V, p + off + cb);
   }
 }
 template <int NV, int V, int TPR, bool FULL, class C, class S> __device__ __forceinline__ void fz_row_staged(
@@ -185,9 +204,7 @@ template <int NV, int V, int TPR, bool FULL, class C, class S> __device__ __forc
   for (int i = 0; i < NV; ++i) {
     const int cb = tb + (i * TPR + lane) * V;
     if (FULL || cb < cols) {
-      const fz_vec<S, V> w = *reinterpret_cast<const fz_vec<S, V>*>(st + cb);
-#pragma unroll
-      for (int v = 0; v < V; ++v) dst[i * V + v] = (C)fz_ld(w.v[v]);
+      fz_vec_ld<V>(dst + i * V, st + cb);
     } else {
 #pragma unroll
       for (int v = 0; v < V; ++v) dst[i * V + v] = (C)0;
