@@ -372,6 +372,40 @@ def test_cuda_row_backward_sums_over_rows_of_several_trips_emulated(case, n, dty
     assert n > shapes[0][0].tpr * shapes[0][0].items, shapes  # (several trips)
 
 
+@pytest.mark.parametrize("n,dtype,items,vec", [(16384, torch.bfloat16, 8, 8), (12296, torch.bfloat16, 8, 8),
+                                               (16384, torch.bfloat16, 16, 8)], ids=str)
+@pytest.mark.parametrize("case", [c for c in CASES if c.row_backward], ids=lambda c: c.id)
+def test_trip_sums_of_vectors_past_16_bytes_emulated(case, n, dtype, items, vec, monkeypatch):
+    """Trip sums whose vector of a thread's sums passes 16 bytes (8 float sums of bfloat16 rows in 16-byte vectors:
+    the plan is made to take them; 12296 elements not a whole number of trips) add them in 16-byte chunks, each chunk of the vectors in a region of its own (rows.codegen.trip_slot_chunk),
+    and write column c's slot back as column c: eager's float64 gradients."""
+    import importlib
+    from dataclasses import replace
+    from fuser.rows import codegen as row_codegen
+    plan_mod = importlib.import_module("fuser.rows.plan")  # (fuser.rows.plan, the name, is its plan function)
+    monkeypatch.setattr(grad_sums, "_no_fused", set())
+    orig = plan_mod._cuda_sums_shape
+
+    def wide(*a, **k):
+        sh = orig(*a, **k)
+        return replace(sh, items=items, vec=vec, full=a[1] % (sh.tpr * items) == 0) if sh.trip_sums else sh
+
+    monkeypatch.setattr(plan_mod, "_cuda_sums_shape", wide)
+    shapes = []
+
+    def launch(sp, a):
+        if sp.has_reduction:
+            with torch.no_grad():
+                p = plan_mod.plan(sp, list(a), target="cuda")
+            shapes.append(p.key.shape)
+        return _emulated(sp, a)
+
+    _check_emulated_sums(case, n, (3, 5), launch, dtype)
+    sh, = shapes
+    assert sh.trip_sums and sh.vec == vec and n >= sh.tpr * sh.items, sh
+    assert row_codegen.trip_slot_chunk(sh, "float") < vec
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if not c.row_backward], ids=lambda c: c.id)
 def test_cuda_fused_pointwise_backward_emulated(case, monkeypatch):
     """The fused form of a pointwise backward as CUDA takes it (grad_sums._fused_first: on CUDA a pointwise backward
