@@ -406,6 +406,57 @@ def test_trip_sums_of_vectors_past_16_bytes_emulated(case, n, dtype, items, vec,
     assert row_codegen.trip_slot_chunk(sh, "float") < vec
 
 
+def _ln_16k(x, w, b):
+    return torch.layer_norm(x, [16384], w, b, 1e-5) * 2.0
+
+
+def _rms_16k(x, w):
+    return torch.rms_norm(x, [16384], w, 1e-6) * 0.5
+
+
+@pytest.mark.parametrize("fn", (_ln_16k, _rms_16k), ids=lambda f: f.__name__)
+def test_a_norm_backward_of_bfloat16_rows_takes_their_vectors_emulated(fn, monkeypatch):
+    """The backward of layer_norm / rms_norm as the TorchScript door runs it (bfloat16 rows of 16384, the float32
+    mean and rstd its forward saved), planned for CUDA: trip sums in 16-byte vectors of the rows (8 elements), the
+    statistics read once a row not narrowing them to 4 (plan.TRIP_SUMS_ELEMENT_VECTORS); its kernel emulated on
+    fresh random inputs of the shapes the door gave it, against eager's ops on them (fallback.evaluate) in float64
+    and in bfloat16."""
+    import importlib
+    from fuser import fallback, rows
+    from fuser.rows import emulate as row_emulate
+    from tests.helpers import assert_close_to_float64
+    plan_fn = importlib.import_module("fuser.rows.plan").plan
+    seen = {}
+
+    def spy(spec, args, target=None, *a, **k):  # (the groups and their arguments' shapes; values: fresh below)
+        seen[spec.key] = (spec, [x.detach() if isinstance(x, torch.Tensor) else x for x in args])
+        return plan_fn(spec, args, target, *a, **k)
+
+    monkeypatch.setattr(rows, "plan", spy)
+    f = fuser.fuse(torch.jit.script(fn))
+    n_params = 2 if fn is _ln_16k else 1
+    for _ in range(3):
+        args = [torch.randn(4, 16384, dtype=torch.bfloat16, requires_grad=True)] + [
+            torch.randn(16384, dtype=torch.bfloat16, requires_grad=True) for _ in range(n_params)]
+        y = f(*args)
+        torch.autograd.grad(y, args, torch.randn_like(y))
+    saved = [(spec, a) for spec, a in seen.values()
+             if any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == (4, 1) for t in a)]
+    assert saved, [spec.key for spec in seen]
+    for spec, shaped in saved:  # (the statistics: positive, as an rstd is)
+        a = [(torch.rand_like(t) + 0.5 if t.dtype == torch.float32 else torch.randn_like(t))
+             if isinstance(t, torch.Tensor) else t for t in shaped]
+        p = plan_fn(spec, a, "cuda")
+        assert p.key.sums and p.key.shape.trip_sums and p.key.shape.vec == 8, p.key
+        got = row_emulate.run(spec.group, a)
+        want64 = fallback.evaluate(spec.group, [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point()
+                                                 else t for t in a])
+        want = fallback.evaluate(spec.group, a)
+        assert got is not None and len(got) == len(want)
+        for g, w64, w in zip(got, want64, want):
+            assert_close_to_float64([g.reshape(w.shape)], [w64.reshape(w.shape)], [w], w.dtype)
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if not c.row_backward], ids=lambda c: c.id)
 def test_cuda_fused_pointwise_backward_emulated(case, monkeypatch):
     """The fused form of a pointwise backward as CUDA takes it (grad_sums._fused_first: on CUDA a pointwise backward

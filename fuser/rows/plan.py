@@ -57,6 +57,12 @@ SUMS_SHARED_BYTES = 40 * 1024
 # bfloat16 elements, layer_norm(x) * w + b's backward moved 1.40x the step's floor with that column kernel (bytes
 # counted from its plans). Off: such sums kept apart (a column kernel sums them)
 TRIP_SUMS = True
+# Such a row's vectors are those of its tensors read an element at a time: an input read once a row (a norm's saved
+# float32 mean and rstd beside bfloat16 rows) does not narrow them. ncu, H200, layer_norm(x) * w + b's backward over
+# rows of 16384 bfloat16 (its sums' 8 floats a vector in 16-byte chunks, rows.codegen.trip_slot_chunk): 8 elements a
+# trip in 16-byte vectors 102.9M instructions, 198 us, against 4 in 8-byte vectors (the float32 inputs' 16 bytes)
+# 109.9M, 210 us
+TRIP_SUMS_ELEMENT_VECTORS = True
 # Column sums in a CPU row kernel add each row's values into a partial row in memory, a vector store per vector of
 # each sum on top of the row's own stores, where a column kernel keeps its sums in registers and reads x and dy
 # again from the cache. Measured first (2-core EPYC, one thread, layer_norm(x) * w + b backward, medians): [8 x 4096]
@@ -867,8 +873,9 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: 
                 return (staged_shape(group, sh, cols, sizes[:len(tensors)], strides, left)
                         if settings.cuda_staged_rows and settings.cuda_vector_rows and _vectors(cols, strides, sh.vec)
                         else None)
+            per_element = [sz for j, sz in enumerate(widths) if j >= n_in or col_strides[j] != 0]
             cuda_sh = _cuda_sums_shape(group, cols, widths, len(sums), shared_limit(device), stage,
-                                       sum_sizes(out_dtypes, sums))
+                                       sum_sizes(out_dtypes, sums), per_element)
             if cols > cuda_sh.tpr * cuda_sh.items and not cuda_sh.trip_sums:
                 return _sums_apart(spec, args, target,
                                    "column sums of a CUDA row kernel of several trips along the row, past a "
@@ -936,14 +943,17 @@ def cuda_sums_in_kernel(group: ir.Group, sums: tuple[int, ...], cols: int, sizes
 
 
 def _cuda_sums_shape(form: ir.Group, cols: int, sizes: Sequence[int], n_sums: int, limit: int = 0,
-                     stage: Optional[Callable] = None, sum_sizes: Sequence[int] = ()) -> CudaShape:
+                     stage: Optional[Callable] = None, sum_sizes: Sequence[int] = (),
+                     element_sizes: Optional[Sequence[int]] = None) -> CudaShape:
     """The CUDA shape of a row kernel with ``n_sums`` column sums (``form``: the column sum form): the row held, its
     sums in shared memory where a block's fit :data:`SUMS_SHARED_BYTES` (double sums where a tensor has 8-byte
     elements), else in registers; else each pass loading what it reads, and where the row takes several trips
     (``cols > tpr * items``), one row a block, its sums in dynamic shared memory where they fit ``limit`` bytes
-    (``CudaShape.trip_sums``; ``sum_sizes``: the sums' accumulator sizes, else 8 bytes each where a tensor has
-    8-byte elements), with the inputs ``stage(shape, bytes left)`` stages (a shape or None). A row of several trips
-    without them is not summed in the kernel."""
+    (``CudaShape.trip_sums``; ``sum_sizes``: the sums' accumulators' sizes, else 8 bytes each where a tensor has
+    8-byte elements), with the inputs ``stage(shape, bytes left)`` stages (a shape or None). Such trips take their
+    vectors from ``element_sizes`` where given (:data:`TRIP_SUMS_ELEMENT_VECTORS`: the sizes less those of inputs
+    read once a row), else from ``sizes`` where the former's sums do not fit. A row of several trips without them is
+    not summed in the kernel."""
     sum_bytes = 8 if max(sizes, default=4) >= 8 else 4
     if SUMS_SHARED_BYTES:  # (a held row's sums: double where any tensor has 8-byte elements, an upper bound)
         sh = _cuda_row_shape(form, cols, sizes, n_sums, sums_shared=True)
@@ -953,13 +963,17 @@ def _cuda_sums_shape(form: ir.Group, cols: int, sizes: Sequence[int], n_sums: in
     if sh.held:
         return sh
     sh = _cuda_row_shape(form, cols, sizes, n_sums, held=False)
-    if cols <= sh.tpr * sh.items or not TRIP_SUMS or sh.block != sh.tpr:
-        return sh
-    trips = replace(sh, sums_shared=True)
-    need = trip_sums_bytes(trips, cols, sum_sizes or (sum_bytes,) * n_sums)
-    if need > limit:
-        return sh
-    return (stage(trips, limit - need) if stage else None) or trips
+    shapes = [sh]
+    if TRIP_SUMS_ELEMENT_VECTORS and element_sizes and list(element_sizes) != list(sizes):
+        shapes.insert(0, _cuda_row_shape(form, cols, element_sizes, n_sums, held=False))
+    for cand in shapes:
+        if cols <= cand.tpr * cand.items or not TRIP_SUMS or cand.block != cand.tpr:
+            continue
+        trips = replace(cand, sums_shared=True)
+        need = trip_sums_bytes(trips, cols, sum_sizes or (sum_bytes,) * n_sums)
+        if need <= limit:
+            return (stage(trips, limit - need) if stage else None) or trips
+    return sh
 
 
 def sum_apart(apart: tuple, outputs: list) -> list:

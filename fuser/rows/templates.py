@@ -75,19 +75,25 @@ static inline fz_vd fz_wdiff(const fz_vf& v, const fz_vd& c) { fz_vd lo, hi; fz_
 # Every thread of a row gets the value of the row's first lane: on the GPU the butterfly's lanes already hold the same
 # bits (its combines give one result in either operand order), but the host emulation's a + b of two NaNs keeps the
 # first operand's payload, so its lanes may differ.
-ROW_REDUCE = r"""template <class Op, int TPR, class A> __device__ __forceinline__ A fz_row_reduce(A v, A* sh) {
-  constexpr int W = TPR < 32 ? TPR : 32;
+ROW_REDUCE = r"""// W lanes of a warp (a power of two, at most 32) combine v by a butterfly of shuffles; each gets its group's lane 0's
+template <class Op, int W, class A> __device__ __forceinline__ A fz_warp_tree(A v) {
 #pragma unroll
   for (int o = W / 2; o > 0; o >>= 1) v = Op::f(v, __shfl_xor_sync(0xffffffffu, v, o));
-  v = __shfl_sync(0xffffffffu, v, 0, W);
+  return __shfl_sync(0xffffffffu, v, 0, W);
+}
+
+// a row of NWR warps: lane l of each reads warp l's slot (lane l + k * NWR the same one again) of sh, a slot a warp of
+// the block
+template <int TPR, int NWR = (TPR > 32 ? TPR / 32 : 1)> __device__ __forceinline__ int fz_row_warp_slot() {
+  return (threadIdx.x / TPR) * NWR + (threadIdx.x & (NWR - 1));
+}
+
+template <class Op, int TPR, class A> __device__ __forceinline__ A fz_row_reduce(A v, A* sh) {
+  v = fz_warp_tree<Op, (TPR < 32 ? TPR : 32)>(v);
   if (TPR > 32) {
     if ((threadIdx.x & 31) == 0) sh[threadIdx.x / 32] = v;
     __syncthreads();
-    constexpr int NWR = TPR / 32;  // the row's warps (a power of two, at most 32)
-    v = sh[(threadIdx.x / TPR) * NWR + (threadIdx.x & (NWR - 1))];
-#pragma unroll
-    for (int o = NWR / 2; o > 0; o >>= 1) v = Op::f(v, __shfl_xor_sync(0xffffffffu, v, o));
-    v = __shfl_sync(0xffffffffu, v, 0);
+    v = fz_warp_tree<Op, (TPR > 32 ? TPR / 32 : 1)>(sh[fz_row_warp_slot<TPR>()]);
     __syncthreads();  // sh is free for the next reduction
   }
   return v;
@@ -96,31 +102,17 @@ ROW_REDUCE = r"""template <class Op, int TPR, class A> __device__ __forceinline_
 // two values of the rows reduced at once, each as fz_row_reduce forms it (the same order of combining), the block's
 // step crossing the barriers once; sh holds 2 * NW slots (NW: the block's warps)
 template <class Op, int TPR, int NW, class A> __device__ __forceinline__ void fz_row_reduce2(A& a, A& b, A* sh) {
-  constexpr int W = TPR < 32 ? TPR : 32;
-#pragma unroll
-  for (int o = W / 2; o > 0; o >>= 1) {
-    a = Op::f(a, __shfl_xor_sync(0xffffffffu, a, o));
-    b = Op::f(b, __shfl_xor_sync(0xffffffffu, b, o));
-  }
-  a = __shfl_sync(0xffffffffu, a, 0, W);
-  b = __shfl_sync(0xffffffffu, b, 0, W);
+  a = fz_warp_tree<Op, (TPR < 32 ? TPR : 32)>(a);
+  b = fz_warp_tree<Op, (TPR < 32 ? TPR : 32)>(b);
   if (TPR > 32) {
     if ((threadIdx.x & 31) == 0) {
       sh[threadIdx.x / 32] = a;
       sh[NW + threadIdx.x / 32] = b;
     }
     __syncthreads();
-    constexpr int NWR = TPR / 32;
-    const int at = (threadIdx.x / TPR) * NWR + (threadIdx.x & (NWR - 1));
-    a = sh[at];
-    b = sh[NW + at];
-#pragma unroll
-    for (int o = NWR / 2; o > 0; o >>= 1) {
-      a = Op::f(a, __shfl_xor_sync(0xffffffffu, a, o));
-      b = Op::f(b, __shfl_xor_sync(0xffffffffu, b, o));
-    }
-    a = __shfl_sync(0xffffffffu, a, 0);
-    b = __shfl_sync(0xffffffffu, b, 0);
+    const int at = fz_row_warp_slot<TPR>();
+    a = fz_warp_tree<Op, (TPR > 32 ? TPR / 32 : 1)>(sh[at]);
+    b = fz_warp_tree<Op, (TPR > 32 ? TPR / 32 : 1)>(sh[NW + at]);
     __syncthreads();  // sh is free for the next reduction
   }
 }
