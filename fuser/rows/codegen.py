@@ -547,7 +547,9 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         cache = [f"    {vtype[i]} h_{vname[i]}[{shape.items}];" for i in ever]
         sum_t = {m: accumulator_type(_SUM, node_types[position[group.outputs[m].id]], target) for m in sums}
         n_ptrs = n_in + len(out_dtypes)
-        stage_row = [f"((size_t)cols * sizeof({storage_type(inputs[k])}) + 15) / 16 * 16" for k in shape.staged]
+        # (32-bit byte counts: a block's dynamic shared memory is below 2^18 bytes)
+        stage_row = [f"((unsigned)cols * (unsigned)sizeof({storage_type(inputs[k])}) + 15u) / 16u * 16u"
+                     for k in shape.staged]
         sums_decl = "\n".join(
             f"  __shared__ __align__(16) {sum_t[m]} fz_a{m}[{shape.items * shape.block}];  // (a thread's own slots)\n"
             f"  for (int k = 0; k < {shape.items // shape.vec}; ++k)\n"
@@ -558,12 +560,12 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         if sums and shape.trip_sums:  # a slot per column of the row's whole trips, after the staged row
             assert shape.block == shape.tpr, "trip sums take one row a block (plan._cuda_sums_shape)"
             trip = shape.tpr * shape.items
-            lines = [f"  const long long fz_span = (cols + {trip - 1}) / {trip} * {trip};  // (whole trips' columns)"]
+            lines = [f"  const int fz_span = (cols + {trip - 1}) / {trip} * {trip};  // (whole trips' columns)"]
             at = ["0"] + stage_row  # each sum's slots after the staged rows and the sums before it
             for m in sums:
                 lines.append(f"  {sum_t[m]}* const fz_a{m} = reinterpret_cast<{sum_t[m]}*>(fz_dyn_smem() + "
                              f"{' + '.join(at)});")
-                at.append(f"(size_t)fz_span * sizeof({sum_t[m]})")
+                at.append(f"(unsigned)fz_span * (unsigned)sizeof({sum_t[m]})")
             sums_decl = "\n".join(lines)
 
             def slot_of(m: int) -> str:  # column c's slot (trip_slot_chunk's layout)
@@ -572,7 +574,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                     return "c"
                 return (f"(c % {shape.vec}) / {q} * (fz_span / {shape.vec // q}) + c / {shape.vec} * {q} + "
                         f"c % {q}")
-            sums_decl += (f"\n  for (long long c = threadIdx.x; c < fz_span; c += {shape.block}) {{"
+            sums_decl += (f"\n  for (int c = threadIdx.x; c < fz_span; c += {shape.block}) {{"
                           + "".join(f" fz_a{m}[c] = 0;" for m in sums) + " }\n  __syncthreads();")
             sums_store = t.CUDA_PARTS_STORE_TRIPS.substitute(block=shape.block, stores="\n".join(
                 f"    (({sum_t[m]}*)args.ptrs[{n_ptrs + k}])[(long long)blockIdx.x * cols + c] = fz_a{m}[{slot_of(m)}];"
@@ -613,7 +615,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         stage = []
         if shape.staged:  # (plan.stage_row_bytes's layout)
             row = stage_row
-            stage = [t.CUDA_STAGE.substitute(tpr=shape.tpr, row_bytes=" + ".join(row), pointers="\n".join(
+            stage = [t.CUDA_STAGE.substitute(row_at="" if rpb == 1 else (
+                f" + (threadIdx.x / {shape.tpr}u) * ({' + '.join(row)})"), pointers="\n".join(
                 f"  {storage_type(inputs[k])}* const fz_sg{k} = ({storage_type(inputs[k])}*)(fz_stage"
                 + "".join(f" + {r}" for r in row[:i]) + ");" for i, k in enumerate(shape.staged)))]
         return t.CUDA_KERNEL.substitute(

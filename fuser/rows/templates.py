@@ -219,8 +219,8 @@ template <int V, int TPR, class S> __device__ __forceinline__ void fz_row_fetch(
 
 # a staged kernel's copies of its rows in shared memory (CudaShape.staged): per row of the block, a row of each
 # staged input, each rounded up to 16 bytes (fuser.rows.plan.stage_row_bytes); fz_sg<k>: this thread's row's copy
-# of input k
-CUDA_STAGE = Template(r"""  unsigned char* const fz_stage = fz_dyn_smem() + (size_t)(threadIdx.x / ${tpr}) * (size_t)(${row_bytes});
+# of input k. row_at: the offset of the thread's row (none where a block is one row), in 32-bit arithmetic
+CUDA_STAGE = Template(r"""  unsigned char* const fz_stage = fz_dyn_smem()${row_at};
 ${pointers}""")
 
 # a row held by the N CTAs of a thread block cluster (fuser.rows.plan.cluster_shape; a block is one row, TPR its
