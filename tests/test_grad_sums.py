@@ -372,13 +372,15 @@ def test_cuda_row_backward_sums_over_rows_of_several_trips_emulated(case, n, dty
     assert n > shapes[0][0].tpr * shapes[0][0].items, shapes  # (several trips)
 
 
-@pytest.mark.parametrize("n,dtype,items,vec", [(16384, torch.bfloat16, 8, 8), (12296, torch.bfloat16, 8, 8),
-                                               (16384, torch.bfloat16, 16, 8)], ids=str)
+@pytest.mark.parametrize("n,dtype,items,vec,several", [(16384, torch.bfloat16, 8, 8, True),
+                                                       (12296, torch.bfloat16, 8, 8, True),
+                                                       (16384, torch.bfloat16, 16, 8, False)], ids=str)
 @pytest.mark.parametrize("case", [c for c in CASES if c.row_backward], ids=lambda c: c.id)
-def test_trip_sums_of_vectors_past_16_bytes_emulated(case, n, dtype, items, vec, monkeypatch):
+def test_trip_sums_of_vectors_past_16_bytes_emulated(case, n, dtype, items, vec, several, monkeypatch):
     """Trip sums whose vector of a thread's sums passes 16 bytes (8 float sums of bfloat16 rows in 16-byte vectors:
-    the plan is made to take them; 12296 elements not a whole number of trips) add them in 16-byte chunks, each chunk of the vectors in a region of its own (rows.codegen.trip_slot_chunk),
-    and write column c's slot back as column c: eager's float64 gradients."""
+    the plan is made to take them; 12296 elements not a whole number of trips; 16 elements a thread: the row of
+    16384 in one trip of 1024 threads) add them in 16-byte chunks, each chunk of the vectors in a region of its own
+    (rows.codegen.trip_slot_chunk), and write column c's slot back as column c: eager's float64 gradients."""
     import importlib
     from dataclasses import replace
     from fuser.rows import codegen as row_codegen
@@ -402,7 +404,7 @@ def test_trip_sums_of_vectors_past_16_bytes_emulated(case, n, dtype, items, vec,
 
     _check_emulated_sums(case, n, (3, 5), launch, dtype)
     sh, = shapes
-    assert sh.trip_sums and sh.vec == vec and n >= sh.tpr * sh.items, sh
+    assert sh.trip_sums and sh.vec == vec and (n > sh.tpr * sh.items if several else n == sh.tpr * sh.items), sh
     assert row_codegen.trip_slot_chunk(sh, "float") < vec
 
 
@@ -410,8 +412,45 @@ def _ln_16k(x, w, b):
     return torch.layer_norm(x, [16384], w, b, 1e-5) * 2.0
 
 
+def _ln_12292(x, w, b):
+    return torch.layer_norm(x, [12292], w, b, 1e-5) * 2.0
+
+
 def _rms_16k(x, w):
     return torch.rms_norm(x, [16384], w, 1e-6) * 0.5
+
+
+def _door_sums_plans(fn, door: str, n: int, monkeypatch) -> list:
+    """``fn``'s groups as a door runs its training steps (``door``: "script", the TorchScript pass, or "compile",
+    torch.compile's fuser backend) on bfloat16 rows of ``n``, planned for CUDA on fresh random inputs of the shapes
+    the door gave them (the statistics positive, as an rstd is): (spec, inputs, plan) of those with column sums."""
+    import importlib
+    from fuser import rows
+    plan_fn = importlib.import_module("fuser.rows.plan").plan
+    seen = {}
+
+    def spy(spec, args, target=None, *a, **k):  # (the groups and their arguments' shapes; values: fresh below)
+        seen[spec.key] = (spec, [x.detach() if isinstance(x, torch.Tensor) else x for x in args])
+        return plan_fn(spec, args, target, *a, **k)
+
+    monkeypatch.setattr(rows, "plan", spy)
+    f = fuser.fuse(torch.jit.script(fn)) if door == "script" else torch.compile(fn, backend="fuser", dynamic=False)
+    n_params = 1 if fn is _rms_16k else 2
+    for _ in range(3):
+        args = [torch.randn(4, n, dtype=torch.bfloat16, requires_grad=True)] + [
+            torch.randn(n, dtype=torch.bfloat16, requires_grad=True) for _ in range(n_params)]
+        y = f(*args)
+        torch.autograd.grad(y, args, torch.randn_like(y))
+    monkeypatch.setattr(rows, "plan", plan_fn)
+    summed = []
+    for spec, shaped in seen.values():
+        a = [(torch.rand_like(t) + 0.5 if t.shape[-1:] == (1,) else torch.randn_like(t))
+             if isinstance(t, torch.Tensor) else t for t in shaped]
+        p = plan_fn(spec, a, "cuda")
+        if not isinstance(p, str) and p.key.sums:
+            summed.append((spec, a, p))
+    assert len(summed) == 1, [spec.group for spec, _ in seen.values()]
+    return summed
 
 
 @pytest.mark.parametrize("fn", (_ln_16k, _rms_16k), ids=lambda f: f.__name__)
@@ -421,40 +460,28 @@ def test_a_norm_backward_of_bfloat16_rows_takes_their_vectors_emulated(fn, monke
     statistics read once a row not narrowing them to 4 (plan.TRIP_SUMS_ELEMENT_VECTORS); its kernel emulated on
     fresh random inputs of the shapes the door gave it, against eager's ops on them (fallback.evaluate) in float64
     and in bfloat16."""
-    import importlib
-    from fuser import fallback, rows
+    from fuser import fallback
     from fuser.rows import emulate as row_emulate
     from tests.helpers import assert_close_to_float64
-    plan_fn = importlib.import_module("fuser.rows.plan").plan
-    seen = {}
-
-    def spy(spec, args, target=None, *a, **k):  # (the groups and their arguments' shapes; values: fresh below)
-        seen[spec.key] = (spec, [x.detach() if isinstance(x, torch.Tensor) else x for x in args])
-        return plan_fn(spec, args, target, *a, **k)
-
-    monkeypatch.setattr(rows, "plan", spy)
-    f = fuser.fuse(torch.jit.script(fn))
-    n_params = 2 if fn is _ln_16k else 1
-    for _ in range(3):
-        args = [torch.randn(4, 16384, dtype=torch.bfloat16, requires_grad=True)] + [
-            torch.randn(16384, dtype=torch.bfloat16, requires_grad=True) for _ in range(n_params)]
-        y = f(*args)
-        torch.autograd.grad(y, args, torch.randn_like(y))
-    saved = [(spec, a) for spec, a in seen.values()
-             if any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == (4, 1) for t in a)]
-    assert saved, [spec.key for spec in seen]
-    for spec, shaped in saved:  # (the statistics: positive, as an rstd is)
-        a = [(torch.rand_like(t) + 0.5 if t.dtype == torch.float32 else torch.randn_like(t))
-             if isinstance(t, torch.Tensor) else t for t in shaped]
-        p = plan_fn(spec, a, "cuda")
-        assert p.key.sums and p.key.shape.trip_sums and p.key.shape.vec == 8, p.key
+    for spec, a, p in _door_sums_plans(fn, "script", 16384, monkeypatch):
+        assert p.key.shape.trip_sums and p.key.shape.vec == 8, p.key
+        assert any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == (4, 1) for t in a)
         got = row_emulate.run(spec.group, a)
         want64 = fallback.evaluate(spec.group, [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point()
                                                  else t for t in a])
         want = fallback.evaluate(spec.group, a)
         assert got is not None and len(got) == len(want)
         for g, w64, w in zip(got, want64, want):
-            assert_close_to_float64([g.reshape(w.shape)], [w64.reshape(w.shape)], [w], w.dtype)
+            assert_close_to_float64([g.reshape(w.shape)], [w64.reshape(w.shape).double()], [w], w.dtype)
+
+
+def test_trip_sums_keep_vectors_the_row_takes(monkeypatch):
+    """The TorchScript door's layer_norm backward over bfloat16 rows of 12292 elements (a whole number of 4-element
+    vectors, not of 8) keeps the 16 bytes of its float32 statistics' vectors (4 elements), so its rows are still read
+    in vectors and staged; with 8 they would be read an element at a time, unstaged."""
+    (_, _, p), = _door_sums_plans(_ln_12292, "script", 12292, monkeypatch)
+    sh = p.key.shape
+    assert sh.trip_sums and sh.vec == 4 and sh.staged and p.vec_ok, sh
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.row_backward], ids=lambda c: c.id)

@@ -470,7 +470,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         # the same every row)
         acc_t = {m: accumulator_type(_SUM, node_types[position[o.id]], target) for m, o in elem_out if m in sums}
         shared_sums = [(m, o) for m, o in elem_out if m in sums] if shape.sums_shared else []
-        # shared slots: an item's values into a vector (0 past the row's end), added to its slots whole
+        # shared slots: an item's values into a vector (0 past the row's end), added to its slots whole (trip sums:
+        # in 16-byte chunks, trip_slot_chunk)
         decls += [f"fz_vec<{acc_t[m]}, {shape.vec}> a{m} = {{}};" for m, _ in shared_sums]
         body = guarded(element_lines(wanted) + [store(m, o, "v").replace(f"o{m}[v]", f"w{m}.v[v]")
                                                 for m, o in kept_out] + [
@@ -488,7 +489,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         stores += ["}"]
         # (a live row's: one branch around the adds, where a select an element zeroed a row past the end's values)
         stores += ["if (live) {"] if shared_sums else []
-        for m, _ in shared_sums:  # (trip sums: the slots of the item's columns, trip_slot_chunks' layout)
+        for m, _ in shared_sums:  # (trip sums: the slots of the item's columns, trip_slot_chunk's layout)
             q = trip_slot_chunk(shape, acc_t[m]) if shape.trip_sums else shape.vec
             vt = f"fz_vec<{acc_t[m]}, {q}>"
             for k in range(shape.vec // q):

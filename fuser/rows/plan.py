@@ -86,7 +86,8 @@ MAX_CUDA_COLS = 2 ** 31 - 2 ** 16  # a CUDA row kernel's column index is an int,
 class CudaShape:
     """How a CUDA row kernel lays a row over threads: ``tpr`` consecutive threads share a row (a power of two), a
     block of ``block`` threads holds ``block // tpr`` rows, a thread takes ``items`` elements a trip along the row
-    in vectors of ``vec`` elements (16 bytes of the widest tensor). ``held``: the row takes one trip, so the
+    in vectors of ``vec`` elements (16 bytes of the widest tensor; of a trip-sums row, of the widest it reads or
+    writes an element at a time: :data:`TRIP_SUMS_ELEMENT_VECTORS`). ``held``: the row takes one trip, so the
     inputs that several passes read are loaded once and kept in registers; otherwise each pass reads them again.
     ``full``: the row length is a whole number of trips (``tpr * items`` elements), so no element of a trip is past
     the row's end and the kernel checks none (the row length is part of the kernel's key through its shape).
@@ -863,9 +864,10 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: 
         sizes = [torch.empty((), dtype=dt).element_size() for dt in dts]
         # a row-level output (a norm's mean and rstd, saved in float32 by a bfloat16 forward) is stored once a row:
         # the shape's vectors are those of the rest. H200, [16384 x 4096] bfloat16, torch.profiler: layer_norm's
-        # training forward 98 -> 71 us, rms_norm's 74 -> 67 us. Row-level inputs still count: the backwards reading
-        # those statistics (and summing the weight's gradient) took 161 -> 173 us and 106 -> 115 us with 16-byte
-        # vectors of their bfloat16 rows
+        # training forward 98 -> 71 us, rms_norm's 74 -> 67 us. Row-level inputs still count for a held row: the
+        # backwards reading those statistics (and summing the weight's gradient) took 161 -> 173 us and 106 -> 115
+        # us with 16-byte vectors of their bfloat16 rows (2026-11-29); a row of several trips leaves them out
+        # (TRIP_SUMS_ELEMENT_VECTORS)
         n_in = len(tensors)
         widths = [sz for j, sz in enumerate(sizes) if j < n_in or group.outputs[j - n_in].id not in rows_v]
         if sums:
@@ -874,6 +876,8 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: 
                         if settings.cuda_staged_rows and settings.cuda_vector_rows and _vectors(cols, strides, sh.vec)
                         else None)
             per_element = [sz for j, sz in enumerate(widths) if j >= n_in or col_strides[j] != 0]
+            if not _vectors(cols, strides, 16 // max(per_element, default=4)):  # (their wider vectors would not fit
+                per_element = None  # the row: it would be read an element at a time, unstaged)
             cuda_sh = _cuda_sums_shape(group, cols, widths, len(sums), shared_limit(device), stage,
                                        sum_sizes(out_dtypes, sums), per_element)
             if cols > cuda_sh.tpr * cuda_sh.items and not cuda_sh.trip_sums:
@@ -952,8 +956,9 @@ def _cuda_sums_shape(form: ir.Group, cols: int, sizes: Sequence[int], n_sums: in
     (``CudaShape.trip_sums``; ``sum_sizes``: the sums' accumulators' sizes, else 8 bytes each where a tensor has
     8-byte elements), with the inputs ``stage(shape, bytes left)`` stages (a shape or None). Such trips take their
     vectors from ``element_sizes`` where given (:data:`TRIP_SUMS_ELEMENT_VECTORS`: the sizes less those of inputs
-    read once a row), else from ``sizes`` where the former's sums do not fit. A row of several trips without them is
-    not summed in the kernel."""
+    read once a row; the caller gives them only where the row takes such vectors), else from ``sizes`` where the
+    former's shape takes one trip, more than one row a block, or sums that do not fit. A row of several trips
+    without them is not summed in the kernel."""
     sum_bytes = 8 if max(sizes, default=4) >= 8 else 4
     if SUMS_SHARED_BYTES:  # (a held row's sums: double where any tensor has 8-byte elements, an upper bound)
         sh = _cuda_row_shape(form, cols, sizes, n_sums, sums_shared=True)
