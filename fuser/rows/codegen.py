@@ -493,7 +493,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             q = trip_slot_chunk(shape, acc_t[m]) if shape.trip_sums else shape.vec
             vt = f"fz_vec<{acc_t[m]}, {q}>"
             for k in range(shape.vec // q):
-                at = (f"{k} * (fz_span / {shape.vec // q}) + cb / {shape.vec} * {q}" if shape.trip_sums else
+                at = (trip_slot(shape, acc_t[m], str(k), f"cb / {shape.vec}") if shape.trip_sums else
                       f"(i * {shape.block} + threadIdx.x) * {shape.vec}")
                 stores += [f"  {{ {vt}* const s = reinterpret_cast<{vt}*>(fz_a{m} + {at}); {vt} t = *s;",
                            "#pragma unroll", f"    for (int v = 0; v < {q}; ++v) t.v[v] += a{m}.v[{k * q} + v];",
@@ -569,12 +569,11 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                 at.append(f"(unsigned)fz_span * (unsigned)sizeof({sum_t[m]})")
             sums_decl = "\n".join(lines)
 
-            def slot_of(m: int) -> str:  # column c's slot (trip_slot_chunk's layout)
+            def slot_of(m: int) -> str:  # column c's slot
                 q = trip_slot_chunk(shape, sum_t[m])
                 if q == shape.vec:
                     return "c"
-                return (f"(c % {shape.vec}) / {q} * (fz_span / {shape.vec // q}) + c / {shape.vec} * {q} + "
-                        f"c % {q}")
+                return trip_slot(shape, sum_t[m], f"(c % {shape.vec}) / {q}", f"c / {shape.vec}") + f" + c % {q}"
             sums_decl += (f"\n  for (int c = threadIdx.x; c < fz_span; c += {shape.block}) {{"
                           + "".join(f" fz_a{m}[c] = 0;" for m in sums) + " }\n  __syncthreads();")
             sums_store = t.CUDA_PARTS_STORE_TRIPS.substitute(block=shape.block, stores="\n".join(
@@ -794,3 +793,10 @@ def trip_slot_chunk(shape, acc_type: str) -> int:
     backward of rows of 16384 bfloat16 elements, ncu, H200)."""
     size = 8 if acc_type == "double" else 4
     return min(shape.vec, max(1, 16 // size))
+
+
+def trip_slot(shape, acc_type: str, chunk: str, vector: str) -> str:
+    """The first trip-sums slot of 16-byte chunk ``chunk`` of vector ``vector`` of a row's sums (C expressions), in
+    :func:`trip_slot_chunk`'s layout: chunk k of every vector in a region of its own."""
+    q = trip_slot_chunk(shape, acc_type)
+    return f"{chunk} * (fz_span / {shape.vec // q}) + {vector} * {q}"
