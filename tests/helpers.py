@@ -822,6 +822,24 @@ def assert_close_to_float64(got, want64, want, dtype) -> None:
             assert err <= 2 * eager_err + 8e-3 * scale, (err, eager_err)
 
 
+def ptx_instructions(source: str) -> list[str]:
+    """The PTX instructions (sm_90, NVRTC on this machine: no GPU needed, fuser's flags) of the kernel in ``source``,
+    one string each, in order."""
+    from cuda.bindings import nvrtc
+
+    from fuser.cuda.driver import NvrtcOptions
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"k.cu", 0, [], [])
+    opts = NvrtcOptions(90, cubin=False, fast_compile="", fmad=False).flags()
+    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    _, size = nvrtc.nvrtcGetPTXSize(prog)
+    ptx = b" " * size
+    nvrtc.nvrtcGetPTX(prog, ptx)
+    nvrtc.nvrtcDestroyProgram(prog)
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    return [ln.strip() for ln in ptx.rstrip(b"\0").decode().splitlines()
+            if re.match(r"\s+[a-z@]", ln) and not ln.strip().startswith("//")]
+
+
 def ptxas_registers(source: str, fmad: bool = False) -> tuple[int, int]:
     """(registers a thread, bytes of spill stores) of the kernel in ``source``, from ptxas for sm_90 through this
     machine's NVRTC (needs no GPU), with the flags fuser compiles its kernels with (``fmad``: contracted, as

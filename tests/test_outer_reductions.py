@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fuser
-from helpers import REDUCE_EAGER, ptxas_registers, reduce_node
+from helpers import REDUCE_EAGER, ptx_instructions, ptxas_registers, reduce_node
 from fuser import executor, ir, rows
 from fuser.cuda import emulate
 from fuser.kernel_cache import STORE
@@ -530,6 +530,23 @@ def test_gelu_backward_column_kernel_stores_vectors_within_four_blocks_an_sm(dty
     for fmad in (False, True):
         regs, spill = ptxas_registers(source, fmad)
         assert 65536 // (256 * regs) >= outer_launch.BLOCKS_PER_SM and spill == 0, (fmad, regs, spill)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=lambda d: str(d)[6:])
+def test_a_column_kernels_element_outputs_are_stored_a_16_byte_vector_a_row(dtype):
+    """In PTX (sm_90, NVRTC), the whole-vector loop of gelu(x + b)'s backward column kernel stores x's gradient as
+    one 16-byte vector a row: one ``st.global.v4`` for each row a trip unrolls. Its first column written
+    ``b - split * tiles`` left NVVM storing each vector in pieces (2-byte elements: six 2-byte stores and a 4-byte
+    one; float32: four 4-byte stores): no ``st.global.v4`` at all."""
+    group = _gelu_bias_backward_with_sums()
+    spec = _spec(group)
+    x, b, g = torch.randn(64, 256, dtype=dtype), torch.randn(256, dtype=dtype), torch.randn(64, 256, dtype=dtype)
+    p = rows.plan(spec, [x, b, g], "cuda")
+    assert p.key.cvec * dtype.itemsize == 16
+    _, source = outer_launch.source_for(spec, p)
+    unrolled = int(source.split("if (args.vec) {")[1].split("FZ_COL_ROWS(")[1].split(")")[0])
+    stores = [ln for ln in ptx_instructions(source) if ln.startswith("st.global")]
+    assert sum(ln.startswith("st.global.v4") for ln in stores) == unrolled, stores
 
 
 @pytest.mark.parametrize("dtype,unrolled", [(torch.float32, 1), (torch.bfloat16, 8)], ids=["float32", "bfloat16"])

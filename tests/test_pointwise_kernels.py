@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fuser.cuda import emulate
-from helpers import ptxas_registers
+from helpers import ptx_instructions, ptxas_registers
 
 GELU_BIAS = """
 def gelu_bias(x: Tensor, b: Tensor) -> Tensor:
@@ -38,6 +38,26 @@ def test_kernels_of_2_byte_tensors_are_bound_to_a_full_sm(dtype):
     assert bounded == (dtype != torch.float32)
     regs, spill = ptxas_registers(k.source)
     assert spill == 0 and (regs <= 32 or not bounded), (regs, spill)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_the_vector_path_rounds_2_byte_outputs_in_pairs_and_reads_bfloat16_words(dtype):
+    """The vector path of GELU over 2-byte tensors in PTX (sm_90, NVRTC): its 8 results rounded two at a time into
+    32-bit words (``cvt.rn.{f16,bf16}x2.f32``, cuda.templates' fz_pack2: 4 of them, and one single rounding for the
+    element loop), and bfloat16 inputs widened from their 32-bit words (a shift or a mask each: no 16-bit moves out
+    of a word in the vector path); through the host emulation, eager's GELU in float64 at the dtype's tolerance."""
+    g = _graph(GELU_BIAS, "gelu_bias")
+    gen = torch.Generator().manual_seed(11)
+    x, b = torch.randn(48, 256, generator=gen).to(dtype), torch.randn(256, generator=gen).to(dtype)
+    k = emulate.kernel_for(g, [x, b])
+    ptx = ptx_instructions(k.source)
+    suffix = "bf16" if dtype == torch.bfloat16 else "f16"
+    assert sum(ln.startswith(f"cvt.rn.{suffix}x2.f32") for ln in ptx) == 4, ptx
+    assert sum(ln.startswith(f"cvt.rn.{suffix}.f32") for ln in ptx) == 1, ptx
+    if dtype == torch.bfloat16:
+        assert not [ln for ln in ptx if ln.startswith("mov.b32") and "{" in ln], ptx
+    out, = emulate.run_graph(g, [x, b], vectorize=True)
+    torch.testing.assert_close(out.double(), _gelu_bias(x.double(), b.double()), atol=2e-2, rtol=1.6e-2)
 
 
 @pytest.mark.parametrize("shapes", [((48, 256), (256,)), ((6, 4, 64), (6, 1, 64)), ((3, 5, 7, 16), (5, 1, 16))],

@@ -51,15 +51,16 @@ class _Gen:
         words = ", ".join(f"(unsigned int){scalars}[{self.n_scalars + w}]" for w in range(rng.N_STATE))
         return [f"const unsigned int fz_rs[{rng.N_STATE}] = {{{words}}};"]
 
-    def element_body(self, load, store, index: str = "i", body=None) -> list[str]:
-        """An element's loads, ``body`` (the kernel's, by default) with its index, and stores."""
+    def element_body(self, load, store, index: str = "i", body=None, raw=frozenset()) -> list[str]:
+        """An element's loads, ``body`` (the kernel's, by default) with its index, and stores (``raw``: the outputs
+        stored as the element's float, rounded later)."""
         lines = []
         for k, d in enumerate(self.inputs):
             if d.layout != SCALAR:
                 lines.append(f"const {value_type(d.dtype, self.target)} x{k} = fz_ld({load(k, d)});")
         lines += [ln.replace("@IDX@", f"(unsigned long long)({index})") for ln in (self.body if body is None else body)]
         for m, (o, dt) in enumerate(zip(self.outputs, self.out_dtypes)):
-            lines.append(f"{store(m)} = fz_st<{storage_type(dt)}>({o});")
+            lines.append(f"{store(m)} = (float)({o});" if m in raw else f"{store(m)} = fz_st<{storage_type(dt)}>({o});")
         return lines
 
     def scalar_store(self, m):
@@ -389,23 +390,43 @@ class CudaGen(_Gen):
         if self.offset_names:  # strided inputs' offsets, and rows outputs'
             vloads.append(self.offsets(cuda_t.OFFSETS, lambda j, name, dim: f"args.strides[{j}][{dim}]", index="base",
                                        unroll=cuda_t.MAX_DIMS, two_dims=True))
+        words = set()  # bfloat16 inputs read as 32-bit words of two elements (fz_word_bf16)
         for k, d in enumerate(self.inputs):
             st = storage_type(d.dtype)
             if d.layout in (DENSE, ROWS):
                 where = "base" if d.layout == DENSE else f"off{k}"
-                vloads.append(f"const fz_vec<{st}, {vec}> xv{k} = "
-                              f"*reinterpret_cast<const fz_vec<{st}, {vec}>*>(t{k} + {where});")
+                if d.dtype == torch.bfloat16 and vec % 2 == 0:
+                    words.add(k)
+                    st, n = "unsigned int", vec // 2
+                else:
+                    n = vec
+                vloads.append(f"const fz_vec<{st}, {n}> xv{k} = "
+                              f"*reinterpret_cast<const fz_vec<{st}, {n}>*>(t{k} + {where});")
             elif d.layout == REPEAT:
                 vloads.append(f"const {value_type(d.dtype, self.target)} xr{k} = fz_ld(t{k}[off{k}]);")
-        vdecls = [f"fz_vec<{storage_type(dt)}, {vec}> ov{m};" for m, dt in enumerate(self.out_dtypes)]
-        vstores = [f"*reinterpret_cast<fz_vec<{storage_type(dt)}, {vec}>*>"
-                   f"(o{m} + {'ooff' + str(m) if self.out_layouts and self.out_layouts[m] == ROWS else 'base'}) = ov{m};"
-                   for m, dt in enumerate(self.out_dtypes)]
+        # float16 / bfloat16 outputs rounded two at a time (fz_pack2) into 32-bit words, from the element's floats
+        pairs = {m: storage_type(dt) for m, dt in enumerate(self.out_dtypes)
+                 if dt in (torch.float16, torch.bfloat16) and vec % 2 == 0}
+        vdecls = [f"float of{m}[{vec}];" if m in pairs else f"fz_vec<{storage_type(dt)}, {vec}> ov{m};"
+                  for m, dt in enumerate(self.out_dtypes)]
+        packs = [ln for m, st in pairs.items() for ln in (
+            f"fz_vec<unsigned int, {vec // 2}> ov{m};", "#pragma unroll", f"for (int k = 0; k < {vec // 2}; ++k) "
+            f"ov{m}.v[k] = fz_pack2<{st}>(of{m}[2 * k], of{m}[2 * k + 1]);")]
+        vstores = packs + [
+            f"*reinterpret_cast<fz_vec<{'unsigned int' if m in pairs else storage_type(dt)}, "
+            f"{vec // 2 if m in pairs else vec}>*>"
+            f"(o{m} + {'ooff' + str(m) if self.out_layouts and self.out_layouts[m] == ROWS else 'base'}) = ov{m};"
+            for m, dt in enumerate(self.out_dtypes)]
         # random numbers: the vector's Philox blocks once, before its elements (rng.vector_words)
-        words, body = rng.vector_words(self.body, vec, "v", "k")
-        vloads += words
-        vbody = self.element_body(lambda k, d: f"xr{k}" if d.layout == REPEAT else f"xv{k}.v[k]",
-                                  lambda m: f"ov{m}.v[k]", index="base + k", body=body)
+        rng_words, body = rng.vector_words(self.body, vec, "v", "k")
+        vloads += rng_words
+
+        def load(k, d):
+            return f"xr{k}" if d.layout == REPEAT else f"fz_word_bf16(xv{k}.v[k / 2], k & 1)" if k in words else \
+                f"xv{k}.v[k]"
+        vbody = self.element_body(load,
+                                  lambda m: f"of{m}[k]" if m in pairs else f"ov{m}.v[k]", index="base + k",
+                                  body=body, raw=set(pairs))
         return cuda_t.VECTOR_LOOP.substitute(
             vec=vec, vloads=self.block(vloads, "      "), vdecls=self.block(vdecls, "      "),
             vbody=self.block(vbody, "        "), vstores=self.block(vstores, "      "))

@@ -47,6 +47,28 @@ ${half_store}template <> __device__ __forceinline__ fz_bf16 fz_st<fz_bf16, float
 #endif
   return h;
 }
+// a bfloat16 element of a 32-bit word that holds two (the first in memory in the low half), widened by one shift or
+// one mask: from the word's 16-bit halves sm_90 took two instructions for a high element
+__device__ __forceinline__ float fz_word_bf16(unsigned int w, int hi) {
+  return __uint_as_float(hi ? w & 0xffff0000u : w << 16);
+}
+// two floats rounded to float16 / bfloat16 into one 32-bit word, lo first in memory: one cvt.rn.{f16,bf16}x2.f32 from
+// sm_80 on (its first operand goes to the high half), the same rounding as fz_st's two
+template <class S> __device__ __forceinline__ unsigned int fz_pack2(float lo, float hi) {
+  return (unsigned int)fz_st<S, float>(lo).x | ((unsigned int)fz_st<S, float>(hi).x << 16);
+}
+// the element of such a word: its low half (hi == 0) or its high half
+template <class S> __device__ __forceinline__ S fz_word_half(unsigned int w, int hi) {
+  S h; h.x = (uint16_t)(hi ? w >> 16 : w); return h;
+}
+#if __CUDA_ARCH__ >= 800
+template <> __device__ __forceinline__ unsigned int fz_pack2<fz_bf16>(float lo, float hi) {
+  unsigned int r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
+template <> __device__ __forceinline__ unsigned int fz_pack2<fz_half>(float lo, float hi) {
+  unsigned int r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
+#endif
 
 ${fast_math}
 ${helpers}// CUDA eager's max/min of floats (clamp, relu, hardtanh too): of two zeros, max is +0 and min is -0, whatever

@@ -465,7 +465,12 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         out_row = "row * fz_ncols + fz_c0" if cl else "row * cols"
         wanted = [o for _, o in elem_out]
         kept_out = [(m, o) for m, o in elem_out if m not in sums]
-        decls = [f"fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}> w{m};" for m, o in kept_out]
+        out_t = {m: storage_type(node_types[position[o.id]].result) for m, o in kept_out}
+        # float16 / bfloat16 outputs: the item's floats, rounded two at a time into 32-bit words (fz_pack2) before
+        # the stores (0 past the row's end where a row is not whole trips, as nothing computes them)
+        pairs = {m for m, o in kept_out if node_types[position[o.id]].result in REDUCED and shape.vec % 2 == 0}
+        decls = [f"float wf{m}[{shape.vec}]{'' if shape.full else ' = {}'};" if m in pairs else
+                 f"fz_vec<{out_t[m]}, {shape.vec}> w{m};" for m, o in kept_out]
         # column sums: a live row's values added into the thread's registers, or its shared slots (its columns are
         # the same every row)
         acc_t = {m: accumulator_type(_SUM, node_types[position[o.id]], target) for m, o in elem_out if m in sums}
@@ -473,18 +478,24 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         # shared slots: an item's values into a vector (0 past the row's end), added to its slots whole (trip sums:
         # in 16-byte chunks, trip_slot_chunk)
         decls += [f"fz_vec<{acc_t[m]}, {shape.vec}> a{m} = {{}};" for m, _ in shared_sums]
-        body = guarded(element_lines(wanted) + [store(m, o, "v").replace(f"o{m}[v]", f"w{m}.v[v]")
+        body = guarded(element_lines(wanted) + [f"wf{m}[v] = (float)({vname[o.id]});" if m in pairs else
+                                                store(m, o, "v").replace(f"o{m}[v]", f"w{m}.v[v]")
                                                 for m, o in kept_out] + [
             f"a{m}.v[v] = ({acc_t[m]})({vname[o.id]});" if shape.sums_shared else
             f"if (live) fz_a{m}[{sum_at}] += ({acc_t[m]})({vname[o.id]});" for m, o in elem_out if m in sums])
-        stores = [f"if (live{'' if shape.full else ' && cb < cols'}) {{"]
+        stores = [ln for m in sorted(pairs) for ln in (
+            f"fz_vec<unsigned int, {shape.vec // 2}> w{m};", "#pragma unroll",
+            f"for (int v = 0; v < {shape.vec // 2}; ++v) w{m}.v[v] = fz_pack2<{out_t[m]}>(wf{m}[2 * v], wf{m}[2 * v + 1]);")]
+        stores += [f"if (live{'' if shape.full else ' && cb < cols'}) {{"]
         stores += ["  if (args.vec) {"] if steps is None else []
-        stores += [f"    *reinterpret_cast<fz_vec<{storage_type(node_types[position[o.id]].result)}, {shape.vec}>*>("
-                   f"o{m} + {out_row} + cb) = w{m};" for m, o in kept_out]
+        stores += [f"    *reinterpret_cast<fz_vec<{'unsigned int' if m in pairs else out_t[m]}, "
+                   f"{shape.vec // 2 if m in pairs else shape.vec}>*>(o{m} + {out_row} + cb) = w{m};" for m, o in kept_out]
         if steps is None:
             stores += ["  } else {", "#pragma unroll", f"    for (int v = 0; v < {shape.vec}; ++v) {{",
                        f"      if ({'true' if shape.full else 'cb + v < cols'}) {{"]
-            stores += [f"        o{m}[{out_row} + cb + v] = w{m}.v[v];" for m, _ in kept_out]
+            stores += [f"        o{m}[{out_row} + cb + v] = "
+                       + (f"fz_word_half<{out_t[m]}>(w{m}.v[v / 2], v & 1);" if m in pairs else f"w{m}.v[v];")
+                       for m, _ in kept_out]
             stores += ["      }", "    }", "  }"]
         stores += ["}"]
         # (a live row's: one branch around the adds, where a select an element zeroed a row past the end's values)

@@ -74,6 +74,11 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     elem_out = [(m, o) for m, o in enumerate(group.outputs) if o.id not in cols_v]
     col_out = [(m, o) for m, o in enumerate(group.outputs) if o.id in cols_v]
 
+    def words(k: int) -> bool:
+        """CUDA, ``cvec`` even: input ``k`` is bfloat16, loaded as 32-bit words of two columns (``fz_col_load``'s
+        word form), each widened where used by one shift or mask (``fz_word_bf16``)."""
+        return cuda and cvec % 2 == 0 and inputs[k] == torch.bfloat16
+
     def element_lines(wanted: Sequence[ir.Value], row, loaded: bool = False) -> list[str]:
         """Loads (of row ``row``: an offset, ``#`` standing for the input's number, or a function of that number)
         and statements of the element-level values ``wanted`` needs (they never read a column-level value), in the
@@ -82,7 +87,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         need = needed(group, wanted, level=cols_v)
         at = row if callable(row) else (lambda k: row.replace("#", str(k)))
         lines = [f"const {vtype[v.id]} x{k} = " + (
-                     (f"fz_ld(xl{k}.v[v]);" if inputs[k] in REDUCED else f"xl{k}[v];") if loaded else
+                     (f"fz_word_bf16(xl{k}.v[v / 2], v & 1);" if words(k) else
+                      f"fz_ld(xl{k}.v[v]);" if inputs[k] in REDUCED else f"xl{k}[v];") if loaded else
                      f"fz_ld(t{k}[{'off' if cuda else 'coff'}{k}{'' if cuda else '[j]'}{at(k)}]);")
                  for v in group.inputs if v.is_tensor and v.id in need for k in (tensor_index[v.id],)]
         return lines + [statement[i] for i in sorted(need & set(statement), key=order.__getitem__)]
@@ -92,7 +98,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         (``vec``: whole vectors of the inputs that step along the columns); float16/bfloat16 ones kept in their
         storage type until used (``fz_col_load``)."""
         need = needed(group, wanted, level=cols_v)
-        return [(f"fz_vec<{storage_type(inputs[k])}, {cvec}> xl{k};\n" if inputs[k] in REDUCED else
+        return [(f"fz_vec<unsigned int, {cvec // 2}> xl{k};\n" if words(k) else
+                 f"fz_vec<{storage_type(inputs[k])}, {cvec}> xl{k};\n" if inputs[k] in REDUCED else
                  f"{storage_type(inputs[k])} xl{k}[{cvec}];\n") +
                 f"fz_col_load<{cvec}, {(1 if vec else 2) if steps[k] else 0}>(xl{k}, t{k}, off{k} + r * rs{k});"
                 for v in group.inputs if v.is_tensor and v.id in need for k in (tensor_index[v.id],)]
@@ -107,13 +114,22 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     def vector_stores(lines: Sequence[str]) -> list[str]:
         """CUDA, whole vectors: the thread's ``cvec`` columns of a row, ``lines`` (:func:`per_column`), then each
         element-level output's vector ``ov<m>`` stored at once (16 bytes at most; the launch's pointers allow it:
-        ``outer.plan``'s ``vec_align`` counts these outputs). H200, gelu(x + b)'s bfloat16 backward over
-        [16384, 4096], 8 columns a thread: 121 us so, 198 us with 8 stores of 2 bytes."""
+        ``outer.plan``'s ``vec_align`` counts these outputs; float16 / bfloat16 ones rounded in pairs, ``ow<m>``). H200,
+        gelu(x + b)'s bfloat16 backward over [16384, 4096], 8 columns a thread: 121 us so, 198 us with 8 stores of
+        2 bytes; NVVM stored those vectors in pieces (six 2-byte stores and a 4-byte one) until the thread's first
+        column was written from ``b % tiles`` (outer_templates.CUDA_KERNEL)."""
         types = {m: storage_type(node_types[position[o.id]].result) for m, o in elem_out}
-        return ([f"fz_vec<{types[m]}, {cvec}> ov{m};" for m, _ in elem_out]
-                + per_column([*lines, *[f"ov{m}.v[v] = fz_st<{types[m]}>({vname[o.id]});" for m, o in elem_out]])
-                + [f"*reinterpret_cast<fz_vec<{types[m]}, {cvec}>*>(o{m} + r * cols + c) = ov{m};"
-                   for m, _ in elem_out])
+        # float16 / bfloat16 outputs: the columns' floats, rounded two at a time into 32-bit words (fz_pack2)
+        pairs = {m for m, o in elem_out if cvec % 2 == 0 and node_types[position[o.id]].result in REDUCED}
+        packs = [ln for m in sorted(pairs) for ln in (
+            f"fz_vec<unsigned int, {cvec // 2}> ow{m};", "#pragma unroll", f"for (int w = 0; w < {cvec // 2}; ++w) "
+            f"ow{m}.v[w] = fz_pack2<{types[m]}>(of{m}[2 * w], of{m}[2 * w + 1]);",
+            f"*reinterpret_cast<fz_vec<unsigned int, {cvec // 2}>*>(o{m} + r * cols + c) = ow{m};")]
+        return ([f"float of{m}[{cvec}];" if m in pairs else f"fz_vec<{types[m]}, {cvec}> ov{m};" for m, _ in elem_out]
+                + per_column([*lines, *[f"of{m}[v] = (float)({vname[o.id]});" if m in pairs else
+                                        f"ov{m}.v[v] = fz_st<{types[m]}>({vname[o.id]});" for m, o in elem_out]])
+                + packs + [f"*reinterpret_cast<fz_vec<{types[m]}, {cvec}>*>(o{m} + r * cols + c) = ov{m};"
+                           for m, _ in elem_out if m not in pairs])
 
     # the pass: per element of the column (CUDA, cvec > 1: a row's loads of the thread's columns, then per column)
     wide = cuda and cvec > 1

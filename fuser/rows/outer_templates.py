@@ -58,6 +58,17 @@ template <int V, int MODE, class S> __device__ __forceinline__ void fz_col_load(
     for (int v = 0; v < V; ++v) dst.v[v] = p[at + (MODE == 2 ? v : 0)];
   }
 }
+// bfloat16 as 32-bit words of two columns (widened where used by fz_word_bf16)
+template <int V, int MODE> __device__ __forceinline__ void fz_col_load(
+    fz_vec<unsigned int, V / 2>& dst, const fz_bf16* __restrict__ p, long long at) {
+  if (MODE == 1) {
+    dst = *reinterpret_cast<const fz_vec<unsigned int, V / 2>*>(p + at);
+  } else {
+#pragma unroll
+    for (int w = 0; w < V / 2; ++w)
+      dst.v[w] = (unsigned int)p[at + (MODE == 2 ? 2 * w : 0)].x | ((unsigned int)p[at + (MODE == 2 ? 2 * w + 1 : 0)].x << 16);
+  }
+}
 template <int V, int MODE, class S> __device__ __forceinline__ void fz_col_load(
     S* dst, const S* __restrict__ p, long long at) {
   if (MODE == 1) {
@@ -219,7 +230,9 @@ ${shared}
     const long long tiles = (cols / ${cvec} + tile - 1) / tile;  // (cols: a multiple of ${cvec}, fuser.rows.outer)
     for (long long b = blockIdx.x; b < tiles * args.splits; b += gridDim.x) {
       const long long split = b / tiles;
-      const long long c = ((b - split * tiles) * tile + tx) * ${cvec};  // the thread's first column
+      // the thread's first column, from b % tiles: written b - split * tiles, NVVM lost that c is a multiple of
+      // ${cvec} and stored each 16-byte vector of 2-byte elements as six 2-byte and one 4-byte stores
+      const long long c = ((b % tiles) * tile + tx) * ${cvec};
       const bool live = c < cols;
 ${offsets}
       const long long r1 = (split + 1) * args.rows_per_split < red ? (split + 1) * args.rows_per_split : red;
