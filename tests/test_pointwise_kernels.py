@@ -158,7 +158,40 @@ def test_tanh_read_only_by_an_offset_takes_the_absolute_form(op, c, dtype):
     assert (err <= (ref.double() - truth).abs() + ulp * truth.abs()).all()
 
 
+_SQUARE_IR = """
+graph(%x : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %t : Tensor = aten::tanh(%x)
+  %tt : Tensor = aten::type_as(%t, %x)
+  %s : Tensor = aten::mul(%tt, %tt)
+  %u : Tensor = aten::rsub(%s, %one, %one)
+  %w : Tensor = aten::type_as(%u, %t)
+  return (%w)"""
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_tanh_read_by_its_derivative_takes_the_absolute_form(dtype):
+    """tanh's derivative as the backward writes it, 1 - t * t, with the type_as nodes autodiff puts around it (one
+    passes t on, one takes only its dtype from t): t * t meets only the offset, so t takes ``fz_tanh_offset``
+    (codegen.body.offset_uses_only); over every value of the dtype between -12 and 12 the result is within an ulp
+    of the float64 truth beyond eager's own error."""
+    g = torch._C.parse_ir(_SQUARE_IR)
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = bits[torch.isfinite(bits) & (bits.abs() <= 12)]
+    k = emulate.kernel_for(g, [x])
+    body = k.source.split("extern \"C\"")[1]
+    assert "fz_tanh_offset(" in body and "fz_tanh_fast(" not in body
+    out, = emulate.run_graph(g, [x])
+    t = torch.tanh(x)
+    ref, truth = 1 - t * t, 1 - torch.tanh(x.double()) ** 2
+    ulp = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+    err = (out.double() - truth).abs()
+    assert (err <= (ref.double() - truth).abs() + ulp * truth.abs()).all()
+
+
 @pytest.mark.parametrize("ir", [
+    _SQUARE_IR.replace("%u : Tensor = aten::rsub(%s, %one, %one)", "%u : Tensor = aten::mul(%s, %x)"),  # a product
+    _SQUARE_IR.replace("return (%w)", "return (%w, %s)"),  # the square is an output
     _OFFSET_IR.replace("{c}", "0.25").replace("{op}", "add"),  # a sum that tanh's absolute error would dominate
     _OFFSET_IR.replace("{c}", "1.0").replace("{op}", "add").replace("return (%u)", "return (%u, %t)"),  # an output
     """

@@ -122,13 +122,26 @@ _OFFSETS = {"aten::add.Scalar": False, "aten::sub.Scalar": False, "aten::add.Ten
 def offset_uses_only(group: ir.Group, v: ir.Value) -> bool:
     """Whether ``v`` is read only by additions or subtractions of a constant of magnitude 1/2 or more (times an
     alpha of magnitude at most 1 where alpha scales ``v``), and is no output of the group: then an error of ``v``
-    that is small in absolute terms stays small relative to each sum (``ops.OpDef.fast_offset``)."""
+    that is small in absolute terms stays small relative to each sum (``ops.OpDef.fast_offset``). Readers that
+    pass it on are followed: ``type_as`` (its ``other`` only gives a dtype, so is no read of the value) and its
+    square ``v * v`` (tanh's derivative, 1 - t * t: an absolute error e of t below 1/16 gives t * t one of at
+    most e / 8)."""
     if any(o.id == v.id for o in group.outputs):
         return False
     readers = [n for n in group.nodes if any(a.id == v.id for a in n.values)]
     if not readers:
         return False
     for n in readers:
+        first = n.args[0] if n.args else None
+        reads_first = isinstance(first, ir.Value) and first.id == v.id
+        if n.op == "aten::type_as":
+            if reads_first and not offset_uses_only(group, n.out):
+                return False
+            continue
+        if n.op == "aten::mul.Tensor" and all(isinstance(a, ir.Value) and a.id == v.id for a in n.args[:2]):
+            if not offset_uses_only(group, n.out):
+                return False
+            continue
         alpha_scales_t = _OFFSETS.get(n.op)
         if alpha_scales_t is None or len(n.args) < 3:
             return False
