@@ -162,8 +162,7 @@ _SQUARE_IR = """
 graph(%x : Tensor):
   %one : int = prim::Constant[value=1]()
   %t : Tensor = aten::tanh(%x)
-  %tt : Tensor = aten::type_as(%t, %x)
-  %s : Tensor = aten::mul(%tt, %tt)
+  %s : Tensor = aten::mul(%t, %t)
   %u : Tensor = aten::rsub(%s, %one, %one)
   %w : Tensor = aten::type_as(%u, %t)
   return (%w)"""
@@ -171,8 +170,8 @@ graph(%x : Tensor):
 
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
 def test_tanh_read_by_its_derivative_takes_the_absolute_form(dtype):
-    """tanh's derivative as the backward writes it, 1 - t * t, with the type_as nodes autodiff puts around it (one
-    passes t on, one takes only its dtype from t): t * t meets only the offset, so t takes ``fz_tanh_offset``
+    """tanh's derivative as the backward writes it, 1 - t * t, with a type_as that takes only its dtype from t:
+    t * t meets only the offset, so t takes ``fz_tanh_offset``
     (codegen.body.offset_uses_only); over every value of the dtype between -12 and 12 the result is within an ulp
     of the float64 truth beyond eager's own error."""
     g = torch._C.parse_ir(_SQUARE_IR)
@@ -192,6 +191,13 @@ def test_tanh_read_by_its_derivative_takes_the_absolute_form(dtype):
 @pytest.mark.parametrize("ir", [
     _SQUARE_IR.replace("%u : Tensor = aten::rsub(%s, %one, %one)", "%u : Tensor = aten::mul(%s, %x)"),  # a product
     _SQUARE_IR.replace("return (%w)", "return (%w, %s)"),  # the square is an output
+    """
+graph(%x : Tensor, %m : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %t : Tensor = aten::tanh(%x)
+  %b : Tensor = aten::type_as(%t, %m)
+  %u : Tensor = aten::add(%b, %one, %one)
+  return (%u)""",  # passed on by type_as, whose dtype (bool here: t != 0) is not known to the rule
     _OFFSET_IR.replace("{c}", "0.25").replace("{op}", "add"),  # a sum that tanh's absolute error would dominate
     _OFFSET_IR.replace("{c}", "1.0").replace("{op}", "add").replace("return (%u)", "return (%u, %t)"),  # an output
     """
@@ -203,9 +209,28 @@ graph(%x : Tensor):
   return (%v)""",  # also read by a product
 ])
 def test_tanh_read_otherwise_keeps_its_relative_form(ir):
-    """Any other reader (a small constant, the group's output, a product) keeps ``fz_tanh_fast``, whose error is
-    relative near 0."""
+    """Any other reader (a small constant, the group's output, a product, a type_as passing it on) keeps
+    ``fz_tanh_fast``, whose error is relative near 0."""
     g = torch._C.parse_ir(ir)
-    k = emulate.kernel_for(g, [torch.randn(64, dtype=torch.float16)])
+    x = torch.randn(64, dtype=torch.float16)
+    k = emulate.kernel_for(g, [x, torch.zeros(64, dtype=torch.bool)] if "%m" in ir else [x])
     body = k.source.split("extern \"C\"")[1]
     assert "fz_tanh_fast(" in body and "fz_tanh_offset(" not in body
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_tanh_of_tiny_values_converted_to_bool_is_true_as_in_eager(dtype):
+    """1 + tanh(x).type_as(mask) for a bool mask: tanh of a tiny nonzero x is nonzero, so true, so 2, as eager
+    gives; the absolute form would give 0 there (a review found 1 for bfloat16 1e-30 when type_as was followed)."""
+    g = torch._C.parse_ir("""
+graph(%x : Tensor, %m : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %t : Tensor = aten::tanh(%x)
+  %b : Tensor = aten::type_as(%t, %m)
+  %u : Tensor = aten::add(%b, %one, %one)
+  return (%u)""")
+    tiny = torch.finfo(dtype).tiny
+    x = torch.tensor([1e-30, 1e-20, 1e-9, 6e-8, tiny, -tiny, 0.0, -0.0, 0.5, -3.0] * 8).to(dtype)
+    m = torch.zeros(x.shape, dtype=torch.bool)
+    out, = emulate.run_graph(g, [x, m])
+    torch.testing.assert_close(out, torch.tanh(x).type_as(m) + 1, rtol=0, atol=0)

@@ -122,10 +122,11 @@ _OFFSETS = {"aten::add.Scalar": False, "aten::sub.Scalar": False, "aten::add.Ten
 def offset_uses_only(group: ir.Group, v: ir.Value) -> bool:
     """Whether ``v`` is read only by additions or subtractions of a constant of magnitude 1/2 or more (times an
     alpha of magnitude at most 1 where alpha scales ``v``), and is no output of the group: then an error of ``v``
-    that is small in absolute terms stays small relative to each sum (``ops.OpDef.fast_offset``). Readers that
-    pass it on are followed: ``type_as`` (its ``other`` only gives a dtype, so is no read of the value) and its
-    square ``v * v`` (tanh's derivative, 1 - t * t: an absolute error e of t below 1/16 gives t * t one of at
-    most e / 8)."""
+    that is small in absolute terms stays small relative to each sum (``ops.OpDef.fast_offset``). Also taken: a
+    ``type_as`` whose ``other`` it is (that gives only a dtype: no read of the value), and its square ``v * v``
+    read only so (tanh's derivative, 1 - t * t: an absolute error e of t below 1/16 gives t * t one of at most
+    e / 8). Not followed: ``type_as(v, other)``, whose dtype is not known here: to bool it tests v != 0, which the
+    absolute form's 0 for a tiny nonzero v would flip."""
     if any(o.id == v.id for o in group.outputs):
         return False
     readers = [n for n in group.nodes if any(a.id == v.id for a in n.values)]
@@ -134,9 +135,7 @@ def offset_uses_only(group: ir.Group, v: ir.Value) -> bool:
     for n in readers:
         first = n.args[0] if n.args else None
         reads_first = isinstance(first, ir.Value) and first.id == v.id
-        if n.op == "aten::type_as":
-            if reads_first and not offset_uses_only(group, n.out):
-                return False
+        if n.op == "aten::type_as" and not reads_first:
             continue
         if n.op == "aten::mul.Tensor" and all(isinstance(a, ir.Value) and a.id == v.id for a in n.args[:2]):
             if not offset_uses_only(group, n.out):
