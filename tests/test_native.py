@@ -994,7 +994,7 @@ def test_cuda_records_of_row_sums_and_column_kernels(monkeypatch):
     assert head[7] == backend.struct.ptrs.offset and head[7] + 8 * (len(align) + len(temps)) <= len(raw)
     # a vectors-only kernel (fuser.rows.plan.RowKey.steps, with its kernel for launches without vectors): the vector
     # field says so, and hotpath.cpp hands a call whose pointers are not aligned to Python
-    backend.any_launch = launch.AnyLaunch(fused.spec, p)
+    backend.any_launch = launch.AnyLaunch(fused.spec, launch.any_plan(p), launch.build)
     rec, _, _ = record._row_or_column_cuda(geo, True, p.tensors, p.scalars, outputs, [], [])
     assert _cuda_record_tail(rec)[0][5] == record.VECTORS_ONLY == 2
     # a staged row kernel (fuser.rows.plan.CudaShape.staged): its launch's shared memory, a block's rows of them
@@ -1061,6 +1061,12 @@ def test_cuda_records_of_row_sums_and_column_kernels(monkeypatch):
     assert then == [(0x1000, g.grid1, cuda_launch.BLOCK_SIZE, backend.struct.stage.offset, 1)]
     a = backend.struct.from_buffer_copy(raw)
     assert (a.red, a.cols, a.splits, a.stage, a.ptrs[3]) == (4096, 64, g.splits, 0, None)
+    # a whole-vector column kernel (fuser.rows.outer.OuterKey.vectors, with its element by element kernel for
+    # launches without vectors): the vector field says so, and hotpath.cpp hands a misaligned call to Python
+    assert p.key.vectors
+    backend.any_launch = launch.AnyLaunch(cspec, outer_launch.any_plan(p), outer_launch.build)
+    rec, _, _ = record._row_or_column_cuda(geo, False, p.tensors, p.scalars, [torch.empty(1, 64)], [], [])
+    assert _cuda_record_tail(rec)[0][5] == record.VECTORS_ONLY
 
 
 def _sum0(x, y):

@@ -8,6 +8,7 @@ or eager's error) and the forms the column kernel does not take (eager's result)
 group of a leading reduction and its pointwise neighbours. The CUDA twins are marked gpu."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,7 +22,7 @@ from fuser.cuda import emulate
 from fuser.kernel_cache import STORE
 from fuser.native import record
 from fuser.rows import emulate as row_emulate
-from fuser.rows import outer_launch
+from fuser.rows import outer_launch, outer_templates
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 ALL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -464,30 +465,52 @@ def _vector_cases(dtype):
 def test_cuda_column_vectors(dtype):
     """A CUDA column kernel's thread takes 4 consecutive columns (2 of 8-byte values, 8 of 2-byte values where it
     stores element-level outputs, each as one vector a row) where every input steps by 0 or 1 along them and its
-    other strides keep vectors aligned (``outer.OuterKey.cvec``), loading whole vectors where the pointers allow,
-    else element by element, in the same kernel; otherwise one column a thread. Through the host emulation,
-    against eager."""
+    other strides keep vectors aligned (``outer.OuterKey.cvec``): a kernel of whole vectors only
+    (``OuterKey.vectors``), and for launches whose pointers do not allow them the plan's element by element kernel
+    (``outer_launch.any_plan``); otherwise one column a thread. Through the host emulation, against eager; the
+    emulator is asked for the kernel of the launch's form only."""
     from fuser.rows import launch
     for case, (what, args, cvec, whole) in _vector_cases(dtype):
         spec = _spec(_GROUPS[case.id])
         p = rows.plan(spec, args, "cuda")
-        assert isinstance(p, rows.OuterPlan) and p.key.cvec == cvec, (what, p)
+        assert isinstance(p, rows.OuterPlan) and p.key.cvec == cvec and p.key.vectors == (cvec > 1), (what, p)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         outs = [torch.empty(s, dtype=dt) for s, dt in zip(p.out_shapes, p.out_dtypes)]
         assert (cvec > 1 and launch.vector_ok(True, p.vec_align, tensors, outs)) == (whole and cvec > 1), what
-        _check(row_emulate.run(_GROUPS[case.id], args), case.eager, args)
+        em = emulate.Emulator()
+        _check(row_emulate.run(_GROUPS[case.id], args, em), case.eager, args)
+        vec_name = outer_launch.source_for(spec, p)[0]
+        any_name = outer_launch.source_for(spec, outer_launch.any_plan(p))[0] if cvec > 1 else None
+        assert (vec_name in em._sources, any_name in em._sources) == ((True, False) if whole or cvec == 1 else
+                                                                       (False, True)), what
+
+
+def _on_cuda(a: torch.Tensor) -> torch.Tensor:
+    """``a`` on the GPU with its strides and storage offset (``Tensor.cuda`` would copy a view into a new, aligned
+    tensor, and an expanded one whole)."""
+    span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()) if n > 0) if a.numel() else 0
+    base = torch.empty(a.storage_offset() + span, dtype=a.dtype, device="cuda")
+    out = base.as_strided(a.shape, a.stride(), a.storage_offset())
+    one = tuple(slice(0, 1) if st == 0 else slice(None) for st in a.stride())  # (an expanded dim: once)
+    out[one].copy_(a[one])
+    return out
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16), ids=lambda d: str(d)[6:])
 def test_cuda_column_vectors_on_the_gpu(dtype):
-    """The layouts of :func:`test_cuda_column_vectors` on the GPU (a misaligned pointer reads element by element)."""
-    for case, (what, args, cvec, _) in _vector_cases(dtype):
+    """The layouts of :func:`test_cuda_column_vectors` on the GPU: a misaligned pointer reads element by element,
+    through the plan's second kernel (built by the launch that needs it)."""
+    for case, (what, args, cvec, whole) in _vector_cases(dtype):
         spec = _spec(_GROUPS[case.id])
-        args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        args = [_on_cuda(a) if isinstance(a, torch.Tensor) else a for a in args]
         out = executor.run(spec, args)
         assert out is not None, (what, executor.plan(spec, args))
         _check(out, case.eager, args)
+        if cvec > 1:
+            p = rows.plan(spec, args, "cuda")
+            built = spec.kernels()
+            assert (outer_launch.any_plan(p).key if not whole else p.key) in built, what
 
 
 # ------------------------------------------------------------------------------------- a long element pass
@@ -512,56 +535,71 @@ def _gelu_bias_backward_with_sums() -> ir.Group:
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=lambda d: str(d)[6:])
-def test_gelu_backward_column_kernel_stores_vectors_within_four_blocks_an_sm(dtype):
-    """The column kernel of gelu(x + b)'s 2-byte backward: 8 columns a thread, x's gradient stored as one 16-byte
-    vector a row in the whole-vector loop (element by element in the other); by sm_90 ptxas, contracted or not
-    (``settings.cuda_contract``), at most 64 registers and no spills, so that the split's
-    ``outer_launch.BLOCKS_PER_SM`` blocks of 256 threads fit an SM at once (one wave)."""
+def test_gelu_backward_column_kernels_store_vectors_without_spilling(dtype):
+    """The column kernels of gelu(x + b)'s 2-byte backward: 8 columns a thread; the whole-vector kernel loads whole
+    vectors and stores x's gradient as one 16-byte vector a row, the plan's element by element kernel neither; by
+    sm_90 ptxas, contracted or not (``settings.cuda_contract``): the whole-vector one leaves room for
+    ``VECTOR_BLOCKS_AN_SM`` blocks of 256 threads an SM (its __launch_bounds__ asks for them: a spill of at most 8
+    registers), the element by element one spills nothing."""
     group = _gelu_bias_backward_with_sums()
     spec = _spec(group)
     x, b, g = torch.randn(64, 256, dtype=dtype), torch.randn(256, dtype=dtype), torch.randn(64, 256, dtype=dtype)
     p = rows.plan(spec, [x, b, g], "cuda")
-    assert p.key.cvec == 8
-    _, source = outer_launch.source_for(spec, p)
-    whole, _, single = source.partition("if (args.vec) {")[2].partition("} else {")
-    assert whole.count("*reinterpret_cast<fz_vec<") == 1 and "o0[r * cols + c + v] =" not in whole
-    single = single.split("fz_lane_reduce")[0]
-    assert "*reinterpret_cast<fz_vec<" not in single and "o0[r * cols + c + v] =" in single
-    for fmad in (False, True):
-        regs, spill = ptxas_registers(source, fmad)
-        assert 65536 // (256 * regs) >= outer_launch.BLOCKS_PER_SM and spill == 0, (fmad, regs, spill)
+    assert p.key.cvec == 8 and p.key.vectors
+    whole = outer_launch.source_for(spec, p)[1]
+    single = outer_launch.source_for(spec, outer_launch.any_plan(p))[1]
+    for source, vectors in ((whole, True), (single, False)):
+        body = source.split("if (live) {")[1].split("fz_lane_reduce")[0]
+        assert "args.vec" not in body
+        assert (body.count("*reinterpret_cast<fz_vec<"), "o0[r * cols + c + v] =" in body) == (
+            (1, False) if vectors else (0, True))
+        assert body.count("fz_col_load<8, 1>") == (3 if vectors else 0)
+        assert body.count("fz_col_load<8, 2>") == (0 if vectors else 3)
+        assert (f"__launch_bounds__(256, {outer_templates.VECTOR_BLOCKS_AN_SM})" in source) == vectors
+        for fmad in (False, True):
+            regs, spill = ptxas_registers(source, fmad)
+            if vectors:
+                assert 65536 // (256 * regs) >= outer_templates.VECTOR_BLOCKS_AN_SM and spill <= 32, (fmad, regs, spill)
+            else:
+                assert spill == 0, (fmad, regs, spill)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=lambda d: str(d)[6:])
 def test_a_column_kernels_element_outputs_are_stored_a_16_byte_vector_a_row(dtype):
-    """In PTX (sm_90, NVRTC), the whole-vector loop of gelu(x + b)'s backward column kernel stores x's gradient as
-    one 16-byte vector a row: one ``st.global.v4`` for each row a trip unrolls. Its first column written
-    ``b - split * tiles`` left NVVM storing each vector in pieces (2-byte elements: six 2-byte stores and a 4-byte
-    one; float32: four 4-byte stores): no ``st.global.v4`` at all."""
+    """In PTX (sm_90, NVRTC), the whole-vector kernel of gelu(x + b)'s backward stores x's gradient as one 16-byte
+    vector a row: one ``st.global.v4`` for each row a trip unrolls. Its first column written ``b - split * tiles``
+    left NVVM storing each vector in pieces (2-byte elements: six 2-byte stores and a 4-byte one; float32: four
+    4-byte stores): no ``st.global.v4`` at all."""
     group = _gelu_bias_backward_with_sums()
     spec = _spec(group)
     x, b, g = torch.randn(64, 256, dtype=dtype), torch.randn(256, dtype=dtype), torch.randn(64, 256, dtype=dtype)
     p = rows.plan(spec, [x, b, g], "cuda")
-    assert p.key.cvec * dtype.itemsize == 16
+    assert p.key.cvec * dtype.itemsize == 16 and p.key.vectors
     _, source = outer_launch.source_for(spec, p)
-    unrolled = int(source.split("if (args.vec) {")[1].split("FZ_COL_ROWS(")[1].split(")")[0])
+    unrolled = [int(n) for n in re.findall(r"FZ_COL_ROWS\((\d+)\) \{", source)]
+    assert len(unrolled) == 1
     stores = [ln for ln in ptx_instructions(source) if ln.startswith("st.global")]
-    assert sum(ln.startswith("st.global.v4") for ln in stores) == unrolled, stores
+    assert sum(ln.startswith("st.global.v4") for ln in stores) == unrolled[0], stores
 
 
 @pytest.mark.parametrize("dtype,unrolled", [(torch.float32, 1), (torch.bfloat16, 8)], ids=["float32", "bfloat16"])
 def test_a_long_element_pass_over_4_byte_values_unrolls_one_row(dtype, unrolled):
     """The column kernel of gelu(x + b)'s backward: its rows unrolled once over float32 (the registers go to the
-    work), 8 times over bfloat16 (``outer_templates.ROWS_UNROLLED``); through the host emulation against float64
-    eager, both vector loops (an odd column count takes the element by element one)."""
+    work), 8 times over bfloat16 (``outer_templates.ROWS_UNROLLED``; once in the element by element twin); through the host emulation against float64
+    eager: the whole-vector kernel, the element by element one (x one element past an aligned address), and one
+    column a thread (an odd column count)."""
     group = _gelu_bias_backward_with_sums()
     spec = _spec(group)
-    for rows_, cols in ((37, 64), (300, 20), (9, 33)):
-        x, b, g = torch.randn(rows_, cols, dtype=dtype), torch.randn(cols, dtype=dtype), torch.randn(rows_, cols,
-                                                                                                  dtype=dtype)
+    for rows_, cols, skew in ((37, 64, 0), (37, 64, 1), (300, 20, 0), (9, 33, 0)):
+        x = torch.randn(rows_ * cols + skew, dtype=dtype)[skew:].view(rows_, cols)
+        b, g = torch.randn(cols, dtype=dtype), torch.randn(rows_, cols, dtype=dtype)
         p = rows.plan(spec, [x, b, g], "cuda")
+        assert p.key.vectors == (cols % 4 == 0)
+        if skew:
+            p = outer_launch.any_plan(p)
         _, source = outer_launch.source_for(spec, p)
-        assert source.count(f"FZ_COL_ROWS({unrolled}) {{") == (2 if p.key.cvec > 1 else 1)
+        # (and its #define; the element by element twin of a whole-vector kernel takes a row a trip)
+        assert source.count("FZ_COL_ROWS(") == 2 and f"FZ_COL_ROWS({1 if skew else unrolled}) {{" in source
         dx, db = row_emulate.run(group, [x, b, g])
         x64, b64 = x.double().requires_grad_(), b.double().requires_grad_()
         want_dx, want_db = torch.autograd.grad(_gelu_bias(x64, b64), (x64, b64), g.double())

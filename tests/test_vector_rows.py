@@ -94,7 +94,7 @@ def test_a_vectors_only_kernel_makes_no_choice_at_run_time():
     _, source = rows.launch.source_for(spec, p)
     body = source[source.index('extern "C"'):]
     assert "fz_row_vec<" in body and "fz_row_trip<" not in body and "args.vec" not in body
-    any_plan = rows.launch.AnyLaunch(spec, p).plan
+    any_plan = rows.launch.AnyLaunch(spec, rows.launch.any_plan(p), rows.launch.build).plan
     assert any_plan.key.steps is None and any_plan.key.shape == p.key.shape
     assert any_plan.tensors == []  # (the kernel keeps it: not the planning call's inputs)
     _, source = rows.launch.source_for(spec, any_plan)
@@ -112,7 +112,7 @@ def test_a_vectors_only_kernel_holds_the_row_in_fewer_registers(dtype):
     p = rows.plan(spec, _ln_inputs(4, 4096, dtype), "cuda")
     assert p.key.shape.held and p.key.shape.block == (256 if dtype == torch.float32 else 128)
     regs, spill = ptxas_registers(rows.launch.source_for(spec, p)[1])
-    any_regs, _ = ptxas_registers(rows.launch.source_for(spec, rows.launch.AnyLaunch(spec, p).plan)[1])
+    any_regs, _ = ptxas_registers(rows.launch.source_for(spec, rows.launch.AnyLaunch(spec, rows.launch.any_plan(p), rows.launch.build).plan)[1])
     assert regs <= 80 and spill == 0 and any_regs > regs, (regs, spill, any_regs)
 
 

@@ -106,8 +106,8 @@ def launch_record(geo, tensors: Sequence[torch.Tensor], scalars: Sequence[float]
 
 
 # a CUDA record's vector field: 0 no vectors, 1 vectors where the pointers are aligned, VECTORS_ONLY the kernel
-# takes nothing else (fuser.rows.plan.RowKey.steps): hotpath.cpp hands a call whose pointers are not aligned to
-# Python, which launches the kernel with the run-time choice (fuser.rows.launch.AnyLaunch)
+# takes nothing else (fuser.rows.plan.RowKey.steps, fuser.rows.outer.OuterKey.vectors): hotpath.cpp hands a call
+# whose pointers are not aligned to Python, which launches the plan's other kernel (fuser.rows.launch.AnyLaunch)
 VECTORS_ONLY = 2
 FORM_PLAIN, FORM_ROW_SUMS, FORM_COLUMNS = 0, 1, 2  # a CUDA launch: one kernel, a row kernel with column sums, a
 # column kernel (hotpath.cpp counts the last two)
@@ -148,6 +148,8 @@ def _row_or_column_cuda(geo, rows: bool, tensors, scalars, outputs, rec: list, f
         kernel, struct = backend.kernel, backend.struct
         g = backend.grid_for(geo)
         grid, block, vec_shape, form, smem = g.grid0, cuda_launch.BLOCK_SIZE, geo.cvec > 1, FORM_COLUMNS, 0
+        if backend.any_launch is not None:  # a whole-vector kernel: a launch without vectors is Python's
+            vec_shape = VECTORS_ONLY
         temps = [(scalar_type(torch.float64), g.workspace)]  # (none: a null pointer)
         then = [(kernel._function_ptr, g.grid1, block, struct.stage.offset, 1)] if g.grid1 else []
         args = outer_launch.fill_args(struct, geo, g, 0, tensors, scalars, outputs, 0)

@@ -46,16 +46,20 @@ def run(group: ir.Group, inputs: Sequence, emulator: Optional[emulate.Emulator] 
         ) -> Optional[list[torch.Tensor]]:
     """The outputs of ``group`` on CPU ``inputs`` through its CUDA row kernel, emulated; None where a GPU would
     fall back (the plan says why: ``fuser.rows.plan``). A vectors-only kernel's launch whose pointers are not
-    aligned runs the kernel with the run-time choice, as ``launch.RowCudaKernel`` does."""
+    aligned runs the plan's other kernel, as ``launch.RowCudaKernel`` and ``outer_launch.OuterCudaKernel`` do."""
     emulator = emulator or emulate.default()
     spec = STORE.get(STORE.register(group))
     p = _plan(spec, inputs)
     if isinstance(p, str):
         return None
     outputs = [torch.empty(s, dtype=dt) for s, dt in zip(p.out_shapes, p.out_dtypes)]
-    vec = isinstance(p, RowPlan) and launch.vector_ok(p.vec_ok, p.vec_align, p.tensors, outputs)
-    if isinstance(p, RowPlan) and p.key.steps is not None and not vec:
-        p = launch.any_plan(p)
+    if isinstance(p, OuterPlan):
+        if p.key.vectors and not launch.vector_ok(True, p.vec_align, p.tensors, outputs):
+            p = outer_launch.any_plan(p)
+    else:
+        vec = launch.vector_ok(p.vec_ok, p.vec_align, p.tensors, outputs)
+        if p.key.steps is not None and not vec:
+            p = launch.any_plan(p)
     name = _add(emulator, spec, p)
     if name is None:
         return None

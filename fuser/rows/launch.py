@@ -64,7 +64,7 @@ def build(spec, p: RowPlan) -> Optional[RowKernel]:
     on the first launch whose pointers are not aligned for vectors (:class:`AnyLaunch`)."""
     kernel = build_kernel(spec, p, source_for, _load_cuda, RowKernel)
     if kernel is not None and p.key.steps is not None and p.key.target == "cuda":
-        kernel.backend.any_launch = AnyLaunch(spec, p)
+        kernel.backend.any_launch = AnyLaunch(spec, any_plan(p), build)
     return kernel
 
 
@@ -88,18 +88,19 @@ def plan_stage_bytes(p: RowPlan) -> int:
 
 
 class AnyLaunch:
-    """The row kernel of a plan with the launch's ``args.vec`` checked (``RowKey.steps`` None), for the launches
-    of a vectors-only kernel whose pointers are not aligned for vectors: built once, on the first such launch,
+    """For the launches of a vectors-only kernel whose pointers are not aligned for vectors, the kernel of plan
+    ``p`` (a row plan's :func:`any_plan`, with the launch's ``args.vec`` checked; a column plan's
+    ``outer_launch.any_plan``, element by element) by ``build(spec, p)``: built once, on the first such launch,
     through the spec's kernel table like any other (one compile however many threads ask). It keeps the plan
     without the tensors of the call that planned it (the kernel lives as long as its spec: they would too)."""
 
-    def __init__(self, spec, p: RowPlan):
-        self.spec, self.plan = spec, dataclasses.replace(any_plan(p), tensors=[])
+    def __init__(self, spec, p, build: Callable):
+        self.spec, self.plan, self.build = spec, dataclasses.replace(p, tensors=[]), build
 
-    def __call__(self) -> "RowCudaKernel":
-        kernel = self.spec.kernel_for(self.plan.key, lambda: build(self.spec, self.plan))
+    def __call__(self):
+        kernel = self.spec.kernel_for(self.plan.key, lambda: self.build(self.spec, self.plan))
         if kernel is None:  # (the same group as the vectors-only kernel: it generates, so this does too)
-            raise RuntimeError(f"fuser: no row kernel with any strides for {self.plan.key}")
+            raise RuntimeError(f"fuser: no kernel with any strides for {self.plan.key}")
         return kernel.backend
 
 

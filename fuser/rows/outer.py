@@ -36,6 +36,10 @@ class OuterKey:
     inputs: tuple[tuple[torch.dtype, bool], ...]
     cvec: int = 1  # CUDA: consecutive columns a thread takes (a vector of each input where the launch allows)
     steps: tuple = ()  # CUDA with cvec > 1, per tensor input: it steps by 1 along the columns (else by 0)
+    # CUDA with cvec > 1: the kernel loads and stores whole vectors only (a launch whose pointers do not allow them
+    # goes to the kernel of the same plan with False, element by element, built on the first such launch:
+    # outer_launch.build); two kernels of one loop each compile in less time than one kernel with both loops
+    vectors: bool = False
 
 
 @dataclass
@@ -128,7 +132,7 @@ def plan(group: ir.Group, key: tuple, tensors: list, scalars: list, metas: list,
                 cvec * torch.empty((), dtype=dt).element_size() if v.id not in cols_v else 0
                 for v, dt in zip(group.outputs, out_dtypes))
     steps = tuple(st[-2] == 1 for st in strides) if cvec > 1 else ()
-    return OuterPlan(OuterKey(target, index, inputs, cvec, steps), tensors, scalars, math.prod(red_shape),
+    return OuterPlan(OuterKey(target, index, inputs, cvec, steps, cvec > 1), tensors, scalars, math.prod(red_shape),
                      math.prod(drop), col_sizes, strides, [shape[v.id] for v in group.outputs], out_dtypes, types, vec_align)
 
 

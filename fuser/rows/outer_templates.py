@@ -10,8 +10,8 @@ at::vec pass takes the chunk's whole vectors of columns (:data:`CPU_VECTOR_PASS`
 
 CUDA: one by-value ``FzArgs`` (mirrored by ``fuser.rows.outer_launch.args_struct``); one 1-D grid, 256 threads
 a block seen as ``tile`` threads along the columns (consecutive threads, consecutive columns: coalesced; each
-thread ``cvec`` consecutive columns, loaded, and its element-level outputs stored, as one vector a row where the
-launch allows) times ``256 / tile`` lanes, each lane accumulating every ``lanes``-th row of its split of the column; the lanes combine through
+thread ``cvec`` consecutive columns, loaded, and its element-level outputs stored, as one vector a row; a launch
+whose pointers do not allow that takes the plan's second kernel, element by element: ``OuterKey.vectors``) times ``256 / tile`` lanes, each lane accumulating every ``lanes``-th row of its split of the column; the lanes combine through
 shared memory in a fixed tree. ``stage`` 0 with one split stores the results; with ``splits`` > 1 each block
 writes its partial results to the workspace (double: a float accumulator converts to it and back exactly) and
 ``stage`` 1 (a second launch, one thread a column) combines the splits in order: deterministic, no atomics.
@@ -26,6 +26,11 @@ BLOCK_SIZE = 256  # CUDA threads a block: a power of two (the lanes' tree halves
 # one process each, side by side (2026-11-30): float32 424 / 411 / 357 (spilled) / 333 us, bfloat16 210 / 216 / 229
 # (spilled) / 218 us
 ROWS_UNROLLED, HEAVY_ELEMENT_LINES = 8, 24
+# blocks an SM __launch_bounds__ asks ptxas to leave room for in a whole-vector kernel (OuterKey.vectors). H200, the
+# training step of gelu(x + b) over [16384, 4096], fuser alone, two runs each (2026-12-02): with no minimum the
+# bfloat16 backward's column kernel took 77 registers (3 blocks an SM) and 225-227 us, float32 374-376 us; held to 4
+# blocks (64 registers, 28 bytes spilled) 198-203 us and 338-341 us; the kernel with both loops 193 us (bfloat16)
+VECTOR_BLOCKS_AN_SM = 4
 CPU_CHUNK = 512  # columns a CPU chunk accumulates at once
 CPU_FOLD_ROWS = 64  # rows the CPU vector pass sums in the compute type before folding into the accumulators
 CPU_UNROLL_ROWS = 4  # rows a trip of the CPU vector pass (the rows' order kept: the same sums as one at a time)
@@ -213,12 +218,12 @@ struct FzArgs {
   int rank;
   int stage;
   int tile;  // threads a block along the columns: a power of two, at most 32
-  int vec;  // the launch may load and store whole vectors of ${cvec} columns (fuser.rows.outer_launch)
+  int vec;  // the launch's pointers allow whole vectors of ${cvec} columns (each kernel takes one form: unread)
   void* ptrs[${n_ptrs}];  // inputs, outputs, the workspace
   double scalars[${n_scalar_slots}];
 };
 
-extern "C" __global__ void __launch_bounds__(${block_size}) ${name}(const FzArgs args) {
+extern "C" __global__ void __launch_bounds__(${block_size}${min_blocks}) ${name}(const FzArgs args) {
   const long long red = args.red, cols = args.cols;
   const int rank = args.rank;
 ${params}
