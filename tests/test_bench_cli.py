@@ -134,3 +134,28 @@ def test_a_cells_process_usage_per_call():
     writing = cell_of(write_fresh_pages)
     assert writing["minor_faults"] >= 100, writing
     assert writing["threads"] >= 1 and writing["machine_steal_us"] >= 0 and "_usage" not in sleeping
+
+
+def test_a_run_starts_the_compilers_caches_empty_unless_asked_to_keep_them(monkeypatch, tmp_path):
+    """By default every cache a first call could find a kernel in (fuser's, Inductor's, Triton's, the CUDA
+    driver's, which NVRTC uses too) names an empty directory during the run, and is restored after it; with
+    --warm-caches the run keeps the user's."""
+    import os
+    seen = []
+
+    def fake_main(args):
+        seen.append({var: os.environ.get(var) for var in cli.COLD_CACHES})
+        for path in seen[-1].values():
+            assert path is None or not os.path.exists(path) or not os.listdir(path)
+        return 0
+
+    monkeypatch.setattr(cli, "_main", fake_main)
+    monkeypatch.setenv("FUSER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CUDA_CACHE_PATH", raising=False)
+    assert cli.main(["--device", "cpu"]) == 0
+    cold = seen[-1]
+    assert all(cold.values()) and len({os.path.dirname(p) for p in cold.values()}) == 1
+    assert cold["FUSER_CACHE_DIR"] != str(tmp_path) and not os.path.exists(os.path.dirname(cold["FUSER_CACHE_DIR"]))
+    assert os.environ["FUSER_CACHE_DIR"] == str(tmp_path) and "CUDA_CACHE_PATH" not in os.environ
+    assert cli.main(["--device", "cpu", "--warm-caches"]) == 0
+    assert seen[-1]["FUSER_CACHE_DIR"] == str(tmp_path) and seen[-1]["CUDA_CACHE_PATH"] is None

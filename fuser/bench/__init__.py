@@ -35,7 +35,9 @@ Method:
   through several input sets.
 * Each system's first call is checked against eager's output (max abs error) and timed with
   synchronization; for fuser that time includes generating and compiling the kernel
-  (``fuser_first_call_ms``).
+  (``fuser_first_call_ms``). The compilers' caches on disk start empty (``--warm-caches`` keeps the user's):
+  fuser's, Inductor's and Triton's, and the CUDA driver's, which NVRTC 12.9 on uses too (a kernel NVRTC compiled
+  before in another process, say by the tests, comes back in a few ms).
 * A failing cell records its error and the run goes on.
 
 ``--models`` times real networks end to end instead (:mod:`fuser.bench.models`).

@@ -5,12 +5,15 @@ measures and how)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -43,6 +46,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "for eager, ts_nnc, fuser, compile; --only filters models")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                    help="with --models: the models' dtype")
+    p.add_argument("--warm-caches", action="store_true",
+                   help="keep the compilers' caches on disk (by default a run starts them empty: first calls are "
+                        "cold compiles)")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -66,8 +72,42 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+# the caches on disk a first call may find kernels in: fuser's, Inductor's (its FX graph and AOTAutograd caches
+# too), Triton's, and the CUDA driver's compute cache, where NVRTC 12.9 on keeps what it compiled (PTX and CUBIN
+# by source and options) when a driver is present
+COLD_CACHES = ("FUSER_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH")
+
+
+@contextlib.contextmanager
+def cold_caches() -> Iterator[str]:
+    """While it holds, each of :data:`COLD_CACHES` names an empty directory of a new temporary one (removed
+    afterwards, and the variables restored); entered before CUDA initializes (the driver reads its cache's place
+    then). Yields that directory."""
+    base = tempfile.mkdtemp(prefix="fuser-bench-caches-")
+    saved = {var: os.environ.get(var) for var in COLD_CACHES}
+    try:
+        for var in COLD_CACHES:
+            os.environ[var] = os.path.join(base, var.lower())
+        yield base
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--warm-caches", action="store_true")
+    with contextlib.ExitStack() as stack:
+        if not pre.parse_known_args(argv)[0].warm_caches:
+            stack.enter_context(cold_caches())
+        return _main(parse_args(argv))
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.models:
         from . import models
         return models.main(args)
