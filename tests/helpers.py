@@ -880,3 +880,14 @@ def op_on_layouts_vs_eager(case: Case, args_fn, dtype: torch.dtype) -> Optional[
     assert out is not None, f"{case.id} fell back"
     assert_op_result(case, out[0], expected)
     return next(k for k in spec.kernels().values() if k is not None).source
+
+
+def on_cuda_aligned_alike(a):
+    """``a`` on the GPU with its sizes, strides and address modulo 16 (a view starting an element in stays so)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    lead = a.data_ptr() % 16 // a.element_size()
+    span = 1 + sum((s - 1) * st for s, st in zip(a.shape, a.stride())) if a.numel() else 0
+    flat = torch.empty(lead + span, dtype=a.dtype, device="cuda")
+    flat[lead:] = a.as_strided((span,), (1,))
+    return flat[lead:].as_strided(a.shape, a.stride())

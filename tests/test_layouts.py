@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import assert_same, build, cases, eager, interpret, random_tensor
+from helpers import assert_same, build, cases, eager, interpret, on_cuda_aligned_alike, random_tensor
 
 import fuser
 from fuser import compiler, executor, ir, layout, settings
@@ -593,24 +593,13 @@ def test_gpu_outputs_have_eagers_strides_and_values(name):
     _assert_like_eager(out, _reference(text, args))
 
 
-def _on_cuda_aligned_alike(a):
-    """``a`` on the GPU with its sizes, strides and address modulo 16 (a view starting an element in stays so)."""
-    if not isinstance(a, torch.Tensor):
-        return a
-    lead = a.data_ptr() % 16 // a.element_size()
-    span = 1 + sum((s - 1) * st for s, st in zip(a.shape, a.stride())) if a.numel() else 0
-    flat = torch.empty(lead + span, dtype=a.dtype, device="cuda")
-    flat[lead:] = a.as_strided((span,), (1,))
-    return flat[lead:].as_strided(a.shape, a.stride())
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,dtype", [(n, dt) for n in VEC_CASES
                                         for dt in (torch.float16, torch.bfloat16, torch.float32)])
 def test_gpu_tiled_vector_form(name, dtype):
     text, make = VEC_CASES[name]
     host = make(dtype)
-    args = [_on_cuda_aligned_alike(a) for a in host]
+    args = [on_cuda_aligned_alike(a) for a in host]
     assert [a.data_ptr() % 16 for a in args if isinstance(a, torch.Tensor)] == [
         a.data_ptr() % 16 for a in host if isinstance(a, torch.Tensor)]
     spec = STORE.get(STORE.register(lower(torch.parse_ir(text))))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fuser
-from helpers import REDUCE_EAGER, ptx_instructions, ptxas_registers, reduce_node
+from helpers import REDUCE_EAGER, on_cuda_aligned_alike, ptx_instructions, ptxas_registers, reduce_node
 from fuser import executor, ir, rows
 from fuser.cuda import emulate
 from fuser.kernel_cache import STORE
@@ -485,17 +485,6 @@ def test_cuda_column_vectors(dtype):
                                                                        (False, True)), what
 
 
-def _on_cuda(a: torch.Tensor) -> torch.Tensor:
-    """``a`` on the GPU with its strides and storage offset (``Tensor.cuda`` would copy a view into a new, aligned
-    tensor, and an expanded one whole)."""
-    span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()) if n > 0) if a.numel() else 0
-    base = torch.empty(a.storage_offset() + span, dtype=a.dtype, device="cuda")
-    out = base.as_strided(a.shape, a.stride(), a.storage_offset())
-    one = tuple(slice(0, 1) if st == 0 else slice(None) for st in a.stride())  # (an expanded dim: once)
-    out[one].copy_(a[one])
-    return out
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16), ids=lambda d: str(d)[6:])
 def test_cuda_column_vectors_on_the_gpu(dtype):
@@ -503,7 +492,7 @@ def test_cuda_column_vectors_on_the_gpu(dtype):
     through the plan's second kernel (built by the launch that needs it)."""
     for case, (what, args, cvec, whole) in _vector_cases(dtype):
         spec = _spec(_GROUPS[case.id])
-        args = [_on_cuda(a) if isinstance(a, torch.Tensor) else a for a in args]
+        args = [on_cuda_aligned_alike(a) for a in args]
         out = executor.run(spec, args)
         assert out is not None, (what, executor.plan(spec, args))
         _check(out, case.eager, args)
