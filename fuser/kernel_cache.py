@@ -7,11 +7,12 @@ wait on the future. A failed compile leaves nothing behind, so the next call tri
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from . import ir, ops, views
 
@@ -169,6 +170,30 @@ class KernelStore:
 
     def get(self, key: int) -> Optional[KernelSpec]:
         return self._specs.get(key)
+
+    @contextlib.contextmanager
+    def kernels_set_aside(self) -> Iterator[None]:
+        """While it holds, every registered spec looks as if it had built no kernel and planned no launch, so that
+        what runs builds its own, as in a new process (the benchmark times each front door's first call so: the
+        TorchScript pass and the torch.compile backend often make the same group). Afterwards what was set aside
+        comes back; a kernel or geometry made meanwhile for the same arg spec or signature gives way to the earlier
+        one (live callers may hold it), the others stay. Not for use while other threads compile."""
+        with self._lock:
+            specs = list(self._specs.values())
+        saved = {}
+        for spec in specs:
+            with spec._lock:
+                saved[spec.key] = spec._ready, spec._futures, spec.geometries
+                spec._ready, spec._futures, spec.geometries = {}, {}, {}
+        try:
+            yield
+        finally:
+            for spec in specs:
+                ready, futures, geometries = saved[spec.key]
+                with spec._lock:
+                    spec._ready = {**spec._ready, **ready}
+                    spec._futures = {**spec._futures, **futures}
+                    spec.geometries = {**spec.geometries, **geometries}
 
     def __len__(self) -> int:
         return len(self._specs)

@@ -141,17 +141,19 @@ def test_a_run_starts_the_compilers_caches_empty_unless_asked_to_keep_them(monke
     driver's, which NVRTC uses too) names an empty directory during the run, and is restored after it; with
     --warm-caches the run keeps the user's."""
     import os
-    seen = []
+    seen, off = [], []
 
     def fake_main(args):
         seen.append({var: os.environ.get(var) for var in cli.COLD_CACHES})
         for path in seen[-1].values():
             assert path is None or not os.path.exists(path) or not os.listdir(path)
+        off.append(os.environ.get("CUDA_CACHE_DISABLE"))
         return 0
 
     monkeypatch.setattr(cli, "_main", fake_main)
     monkeypatch.setenv("FUSER_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CUDA_CACHE_PATH", raising=False)
+    monkeypatch.delenv("CUDA_CACHE_DISABLE", raising=False)
     assert cli.main(["--device", "cpu"]) == 0
     cold = seen[-1]
     assert all(cold.values()) and len({os.path.dirname(p) for p in cold.values()}) == 1
@@ -159,3 +161,21 @@ def test_a_run_starts_the_compilers_caches_empty_unless_asked_to_keep_them(monke
     assert os.environ["FUSER_CACHE_DIR"] == str(tmp_path) and "CUDA_CACHE_PATH" not in os.environ
     assert cli.main(["--device", "cpu", "--warm-caches"]) == 0
     assert seen[-1]["FUSER_CACHE_DIR"] == str(tmp_path) and seen[-1]["CUDA_CACHE_PATH"] is None
+    assert off == ["1", None] and "CUDA_CACHE_DISABLE" not in os.environ
+
+
+def test_each_fuser_system_s_first_call_compiles_its_own_kernel(tmp_path):
+    """The TorchScript pass and the torch.compile backend make the same group for mul_add; run side by side, the
+    second one's first call still compiles the kernel (nothing from the first's in memory or on disk), and both
+    give eager's result."""
+    out = tmp_path / "rows.json"
+    assert cli.main(["--device", "cpu", "--quick", "--only", "=mul_add", "--sizes", "large",
+                     "--systems", "fuser,compile_fuser", "--interleave", "--json", str(out),
+                     "--png", str(tmp_path / "chart.png")]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows
+    for r in rows:
+        for system in ("fuser", "compile_fuser"):
+            cell = r["cells"][system]
+            assert "error" not in cell and not cell["mismatch"], cell
+            assert cell["kernels_compiled_first_call"] == 1 and len(cell["kernel_build_ms"]) == 1, (system, cell)

@@ -395,3 +395,35 @@ def test_the_vml_probe_runs_outside_a_callers_fake_tensor_mode(monkeypatch):
     monkeypatch.setenv("FUSER_CPU_VML", "1")
     with FakeTensorMode():
         assert vml.eager_ops() == outside
+
+
+_CHILD_GONE = r"""
+import os, shutil, sys, torch, fuser
+g = torch.parse_ir('''graph(%x : Tensor, %b : Tensor):
+  %one : int = prim::Constant[value=1]()
+  %y : Tensor = aten::add(%x, %b, %one)
+  %t : Tensor = aten::OP(%y)
+  %r : Tensor = aten::mul(%t, %y)
+  return (%r)''')
+x, b = torch.linspace(-3, 3, 4000).view(40, 100), torch.linspace(-1, 1, 100)
+ok = []
+for op, where in (("tanh", sys.argv[1]), ("sigmoid", sys.argv[2])):
+    os.environ["FUSER_CACHE_DIR"] = where
+    out = fuser.debug_launch_graph(torch.parse_ir(str(g).replace("aten::OP", "aten::" + op)), [x, b])[0]
+    ok.append(torch.allclose(out, getattr(torch, op)(x + b) * (x + b)))
+    shutil.rmtree(where)
+print(int(all(ok)), fuser.n_compiled_kernels())
+"""
+
+
+@needs_vectors
+def test_a_removed_cache_directory_gets_a_new_toolchain(tmp_path):
+    """The vector header lives in the disk cache's directory; when that directory goes while the process runs (the
+    benchmark's cold caches are removed after each run) the next vector kernel makes the toolchain again in the
+    directory now named, rather than failing to find the header."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("FUSER_DISABLE_CACHE", None)
+    r = subprocess.run([sys.executable, "-c", _CHILD_GONE, str(tmp_path / "a"), str(tmp_path / "b")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["1", "2"]

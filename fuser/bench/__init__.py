@@ -37,7 +37,9 @@ Method:
   synchronization; for fuser that time includes generating and compiling the kernel
   (``fuser_first_call_ms``). The compilers' caches on disk start empty (``--warm-caches`` keeps the user's):
   fuser's, Inductor's and Triton's, and the CUDA driver's, which NVRTC 12.9 on uses too (a kernel NVRTC compiled
-  before in another process, say by the tests, comes back in a few ms).
+  before in another process, say by the tests, comes back in a few ms), which is also switched off. Each fuser
+  system's first call builds its own kernels: what the other one built in the row (the TorchScript pass and the
+  torch.compile backend often make the same group) is set aside for it (:func:`.caches.own_builds`).
 * A failing cell records its error and the run goes on.
 
 ``--models`` times real networks end to end instead (:mod:`fuser.bench.models`).

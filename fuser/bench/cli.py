@@ -9,16 +9,15 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 import fuser
 
+from .caches import COLD_CACHES, cold_caches  # noqa: F401 (COLD_CACHES: the tests read it here)
 from .cpu import CPU, CPU_DTYPES, cpu_name, cpu_systems
 from .report import _versions, draw_chart, first_call_table, format_table, fuser_first_calls, host_phases_table
 from .rows import SIZES, run_row
@@ -70,32 +69,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available")
     return args
-
-
-# the caches on disk a first call may find kernels in: fuser's, Inductor's (its FX graph and AOTAutograd caches
-# too), Triton's, and the CUDA driver's compute cache, where NVRTC 12.9 on keeps what it compiled (PTX and CUBIN
-# by source and options) when a driver is present
-COLD_CACHES = ("FUSER_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH")
-
-
-@contextlib.contextmanager
-def cold_caches() -> Iterator[str]:
-    """While it holds, each of :data:`COLD_CACHES` names an empty directory of a new temporary one (removed
-    afterwards, and the variables restored); entered before CUDA initializes (the driver reads its cache's place
-    then). Yields that directory."""
-    base = tempfile.mkdtemp(prefix="fuser-bench-caches-")
-    saved = {var: os.environ.get(var) for var in COLD_CACHES}
-    try:
-        for var in COLD_CACHES:
-            os.environ[var] = os.path.join(base, var.lower())
-        yield base
-    finally:
-        for var, value in saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

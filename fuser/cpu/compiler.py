@@ -140,9 +140,13 @@ _toolchain: dict = {}  # "value": Toolchain or None once decided
 
 
 def toolchain() -> Optional[Toolchain]:
-    """The vector kernels' toolchain, made on first use (once per process; the precompiled header once per
-    machine, compiler and torch when the disk cache is on); None where vector kernels are off or it failed."""
+    """The vector kernels' toolchain, made on first use (once per process, and again if its directory was removed;
+    the precompiled header once per machine, compiler and torch when the disk cache is on); None where vector
+    kernels are off or it failed."""
     with _toolchain_lock:  # another thread needing it would wait for the same build anyway
+        made = _toolchain.get("value")
+        if made is not None and not os.path.isfile(os.path.join(made.header_dir, templates.VECTOR_HEADER_NAME)):
+            del _toolchain["value"]  # its directory went (a cache directory removed: the benchmark's cold caches)
         if "value" not in _toolchain:
             cap = vector_capability()
             _toolchain["value"] = None if cap is None or not available() else _make_toolchain(cap)
