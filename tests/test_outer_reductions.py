@@ -191,6 +191,28 @@ def test_non_contiguous_and_broadcast_inputs(dtype):
         _check(row_emulate.run(_GROUPS[case.id], args), case.eager, args)
 
 
+@pytest.mark.parametrize("dtype", SHORT_DTYPES, ids=lambda d: str(d)[6:])
+def test_cuda_column_kernels_index_in_32_bits_below_2_31_and_in_64_above(dtype, monkeypatch):
+    """The block index and the walk over the column dims divide in 32 bits where (columns + 32) * rows < 2^31
+    (``rows.templates.quotient``), in 64 bits above (here by a lowered limit): both forms through the emulation, on
+    column dims that do not merge (the walk divides) and on long columns (the second stage), against eager."""
+    import importlib
+    row_plan = importlib.import_module("fuser.rows.plan")
+    case = _prologue_epilogue()
+    spec = _spec(_GROUPS[case.id])
+    layouts = [(x, y) for what, x, y in _layouts(dtype) if what == "permuted"]
+    layouts.append((torch.randn(8192, 3, dtype=dtype), torch.randn(3, dtype=dtype)))
+    for wide in (False, True):
+        if wide:
+            monkeypatch.setattr(row_plan, "INDEX32_LIMIT", 1)
+        for x, y in layouts:
+            args = [x, y, 1.5]
+            p = rows.plan(spec, args, "cuda")
+            assert isinstance(p, rows.OuterPlan) and p.key.index64 == wide
+            assert ("for (long long b = " in outer_launch.source_for(spec, p)[1]) == wide
+            _check(row_emulate.run(_GROUPS[case.id], args), case.eager, args)
+
+
 def test_empty_dims_give_eagers_result_or_error():
     """No rows: a sum is 0 and a mean NaN in each column, an amax raises as eager does; no columns: empty results."""
     for kind in ("sum", "mean"):

@@ -135,8 +135,17 @@ def test_cuda_row_kernel_matches_eager(case, dtype):
 _both = row_kernels_on_both
 
 
-def test_strided_and_broadcast_inputs():
-    """A transposed input (rows and elements both strided), a keepdim [rows, 1] input and a 0-dim one."""
+@pytest.mark.parametrize("limit", (None, 1), ids=("index32", "index64"))
+def test_strided_and_broadcast_inputs(limit, monkeypatch):
+    """A transposed input (rows and elements both strided), a keepdim [rows, 1] input and a 0-dim one. The CUDA
+    kernel's walk over row dims that do not merge in both forms: in 32 bits (fewer than 2^31 rows) and, with the
+    limit lowered, in 64 (``rows.templates.quotient``)."""
+    import importlib
+
+    from fuser.rows import launch
+    row_plan = importlib.import_module("fuser.rows.plan")
+    if limit is not None:
+        monkeypatch.setattr(row_plan, "INDEX32_LIMIT", limit)
     b = ir.Builder()
     x, m, z = b.input(), b.input(), b.input()
     y = b.call("aten::mul", b.call("aten::sub", x, m, 1), z)
@@ -150,6 +159,9 @@ def test_strided_and_broadcast_inputs():
     x3 = torch.randn(5, 4, 64, dtype=torch.float64).transpose(0, 1)  # row dims that do not merge
     args = [x3, torch.randn(4, 5, 1, dtype=torch.float64), torch.tensor(-2.0, dtype=torch.float64)]
     yy = (args[0] - args[1]) * args[2]
+    p = rows.plan(_spec(g), args, "cuda")
+    assert p.key.index64 == (limit is not None) and len(p.lead) == 2
+    assert ("(unsigned int)(r)" in launch.source_for(_spec(g), p)[1]) == (limit is None)
     for out in _both(g, args):
         torch.testing.assert_close(out[0], yy.sum(-1, keepdim=True))
         torch.testing.assert_close(out[1], yy)

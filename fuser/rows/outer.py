@@ -21,7 +21,7 @@ from typing import Optional, Union
 import torch
 
 from .. import executor, ir, ops
-from .plan import broadcasts_to, row_level
+from .plan import broadcasts_to, index64 as wide_index, row_level
 
 MAX_COL_DIMS = 8  # compressed column dims (the CUDA argument struct's arrays)
 
@@ -40,6 +40,9 @@ class OuterKey:
     # goes to the kernel of the same plan with False, element by element, built on the first such launch:
     # outer_launch.build); two kernels of one loop each compile in less time than one kernel with both loops
     vectors: bool = False
+    # the block index and the walks over the column dims divide in 64 bits (on CUDA only where columns and rows are
+    # 2^31 elements or more: rows.templates.quotient)
+    index64: bool = True
 
 
 @dataclass
@@ -132,7 +135,10 @@ def plan(group: ir.Group, key: tuple, tensors: list, scalars: list, metas: list,
                 cvec * torch.empty((), dtype=dt).element_size() if v.id not in cols_v else 0
                 for v, dt in zip(group.outputs, out_dtypes))
     steps = tuple(st[-2] == 1 for st in strides) if cvec > 1 else ()
-    return OuterPlan(OuterKey(target, index, inputs, cvec, steps, cvec > 1), tensors, scalars, math.prod(red_shape),
+    red = math.prod(red_shape)
+    # (cols + 32) * red bounds every block index (tiles * splits) and column of the kernel
+    index64 = wide_index(target, (math.prod(drop) + 32) * max(1, red))
+    return OuterPlan(OuterKey(target, index, inputs, cvec, steps, cvec > 1, index64), tensors, scalars, red,
                      math.prod(drop), col_sizes, strides, [shape[v.id] for v in group.outputs], out_dtypes, types, vec_align)
 
 

@@ -33,7 +33,7 @@ CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU column kernel spl
 
 def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
              name: str, n_scalar_slots: int, round_reduced: bool = False, cvec: int = 1, steps: tuple = (),
-             vectors: bool = False, vectorize: bool = False) -> str:
+             vectors: bool = False, vectorize: bool = False, index64: bool = True) -> str:
     """Source of the column kernel ``name``; ``inputs``: the tensor inputs' dtypes. Raises NotFusable where an op
     has no expression for its types (the executor falls back). ``round_reduced``: as
     ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
@@ -43,7 +43,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     thread's columns of a row are loaded and stored as whole vectors (``OuterKey.vectors``: the launch's pointers allow
     them), else element by element. ``vectorize``: the CPU
     kernel gets an at::vec pass over whole vectors of a chunk's columns (:func:`_cpu_vector_pass`) where every
-    node it computes has a vector form; the scalar loop takes the rest."""
+    node it computes has a vector form; the scalar loop takes the rest. ``index64``: CUDA, the block index and the
+    walks over the column dims divide in 64 bits (``OuterKey.index64``), else in 32."""
     cuda = target == "cuda"
     cols_v = column_level(group)
     vname, vtype, vdtype, tensor_index, j = input_names(group, inputs, target)
@@ -199,13 +200,16 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             min_blocks=f", {t.VECTOR_BLOCKS_AN_SM}" if wide and vectors else "",
             ws_index=n_in + len(out_dtypes),
             shared="\n".join(f"  __shared__ {a} fz_sh_{a}[{t.BLOCK_SIZE}];" for a in sorted({a for *_, a in accs})),
+            index="long long" if index64 else "unsigned int",
             offsets=t.OFFSETS.substitute(
                 indent=indent, decls=decls, column="live ? c : 0", size="args.sizes[d]",
+                quotient=row_t.quotient("q0", "args.sizes[d]", index64),
                 accumulate="\n".join(f"{indent}    off{kk} += m * args.strides[{kk}][d];" for kk in range(n_in)))
             + "\n" + block([f"const long long rs{kk} = args.strides[{kk}][{t.MAX_DIMS}];" for kk in range(n_in)],
                            indent),
             offsets1=t.OFFSETS.substitute(
                 indent=indent, decls=decls, column="c", size="args.sizes[d]",
+                quotient=row_t.quotient("q0", "args.sizes[d]", index64),
                 accumulate="\n".join(f"{indent}    off{kk} += m * args.strides[{kk}][d];" for kk in range(n_in))),
             acc_decls=block([f"{a} acc{pos}[{cvec}];" for pos, _, a in accs] + per_column(
                 [f"acc{pos}[v] = {red.identity.replace('$A', a)};" for pos, red, a in accs]) if wide else

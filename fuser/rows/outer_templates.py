@@ -91,12 +91,12 @@ template <int V, int MODE, class S> __device__ __forceinline__ void fz_col_load(
 #define FZ_COL_ROWS(n) FZ_PRAGMA(unroll n) for (long long r = split * args.rows_per_split + ty; r < r1; r += lanes)
 """
 
-# the offsets of column c's first element in each input: a divmod walk over the column dims
+# the offsets of column c's first element in each input: a divmod walk over the column dims (templates.quotient)
 OFFSETS = Template(r"""${indent}long long ${decls};
 ${indent}{
 ${indent}  long long q0 = ${column};
 ${indent}  for (int d = (int)rank - 1; d >= 0; --d) {
-${indent}    const long long q = q0 / ${size}, m = q0 - q * ${size};
+${indent}    const long long q = ${quotient}, m = q0 - q * ${size};
 ${indent}    q0 = q;
 ${accumulate}
 ${indent}  }
@@ -232,9 +232,11 @@ ${shared}
   if (args.stage == 0) {
     const int tile = args.tile, lanes = (int)blockDim.x / tile;
     const int tx = (int)threadIdx.x % tile, ty = (int)threadIdx.x / tile;
-    const long long tiles = (cols / ${cvec} + tile - 1) / tile;  // (cols: a multiple of ${cvec}, fuser.rows.outer)
-    for (long long b = blockIdx.x; b < tiles * args.splits; b += gridDim.x) {
-      const long long split = b / tiles;
+    // the block's index and its tile's and split's: in 32 bits where tiles * splits < 2^31 (fuser.rows.outer:
+    // OuterKey.index64; a 64-bit division takes ptxas longer and the kernel more instructions)
+    const ${index} tiles = ((${index})cols / ${cvec} + tile - 1) / tile;  // (cols: a multiple of ${cvec}, fuser.rows.outer)
+    for (${index} b = blockIdx.x; b < tiles * (${index})args.splits; b += gridDim.x) {
+      const ${index} split = b / tiles;
       // the thread's first column, from b % tiles: written b - split * tiles, NVVM lost that c is a multiple of
       // ${cvec} and stored each 16-byte vector of 2-byte elements as six 2-byte and one 4-byte stores
       const long long c = ((b % tiles) * tile + tx) * ${cvec};

@@ -82,6 +82,13 @@ CPU_MAX_SUMMED: Optional[int] = None
 # way (fuser/grad_sums.py registers its fused backwards here)
 SUMS_IN_KERNEL_ONLY: set = set()
 MAX_CUDA_COLS = 2 ** 31 - 2 ** 16  # a CUDA row kernel's column index is an int, with room for a trip past the end
+INDEX32_LIMIT = 2 ** 31  # CUDA: a walk over dims divides in 32 bits below this (RowKey.index64, OuterKey.index64)
+
+
+def index64(target: str, bound: int) -> bool:
+    """Whether a kernel whose walks over dims divide values below ``bound`` divides in 64 bits: CPU kernels always
+    (their templates), CUDA ones from :data:`INDEX32_LIMIT` on (``templates.quotient``)."""
+    return target != "cuda" or bound >= INDEX32_LIMIT
 
 
 @dataclass(frozen=True)
@@ -540,6 +547,8 @@ class RowKey:
     apart: tuple[int, ...] = ()
     # the tensor inputs (group input positions) that hold one value a row, loaded once a row (with_row_inputs)
     row_inputs: tuple[int, ...] = ()
+    # the walk over the row dims divides in 64 bits (on CUDA only where there are 2^31 rows or more: templates.quotient)
+    index64: bool = True
 
 
 @dataclass
@@ -913,7 +922,7 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: 
         out_shapes[m], out_dtypes[m] = s, dt
     steps = tuple(st[-1] for st in strides) if vec_ok and settings.cuda_vector_rows else None
     key = RowKey(target, device.index, tuple((t.dtype, t.dim() == 0) for t in tensors), cuda_sh, sums, steps,
-                 tuple(m for m, _, _ in kept_apart), seeded)
+                 tuple(m for m, _, _ in kept_apart), seeded, index64(target, rows))
     return RowPlan(key, tensors, scalars, rows, cols, lead, strides, out_shapes, out_dtypes, types, vec_ok,
                    vec_align, kept_apart)
 

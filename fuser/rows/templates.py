@@ -426,14 +426,23 @@ CUDA_CLUSTER_COLS = Template(r"""  const int fz_ncols = (int)args.cols;  // belo
 # a CTA of a cluster leaves only when every CTA has read its slots
 CUDA_CLUSTER_END = "  fz_cluster_sync();"
 
-# the offsets of a row's first element in each input: one divmod walk over the row dims per row (none for one)
+def quotient(value: str, size: str, index64: bool = True) -> str:
+    """C for ``value / size`` of a divmod walk over dims, both at least 0: in 64 bits, or where every value the walk
+    divides is below 2^31 (``index64`` False: a CUDA kernel's ``RowKey.index64`` / ``OuterKey.index64``) in 32. A
+    64-bit division is a long subroutine: with the two walks of a column kernel in 32 bits, (x * y).sum(0)'s kernel
+    took NVRTC 10-20% less time and its CUBIN 12% fewer bytes (NVRTC 13.0 here, sm_90)."""
+    return f"{value} / {size}" if index64 else f"(long long)((unsigned int)({value}) / (unsigned int)({size}))"
+
+
+# the offsets of a row's first element in each input: one divmod walk over the row dims per row (none for one), its
+# quotients by :func:`quotient`
 OFFSETS = Template(r"""    long long ${decls};
     if (rank == 1) {
 ${accumulate1}
     } else {
       long long r = row;
       for (int d = (int)rank - 1; d >= 0; --d) {
-        const long long q = r / ${size}, m = r - q * ${size};
+        const long long q = ${quotient}, m = r - q * ${size};
         r = q;
 ${accumulate}
       }
