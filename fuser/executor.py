@@ -7,9 +7,10 @@ dims), look up or compile the kernel for that arg spec, allocate the outputs wit
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch.autograd import forward_ad as _forward_ad
@@ -431,6 +432,17 @@ def _planned(spec: KernelSpec, args: Sequence, sig: tuple):
         spec.geometries.clear()
     spec.geometries[sig] = geo
     return geo
+
+
+def kernel_builder(spec: KernelSpec, args: Sequence) -> Optional[Callable[[], object]]:
+    """Plan ``spec`` on arguments like ``args``, and return a function that builds (once, as :func:`run` would) the
+    kernel of that plan; None where they would fall back. Nothing is launched, no geometry kept, and the function
+    reads no tensor: a front door plans a graph's groups ahead of its first call with stand-ins for the inputs
+    (Dynamo's fake tensors: their dtypes, devices, shapes and strides are what a plan reads) and builds on other
+    threads; the first call plans again with the real inputs and finds the kernel built, or being built."""
+    with torch.no_grad():
+        p = plan(spec, args)
+    return None if isinstance(p, str) else functools.partial(kernel_for, spec, p)
 
 
 def kernel_geometry(spec: KernelSpec, tensors: Sequence[torch.Tensor], args: Sequence):

@@ -69,6 +69,11 @@ save_statistics: bool = os.environ.get("FUSER_SAVE_STATISTICS", "1") != "0"
 # vector touched W cache lines and W pages for each row. On by default; FUSER_CPU_TRANSPOSE_BLOCKS=0 turns it off.
 # Read when a kernel is built (it changes the source).
 cpu_transpose_blocks: bool = os.environ.get("FUSER_CPU_TRANSPOSE_BLOCKS", "1") != "0"
+# The torch.compile door builds the kernels of a graph's groups when it compiles the graph, all at once on worker
+# threads, from Dynamo's example inputs (fuser/dynamo/prebuild.py): NVRTC and the C compiler run without the GIL, so a
+# graph's kernels, and a training step's backward kernels, build side by side instead of one after another at their
+# first calls. On by default; FUSER_PREBUILD=0 turns it off. Read when a graph is compiled.
+prebuild: bool = os.environ.get("FUSER_PREBUILD", "1") != "0"
 # device type -> fusion on; filled lazily, cleared by the overrides. The executor reads it on every call.
 enabled: dict[str, bool] = {}
 # called after an override changes what fuses (the native hot path forgets its prepared launches)

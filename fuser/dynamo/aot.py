@@ -10,6 +10,9 @@ core ATen would split them) and attention (left to ATen's kernels). It splits th
 layer norm's, dropout's) into pointwise ATen ops that the groups take. Inference batch norm is split too, into
 pointwise ops that fuse with the activation after it.
 
+A graph's kernels build when it is compiled, side by side (:mod:`.prebuild`); a training step's backward kernels
+start when AOTAutograd partitions the joint graph, beside the forward's.
+
 Nothing raised while compiling reaches the user: the graph then runs unfused, with one warning per process.
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import ops, settings
-from . import broadcasts, norms
+from . import broadcasts, norms, prebuild
 from .lower import rewrite
 from .partition import Partition, partition
 from .support import Support
@@ -114,7 +117,7 @@ def compiler(kind: str, label: str = "") -> Callable:
             if os.environ.get("PYTORCH_FUSION_DEBUG", "") == "explain":
                 from .report import Explanation, graph_records
                 print(Explanation(graph_records(name, part, specs)), flush=True)
-            return _boxed(new_gm.forward)
+            return _boxed(prebuild.ahead_of_first_call(new_gm))
         except Exception as e:  # never BackendCompilerFailed: the graph runs as AOTAutograd traced it
             if settings.strict_pass:
                 raise
@@ -129,11 +132,14 @@ def partition_joint(joint_module: torch.fx.GraphModule, joint_inputs, **kwargs):
     """AOTAutograd's partition function: Inductor's min-cut rematerializing partitioner (the backward recomputes
     pointwise values from fewer saved tensors rather than the forward writing every intermediate it needs: a fused
     group recomputes them for free), after training layer norms are split into their steps
-    (``norms.split_training_layer_norms``), so that their normalized rows are recomputed too."""
+    (``norms.split_training_layer_norms``), so that their normalized rows are recomputed too. The backward graph's
+    kernels start building here (``prebuild.start_backward``), beside the forward's."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     if norms.split_training_layer_norms(joint_module.graph):
         joint_module.recompile()
-    return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
+    graphs = min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)  # (forward, backward)
+    prebuild.start_backward(graphs[1], fuse_graph)
+    return graphs
 
 
 def backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs) -> Callable:
