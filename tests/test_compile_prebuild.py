@@ -93,7 +93,8 @@ def _kernels_built_ahead(device, builds, monkeypatch):
         after_forward, out, grads = _train_once(device, builds)
     _check_against_eager(device, out, grads)
     assert sorted((k, repr(a)) for k, a, _ in builds) == ahead
-    assert {name for *_, name in builds} == {threading.main_thread().name}
+    # (on the calling thread, or on autograd's device thread for a CUDA backward)
+    assert not any(name.startswith("fuser-build") for *_, name in builds), builds
     assert len(after_forward) < len(builds)  # (the backward's kernels at the backward's first call)
 
 
