@@ -1,8 +1,12 @@
 """The torch.compile door builds a graph's kernels when it compiles the graph, side by side on worker threads
 (fuser/dynamo/prebuild.py), the backward graph's when AOTAutograd partitions the joint graph: the same kernels as
-first calls would build (no more), every one of a training step's built when its forward's first call returns, the
-results eager's; a plan or a build that fails ahead changes nothing; symbolic shapes build nothing ahead. On the
-CPU backend, with a CUDA twin marked gpu."""
+first calls would build (no more), every one of a training step's started by the time its forward's first call
+returns (a ReLU's backward with its 0-dim constant too), each group and signature planned once however many calls
+of it a graph makes, the results eager's; a plan or a build that fails ahead changes nothing; symbolic shapes build
+nothing ahead; a forked child compiles with workers of its own. On the CPU backend, with a CUDA twin marked gpu."""
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -24,7 +28,7 @@ def _fresh_dynamo():
 
 @pytest.fixture
 def builds(monkeypatch):
-    """Each kernel build while the test runs: (spec key, arg key, thread name); every kernel built before is set
+    """Each kernel build while the test runs, as it starts: (spec key, arg key, thread name); every kernel built before is set
     aside (``KernelStore.kernels_set_aside``) and the native hot path's launches forgotten, so that this test's calls
     build their own."""
     got = []
@@ -50,6 +54,12 @@ def step(x, w, b, r):
     return F.gelu(h * 2.0).mean(0)
 
 
+def relu_step(x, w, b, r):
+    """A ReLU's backward is a where(mask, grad, 0.) with a 0-dim tensor constant, beside the weight's and bias's
+    gradients summed over the rows."""
+    return (F.relu(x * w + b) * r).sum(0)
+
+
 def _inputs(device, dtype=torch.float32):
     g = torch.Generator().manual_seed(7)
     x, r = (torch.randn(48, 96, generator=g, dtype=dtype).to(device) for _ in range(2))
@@ -58,31 +68,31 @@ def _inputs(device, dtype=torch.float32):
     return [t.requires_grad_() for t in (x, w, b)] + [r]
 
 
-def _train_once(device, record):
-    """One compiled step's forward and backward; (builds when the forward returned, outputs, gradients)."""
+def _train_once(device, record, fn=step):
+    """One compiled step's forward and backward; (builds started when the forward returned, outputs, gradients)."""
     args = _inputs(device)
-    out = torch.compile(step, backend="fuser", dynamic=False)(*args)
+    out = torch.compile(fn, backend="fuser", dynamic=False)(*args)
     after_forward = list(record)
     out.backward(torch.ones_like(out))
     return after_forward, out.detach(), [a.grad for a in args[:3]]
 
 
-def _check_against_eager(device, out, grads):
+def _check_against_eager(device, out, grads, fn=step):
     args = _inputs(device)
-    ref = step(*args)
+    ref = fn(*args)
     ref.backward(torch.ones_like(ref))
     torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-5)
     for g, a in zip(grads, args[:3]):
         torch.testing.assert_close(g, a.grad, rtol=1e-4, atol=1e-5)
 
 
-def _kernels_built_ahead(device, builds, monkeypatch):
-    after_forward, out, grads = _train_once(device, builds)
-    _check_against_eager(device, out, grads)
+def _kernels_built_ahead(device, builds, monkeypatch, fn=step):
+    after_forward, out, grads = _train_once(device, builds, fn)
+    _check_against_eager(device, out, grads, fn)
     ahead = sorted((k, repr(a)) for k, a, _ in builds)
-    assert len(ahead) >= 2  # the forward's row group and the backward's
+    assert len(ahead) >= 2  # the forward's group and the backward's
     assert all(name.startswith("fuser-build") for *_, name in builds), builds
-    # the backward's kernels too are built by the time the forward's first call returns
+    # the backward's kernels too started building before the forward's first call returned
     assert len(after_forward) == len(builds)
     # the same kernels as first calls build one after another, no more
     monkeypatch.setattr(settings, "prebuild", False)
@@ -90,30 +100,66 @@ def _kernels_built_ahead(device, builds, monkeypatch):
     del builds[:]
     native.clear()
     with STORE.kernels_set_aside():
-        after_forward, out, grads = _train_once(device, builds)
-    _check_against_eager(device, out, grads)
+        after_forward, out, grads = _train_once(device, builds, fn)
+    _check_against_eager(device, out, grads, fn)
     assert sorted((k, repr(a)) for k, a, _ in builds) == ahead
     # (on the calling thread, or on autograd's device thread for a CUDA backward)
     assert not any(name.startswith("fuser-build") for *_, name in builds), builds
     assert len(after_forward) < len(builds)  # (the backward's kernels at the backward's first call)
 
 
-def test_a_training_steps_kernels_build_on_workers_when_it_compiles(builds, monkeypatch):
-    _kernels_built_ahead("cpu", builds, monkeypatch)
+@pytest.mark.parametrize("fn", (step, relu_step), ids=lambda f: f.__name__)
+def test_a_training_steps_kernels_build_on_workers_when_it_compiles(builds, monkeypatch, fn):
+    _kernels_built_ahead("cpu", builds, monkeypatch, fn)
 
 
 @pytest.mark.gpu
-def test_a_training_steps_kernels_build_on_workers_when_it_compiles_cuda(builds, monkeypatch):
-    _kernels_built_ahead("cuda", builds, monkeypatch)
+@pytest.mark.parametrize("fn", (step, relu_step), ids=lambda f: f.__name__)
+def test_a_training_steps_kernels_build_on_workers_when_it_compiles_cuda(builds, monkeypatch, fn):
+    _kernels_built_ahead("cuda", builds, monkeypatch, fn)
+
+
+def test_equal_layers_plan_their_group_once(builds, monkeypatch):
+    """Four calls of one group (the layers between the matmuls), forward and backward: each group and signature is
+    planned once, and built once."""
+    planned = []
+    kernel_builder = executor.kernel_builder
+
+    def counted(spec, args):
+        planned.append((spec.key, tuple((a.dtype, tuple(a.shape), a.stride()) for a in args)))
+        return kernel_builder(spec, args)
+
+    monkeypatch.setattr(executor, "kernel_builder", counted)
+
+    def layers(x, w):
+        for _ in range(4):
+            x = torch.tanh(x @ w) * 0.5 + x
+        return x
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(16, 32, generator=g), (0.2 * torch.randn(32, 32, generator=g)).requires_grad_()
+    out = torch.compile(layers, backend="fuser", dynamic=False)(x, w)
+    out.backward(torch.ones_like(out))
+    ref_w = w.detach().clone().requires_grad_()
+    ref = layers(x, ref_w)
+    ref.backward(torch.ones_like(ref))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, ref_w.grad, rtol=1e-4, atol=1e-5)
+    assert len(planned) >= 2 and len(set(planned)) == len(planned), planned
+    assert len(builds) == len(planned)
 
 
 def test_a_plan_that_fails_ahead_leaves_the_first_calls_to_plan(builds, monkeypatch):
+    failed = []
+
     def failing(spec, args):
+        failed.append(spec.key)
         raise RuntimeError("planned ahead and failed")
 
     monkeypatch.setattr(executor, "kernel_builder", failing)
     _, out, grads = _train_once("cpu", builds)
     _check_against_eager("cpu", out, grads)
+    assert len(failed) >= 2
     assert builds and {name for *_, name in builds} == {threading.main_thread().name}
 
 
@@ -151,3 +197,28 @@ def test_symbolic_shapes_build_nothing_ahead(builds):
         x = torch.randn(batch, 6)
         torch.testing.assert_close(compiled(x, b), f(x, b), rtol=1e-5, atol=1e-6)
     assert len(builds) == 1 and builds[0][2] == threading.main_thread().name
+
+
+def test_a_forked_child_compiles_with_workers_of_its_own():
+    """After a parent's compile started the workers, a forked child's compile (a DataLoader worker's) builds with
+    threads of its own: the parent's do not exist in the child."""
+    script = textwrap.dedent("""
+        import os, signal, sys, torch
+        import fuser.dynamo
+        from fuser.dynamo import prebuild
+        f = torch.compile(lambda x: torch.sigmoid(x * 2 + 1), backend="fuser", dynamic=False)
+        x = torch.randn(8, 8)
+        torch.testing.assert_close(f(x), torch.sigmoid(x * 2 + 1))
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(120)  # (a build queued for the parent's threads would never run: wait() would hang)
+            g = torch.compile(lambda x: torch.tanh(x * 3 - 1).cos(), backend="fuser", dynamic=False)
+            y = torch.randn(16, 4)
+            torch.testing.assert_close(g(y), torch.tanh(y * 3 - 1).cos())
+            prebuild.wait()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -117,7 +117,8 @@ def compiler(kind: str, label: str = "") -> Callable:
             if os.environ.get("PYTORCH_FUSION_DEBUG", "") == "explain":
                 from .report import Explanation, graph_records
                 print(Explanation(graph_records(name, part, specs)), flush=True)
-            return _boxed(prebuild.ahead_of_first_call(new_gm))
+            prebuild.start(new_gm)
+            return _boxed(new_gm.forward)
         except Exception as e:  # never BackendCompilerFailed: the graph runs as AOTAutograd traced it
             if settings.strict_pass:
                 raise

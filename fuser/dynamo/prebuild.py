@@ -6,11 +6,14 @@ the GIL, so here every group of a graph is planned as soon as the graph is lower
 (fake tensors carry the dtypes, devices, shapes and strides a plan reads), and its kernel built on a worker thread; and
 the backward graph's groups are lowered and built already when AOTAutograd partitions the joint graph
 (:func:`start_backward`). The group's first real call plans again and finds its kernel built or waits for it
-(``KernelSpec.kernel_for``: one build per kernel, whoever asks). Each compiled graph's first call waits for every
-build started so far: none runs on after the calls that need it (a CUDA graph capture must not meet a module load).
+(``KernelSpec.kernel_for``: one build per kernel, whoever asks), so nothing wraps the compiled graph: its calls cost
+what they cost before. A backward graph that never runs (a forward called with grad on, outside training) has its
+kernels built in the background, waited for by no one.
 
-A build that fails here is forgotten: the first call meets the same failure and reports it, or falls back.
-Symbolic shapes (``dynamic=True``) build nothing ahead: such a graph's first call plans its sizes.
+Each (group, example signature) is planned once (a stack of equal layers makes many calls of one group); a build that
+fails here is forgotten: the first call meets the same failure and reports it, or falls back. Nothing raised here
+reaches the compile. Symbolic shapes (``dynamic=True``) build nothing ahead: such a graph's first call plans its
+sizes. A forked child starts with no workers and nothing pending (the parent's threads do not exist there).
 """
 from __future__ import annotations
 
@@ -28,9 +31,18 @@ from .. import executor, settings
 
 _lock = threading.Lock()
 _pool: Optional[ThreadPoolExecutor] = None
-_pending: list[Future] = []  # builds started and not yet waited for by a first call
+_pending: list[Future] = []  # builds started and not yet waited for (:func:`wait`)
 _ahead: set = set()  # (spec key, examples' signature) that start_backward planned: the backward compiler's graph
-# makes these groups again, and its start skips each once
+# makes these groups again, and its start plans none of them again
+MAX_AHEAD = 4096  # bounded: a backward that is never compiled leaves its entries
+
+
+def _forget_after_fork() -> None:
+    global _lock, _pool, _pending, _ahead
+    _lock, _pool, _pending, _ahead = threading.Lock(), None, [], set()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _workers() -> ThreadPoolExecutor:
@@ -68,35 +80,45 @@ def groups(gm: torch.fx.GraphModule) -> list:
 def start(gm: torch.fx.GraphModule, ahead: bool = False) -> int:
     """Plan ``gm``'s group calls (a lowered graph) here and start building their kernels on the workers; the number
     of builds started (``ahead``: of a backward graph's copy, whose groups the backward compiler will make again).
-    Planning stays on this thread: a plan runs the group on its example tensors, and a fake
-    tensor's mode (Dynamo's, shared with this thread) is not for two threads at once."""
+    Planning stays on this thread: a plan runs the group on its example tensors, and a fake tensor's mode (Dynamo's,
+    shared with this thread) is not for two threads at once. Never raises."""
     if not settings.prebuild:
         return 0
-    builders = []
+    try:
+        builders = _planned(gm, ahead)
+        if not builders:
+            return 0
+        pool = _workers()
+        futures = [pool.submit(build) for build in builders]
+    except Exception:  # (a pool shut down at exit, ...): the first calls build
+        return 0
+    with _lock:
+        _pending[:] = [f for f in _pending if not f.done()] + futures
+    return len(futures)
+
+
+def _planned(gm: torch.fx.GraphModule, ahead: bool) -> list:
+    builders, seen_here = [], set()
     with unset_fake_temporarily():  # (the plan's meta tensors are to be meta tensors, not this mode's fakes)
         for spec, args in groups(gm):
             seen = (spec.key, tuple((a.dtype, a.device, tuple(a.shape), a.stride()) for a in args))
+            if seen in seen_here:
+                continue
+            seen_here.add(seen)
             with _lock:
+                if seen in _ahead and not ahead:
+                    continue
                 if ahead:
-                    if len(_ahead) >= 4096:  # bounded: a backward never compiled leaves its entries
+                    if len(_ahead) >= MAX_AHEAD:
                         _ahead.clear()
                     _ahead.add(seen)
-                elif seen in _ahead:
-                    _ahead.discard(seen)
-                    continue
             try:
                 build = executor.kernel_builder(spec, args)
             except Exception:  # the first call plans again, and meets what this met
                 build = None
             if build is not None:
                 builders.append(build)
-    if not builders:
-        return 0
-    pool = _workers()
-    futures = [pool.submit(build) for build in builders]
-    with _lock:
-        _pending.extend(futures)
-    return len(futures)
+    return builders
 
 
 def start_backward(bw: torch.fx.GraphModule, fuse: Callable) -> int:
@@ -120,25 +142,3 @@ def wait() -> None:
         _pending.clear()
     for f in futures:
         f.exception()
-
-
-def ahead_of_first_call(gm: torch.fx.GraphModule) -> Callable:
-    """``gm.forward`` (a lowered graph), its kernels building (:func:`start`); its first call waits for them, and for
-    every other build started so far (a forward's backward kernels)."""
-    if not settings.prebuild:
-        return gm.forward
-    start(gm)
-    return _first_call_waits(gm.forward)
-
-
-def _first_call_waits(fn: Callable) -> Callable:
-    waited = False
-
-    def call(*args):
-        nonlocal waited
-        if not waited:
-            wait()
-            waited = True
-        return fn(*args)
-
-    return call

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence, Union
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .. import codegen, executor, ir, ops, settings
 from ..codegen import REDUCED
@@ -766,8 +767,10 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: 
         values = evaluate(group, meta_args, every_value=True)
         # meta kernels check neither devices nor a Scalar's range for the dtype (CUDA's threshold(half, 70000.0)
         # raises in eager): the group once more on the real device, on at most one slice of each input's first dim
-        # (the rows reduce trailing dims, so their length and the errors that depend on it stay)
-        if not all(t.device.type == "meta" for t in tensors):
+        # (the rows reduce trailing dims, so their length and the errors that depend on it stay). Not on fake tensors
+        # (a front door's example inputs, fuser/dynamo/prebuild.py: their mode refuses a real tensor constant beside
+        # them); the first call's plan runs it on the real ones.
+        if not all(t.device.type == "meta" or is_fake(t) for t in tensors):
             heads = iter([t[:1] if t.dim() >= 2 else t for t in tensors])
             evaluate(group, [next(heads) if is_t else a for a, is_t in zip(args, spec.input_is_tensor)])
     except Exception as e:  # eager raises for these inputs: the fallback shows its error
