@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import fuser.dynamo  # noqa: F401 (registers backend="fuser")
-from fuser import executor, native, settings
+from fuser import executor, settings
+from fuser.bench.caches import own_builds
 from fuser.dynamo import prebuild
-from fuser.kernel_cache import STORE, KernelSpec
+from fuser.kernel_cache import KernelSpec
 
 
 @pytest.fixture(autouse=True)
@@ -28,9 +29,9 @@ def _fresh_dynamo():
 
 @pytest.fixture
 def builds(monkeypatch):
-    """Each kernel build while the test runs, as it starts: (spec key, arg key, thread name); every kernel built before is set
-    aside (``KernelStore.kernels_set_aside``) and the native hot path's launches forgotten, so that this test's calls
-    build their own."""
+    """Each kernel build while the test runs, as it starts: (spec key, arg key, thread name); the kernels built before
+    set aside and the native hot path's launches forgotten (``bench.caches.own_builds``, as the benchmark does for a
+    first call), so that this test's calls build their own."""
     got = []
     kernel_for = KernelSpec.kernel_for
 
@@ -41,8 +42,7 @@ def builds(monkeypatch):
         return kernel_for(self, arg_spec, build_and_record)
 
     monkeypatch.setattr(KernelSpec, "kernel_for", recorded)
-    native.clear()
-    with STORE.kernels_set_aside():
+    with own_builds():
         yield got
         prebuild.wait()
 
@@ -98,8 +98,7 @@ def _kernels_built_ahead(device, builds, monkeypatch, fn=step):
     monkeypatch.setattr(settings, "prebuild", False)
     torch._dynamo.reset()
     del builds[:]
-    native.clear()
-    with STORE.kernels_set_aside():
+    with own_builds():
         after_forward, out, grads = _train_once(device, builds, fn)
     _check_against_eager(device, out, grads, fn)
     assert sorted((k, repr(a)) for k, a, _ in builds) == ahead
