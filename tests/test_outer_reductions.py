@@ -209,7 +209,10 @@ def test_cuda_column_kernels_index_in_32_bits_below_2_31_and_in_64_above(dtype, 
             args = [x, y, 1.5]
             p = rows.plan(spec, args, "cuda")
             assert isinstance(p, rows.OuterPlan) and p.key.index64 == wide
-            assert ("for (long long b = " in outer_launch.source_for(spec, p)[1]) == wide
+            assert p.key.walk == (len(p.col_sizes) > 1)  # the column dims walked where they do not merge
+            source = outer_launch.source_for(spec, p)[1]
+            assert ("for (long long b = " in source) == wide
+            assert ("for (int d = (int)rank - 1;" in source) == p.key.walk
             _check(row_emulate.run(_GROUPS[case.id], args), case.eager, args)
 
 
@@ -587,7 +590,7 @@ def test_a_column_kernels_element_outputs_are_stored_a_16_byte_vector_a_row(dtyp
     p = rows.plan(spec, [x, b, g], "cuda")
     assert p.key.cvec * dtype.itemsize == 16 and p.key.vectors
     _, source = outer_launch.source_for(spec, p)
-    unrolled = [int(n) for n in re.findall(r"FZ_COL_ROWS\((\d+)\) \{", source)]
+    unrolled = [int(n) for n in re.findall(r"FZ_COL_ROWS\((\d+), int\) \{", source)]
     assert len(unrolled) == 1
     stores = [ln for ln in ptx_instructions(source) if ln.startswith("st.global")]
     assert sum(ln.startswith("st.global.v4") for ln in stores) == unrolled[0], stores
@@ -610,7 +613,7 @@ def test_a_long_element_pass_over_4_byte_values_unrolls_one_row(dtype, unrolled)
             p = outer_launch.any_plan(p)
         _, source = outer_launch.source_for(spec, p)
         # (and its #define; the element by element twin of a whole-vector kernel takes a row a trip)
-        assert source.count("FZ_COL_ROWS(") == 2 and f"FZ_COL_ROWS({1 if skew else unrolled}) {{" in source
+        assert source.count("FZ_COL_ROWS(") == 2 and f"FZ_COL_ROWS({1 if skew else unrolled}, int) {{" in source
         dx, db = row_emulate.run(group, [x, b, g])
         x64, b64 = x.double().requires_grad_(), b.double().requires_grad_()
         want_dx, want_db = torch.autograd.grad(_gelu_bias(x64, b64), (x64, b64), g.double())

@@ -160,11 +160,35 @@ def test_strided_and_broadcast_inputs(limit, monkeypatch):
     args = [x3, torch.randn(4, 5, 1, dtype=torch.float64), torch.tensor(-2.0, dtype=torch.float64)]
     yy = (args[0] - args[1]) * args[2]
     p = rows.plan(_spec(g), args, "cuda")
-    assert p.key.index64 == (limit is not None) and len(p.lead) == 2
+    assert p.key.index64 == (limit is not None) and len(p.lead) == 2 and p.key.walk
     assert ("(unsigned int)(r)" in launch.source_for(_spec(g), p)[1]) == (limit is None)
     for out in _both(g, args):
         torch.testing.assert_close(out[0], yy.sum(-1, keepdim=True))
         torch.testing.assert_close(out[1], yy)
+
+
+def test_rows_of_one_dim_or_none_take_no_walk():
+    """Where the rows span one dim after compression (a contiguous 3-D tensor, a slice of every other row, a
+    [rows, 1] input broadcast along them) or none (one row), the CUDA kernel finds a row's offsets as row * stride,
+    with no divmod walk (``RowKey.walk``); through the host emulation against eager, beside the CPU kernel."""
+    from fuser.rows import launch
+    b = ir.Builder()
+    x, m = b.input(), b.input()
+    y = b.call("aten::sub", x, m, 1)
+    g = b.build([reduce_node(b, "sum", b.call("aten::mul", y, y), (-1,), True), y])
+    f64 = dict(dtype=torch.float64)
+    cases = [(torch.randn(3, 5, 70, **f64), torch.randn(3, 5, 1, **f64)),
+             (torch.randn(12, 70, **f64)[::2], torch.randn(1, **f64)),
+             (torch.randn(70, **f64), torch.randn(70, **f64)),
+             (torch.randn(1, 1, 70, **f64), torch.randn(70, **f64))]
+    for args in cases:
+        p = rows.plan(_spec(g), list(args), "cuda")
+        assert len(p.lead) <= 1 and not p.key.walk, (p.lead, p.key)
+        assert "for (int d = (int)rank - 1;" not in launch.source_for(_spec(g), p)[1]
+        yy = args[0] - args[1]
+        for out in _both(g, list(args)):
+            torch.testing.assert_close(out[0], (yy * yy).sum(-1, keepdim=True))
+            torch.testing.assert_close(out[1], yy)
 
 
 @pytest.mark.parametrize("kind", ("amax", "amin"))

@@ -181,7 +181,7 @@ def input_names(group: ir.Group, inputs: Sequence[torch.dtype], target: str) -> 
 def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
              name: str, n_scalar_slots: int, vectorize: bool = False, round_reduced: bool = False,
              shape: CudaShape = None, sums: tuple[int, ...] = (), steps: Optional[tuple[int, ...]] = None,
-             index64: bool = True) -> str:
+             index64: bool = True, walk: bool = True) -> str:
     """Source of the row kernel ``name``; ``inputs``: the tensor inputs' dtypes. Raises NotFusable where an op
     has no expression for its types (the executor falls back). ``vectorize``: the CPU kernel's passes get
     at::vec loops (see :class:`_Vector`) where every node has a vector form. ``round_reduced``: as
@@ -195,7 +195,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     the partial rows.
     ``steps``: CUDA, per tensor input its step along the row (``plan.RowKey.steps``) in a kernel that takes whole
     vectors only (``fz_row_vec``; no launch's ``args.vec`` checked); None: loads and stores check it.
-    ``index64``: CUDA, the walk over the row dims divides in 64 bits (``plan.RowKey.index64``), else in 32."""
+    ``index64``: CUDA, the walk over the row dims divides in 64 bits (``plan.RowKey.index64``), else in 32.
+    ``walk``: the rows may span several dims (``plan.RowKey.walk``); else a row's offsets are row * stride."""
     rows_v = row_level(group)
     vname, vtype, vdtype, tensor_index, j = input_names(group, inputs, target)
 
@@ -546,7 +547,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         size, stride = "args.sizes[d]", lambda kk, d: f"args.strides[{kk}][{d}]"
     else:
         size, stride = "sizes[d]", lambda kk, d: f"strides[{kk} * (rank + 1) + {d}]"
-    offsets = t.OFFSETS.substitute(
+    offsets = (t.OFFSETS if walk else t.OFFSETS_ONE).substitute(
         decls=", ".join(f"off{kk} = 0" for kk in range(n_in)) if n_in else "fz_unused = 0", size=size,
         quotient=t.quotient("r", size, index64 or not cuda),
         accumulate="\n".join(f"        off{kk} += m * {stride(kk, 'd')};" for kk in range(n_in)),

@@ -52,7 +52,7 @@ def source_for(spec, p: RowPlan) -> tuple[str, str]:
     source = row_codegen.generate(kernel_group(spec, p), [dt for dt, _ in p.key.inputs], p.types, p.key.target,
                                   name, len(p.scalars), vectorize=p.key.target == "cpu" and compiler._cpu_vectorize(),
                                   round_reduced=settings.round_reduced, shape=p.key.shape, sums=p.key.sums,
-                                  steps=p.key.steps, index64=p.key.index64)
+                                  steps=p.key.steps, index64=p.key.index64, walk=p.key.walk)
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: row kernel {name} for {p.key}\n{source}", file=sys.stderr)
     return name, source

@@ -43,6 +43,9 @@ class OuterKey:
     # the block index and the walks over the column dims divide in 64 bits (on CUDA only where columns and rows are
     # 2^31 elements or more: rows.templates.quotient)
     index64: bool = True
+    # the columns span several dims after compression, so a column's offsets come from a divmod walk over them; on
+    # CUDA False where they span one or none (column * stride)
+    walk: bool = True
 
 
 @dataclass
@@ -138,7 +141,8 @@ def plan(group: ir.Group, key: tuple, tensors: list, scalars: list, metas: list,
     red = math.prod(red_shape)
     # (cols + 32) * red bounds every block index (tiles * splits) and column of the kernel
     index64 = wide_index(target, (math.prod(drop) + 32) * max(1, red))
-    return OuterPlan(OuterKey(target, index, inputs, cvec, steps, cvec > 1, index64), tensors, scalars, red,
+    return OuterPlan(OuterKey(target, index, inputs, cvec, steps, cvec > 1, index64,
+                                    target != "cuda" or len(col_sizes) > 1), tensors, scalars, red,
                      math.prod(drop), col_sizes, strides, [shape[v.id] for v in group.outputs], out_dtypes, types, vec_align)
 
 

@@ -33,7 +33,8 @@ CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU column kernel spl
 
 def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
              name: str, n_scalar_slots: int, round_reduced: bool = False, cvec: int = 1, steps: tuple = (),
-             vectors: bool = False, vectorize: bool = False, index64: bool = True) -> str:
+             vectors: bool = False, vectorize: bool = False, index64: bool = True,
+             walk: bool = True) -> str:
     """Source of the column kernel ``name``; ``inputs``: the tensor inputs' dtypes. Raises NotFusable where an op
     has no expression for its types (the executor falls back). ``round_reduced``: as
     ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
@@ -44,7 +45,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     them), else element by element. ``vectorize``: the CPU
     kernel gets an at::vec pass over whole vectors of a chunk's columns (:func:`_cpu_vector_pass`) where every
     node it computes has a vector form; the scalar loop takes the rest. ``index64``: CUDA, the block index and the
-    walks over the column dims divide in 64 bits (``OuterKey.index64``), else in 32."""
+    walks over the column dims divide in 64 bits (``OuterKey.index64``), else in 32. ``walk``: CUDA, the columns may
+    span several dims (``OuterKey.walk``); else a column's offsets are column * stride."""
     cuda = target == "cuda"
     cols_v = column_level(group)
     vname, vtype, vdtype, tensor_index, j = input_names(group, inputs, target)
@@ -151,7 +153,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     heavy = len(body) > t.HEAVY_ELEMENT_LINES and max((dt.itemsize for dt in inputs), default=0) >= 4
     # (a whole-vector kernel's element by element twin, for launches whose pointers are misaligned, takes one row a
     # trip: gelu(x + b)'s bfloat16 backward so compiles in 0.3 s, not 1.1 s, with 63 registers, not 64 and a spill)
-    rows = f"FZ_COL_ROWS({1 if heavy or (wide and not vectors) else t.ROWS_UNROLLED}) {{"
+    rows = (f"FZ_COL_ROWS({1 if heavy or (wide and not vectors) else t.ROWS_UNROLLED}, "
+            f"{'long long' if index64 else 'int'}) {{")
     if wide:  # whole vectors (``vectors``: the launch's pointers allow them), else element by element
         row_loops = [rows] + ["  " + x for x in [ln for y in vector_loads(wanted, vectors) for ln in y.split("\n")]
                               + (vector_stores(computed) if vectors else per_column(body))] + ["}"]
@@ -192,6 +195,17 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     if cuda:
         indent = "      "
         accs = [(pos, red, acc_t) for _, pos, red, _, acc_t in reductions]
+
+        def offsets(column: str) -> str:  # column ``column``'s first element in each input
+            if walk:
+                return t.OFFSETS.substitute(
+                    indent=indent, decls=decls, column=column, size="args.sizes[d]",
+                    quotient=row_t.quotient("q0", "args.sizes[d]", index64),
+                    accumulate="\n".join(f"{indent}    off{kk} += m * args.strides[{kk}][d];" for kk in range(n_in)))
+            return t.OFFSETS_ONE.substitute(
+                indent=indent, decls=decls, column=column,
+                accumulate="\n".join(f"{indent}  off{kk} = q0 * args.strides[{kk}][0];" for kk in range(n_in)))
+
         return t.CUDA_KERNEL.substitute(
             name=name, prelude=cuda_t.PRELUDE,
             row_prelude=row_t.row_prelude("cuda", t.LANE_REDUCE),
@@ -201,16 +215,10 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             ws_index=n_in + len(out_dtypes),
             shared="\n".join(f"  __shared__ {a} fz_sh_{a}[{t.BLOCK_SIZE}];" for a in sorted({a for *_, a in accs})),
             index="long long" if index64 else "unsigned int",
-            offsets=t.OFFSETS.substitute(
-                indent=indent, decls=decls, column="live ? c : 0", size="args.sizes[d]",
-                quotient=row_t.quotient("q0", "args.sizes[d]", index64),
-                accumulate="\n".join(f"{indent}    off{kk} += m * args.strides[{kk}][d];" for kk in range(n_in)))
+            offsets=offsets("live ? c : 0")
             + "\n" + block([f"const long long rs{kk} = args.strides[{kk}][{t.MAX_DIMS}];" for kk in range(n_in)],
                            indent),
-            offsets1=t.OFFSETS.substitute(
-                indent=indent, decls=decls, column="c", size="args.sizes[d]",
-                quotient=row_t.quotient("q0", "args.sizes[d]", index64),
-                accumulate="\n".join(f"{indent}    off{kk} += m * args.strides[{kk}][d];" for kk in range(n_in))),
+            offsets1=offsets("c"),
             acc_decls=block([f"{a} acc{pos}[{cvec}];" for pos, _, a in accs] + per_column(
                 [f"acc{pos}[v] = {red.identity.replace('$A', a)};" for pos, red, a in accs]) if wide else
                 [f"{a} acc{pos} = {red.identity.replace('$A', a)};" for pos, red, a in accs], indent),

@@ -51,6 +51,7 @@ def source_for(spec, p: OuterPlan) -> tuple[str, str]:
     source = outer_codegen.generate(decompose.expand(spec.group), [dt for dt, _ in p.key.inputs], p.types,
                                     p.key.target, name, len(p.scalars), round_reduced=settings.round_reduced,
                                     cvec=p.key.cvec, steps=p.key.steps, vectors=p.key.vectors, index64=p.key.index64,
+                                    walk=p.key.walk,
                                     vectorize=p.key.target == "cpu" and compiler._cpu_vectorize())
     if os.environ.get("PYTORCH_FUSION_DEBUG", "0") not in ("", "0"):
         print(f"fuser: column kernel {name} for {p.key}\n{source}", file=sys.stderr)

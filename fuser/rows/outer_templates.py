@@ -88,7 +88,8 @@ template <int V, int MODE, class S> __device__ __forceinline__ void fz_col_load(
 
 // the rows of a thread's split, unrolled n times: several rows' loads in flight (the sums keep the rows' order)
 #define FZ_PRAGMA(x) _Pragma(#x)
-#define FZ_COL_ROWS(n) FZ_PRAGMA(unroll n) for (long long r = split * args.rows_per_split + ty; r < r1; r += lanes)
+// (I: the row index's type, 32 bits where OuterKey.index64 is False: NVRTC unrolled a 32-bit loop in less time)
+#define FZ_COL_ROWS(n, I) FZ_PRAGMA(unroll n) for (I r = (I)(split * args.rows_per_split) + ty; r < (I)r1; r += lanes)
 """
 
 # the offsets of column c's first element in each input: a divmod walk over the column dims (templates.quotient)
@@ -100,6 +101,13 @@ ${indent}    const long long q = ${quotient}, m = q0 - q * ${size};
 ${indent}    q0 = q;
 ${accumulate}
 ${indent}  }
+${indent}}""")
+
+# ...and where the columns span one dim or none (``OuterKey.walk`` False; with none, the one column is column 0)
+OFFSETS_ONE = Template(r"""${indent}long long ${decls};
+${indent}{
+${indent}  const long long q0 = ${column};
+${accumulate}
 ${indent}}""")
 
 # CPU: the offsets of the chunk's first column c0 in each input (a divmod walk over the column dims, once a

@@ -550,6 +550,9 @@ class RowKey:
     row_inputs: tuple[int, ...] = ()
     # the walk over the row dims divides in 64 bits (on CUDA only where there are 2^31 rows or more: templates.quotient)
     index64: bool = True
+    # the rows span several dims after compression, so a row's offsets come from a divmod walk over them; on CUDA
+    # False where they span one or none (row * stride; the walk's loop took NVRTC a fifth of a row kernel's time)
+    walk: bool = True
 
 
 @dataclass
@@ -925,7 +928,7 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: 
         out_shapes[m], out_dtypes[m] = s, dt
     steps = tuple(st[-1] for st in strides) if vec_ok and settings.cuda_vector_rows else None
     key = RowKey(target, device.index, tuple((t.dtype, t.dim() == 0) for t in tensors), cuda_sh, sums, steps,
-                 tuple(m for m, _, _ in kept_apart), seeded, index64(target, rows))
+                 tuple(m for m, _, _ in kept_apart), seeded, index64(target, rows), target != "cuda" or len(lead) > 1)
     return RowPlan(key, tensors, scalars, rows, cols, lead, strides, out_shapes, out_dtypes, types, vec_ok,
                    vec_align, kept_apart)
 

@@ -449,6 +449,13 @@ ${accumulate}
     }
 ${col_strides}""")
 
+# ...and where the rows span one dim or none (``plan.RowKey.walk`` False; with none, the one row is row 0)
+OFFSETS_ONE = Template(r"""    long long ${decls};
+    {
+${accumulate1}
+    }
+${col_strides}""")
+
 # the CPU kernel's pass along the row: ${body} per element
 PHASE = Template(r"""    ${acc_decl}
     for (long long c = ${first}; c < cols; c += ${step}) {
