@@ -37,7 +37,7 @@ from . import ir, ops, products
 from .kernel_cache import STORE, KernelSpec
 from .rows import decompose
 from .rows.outer import column_level
-from .rows.plan import row_level
+from .rows.passes import row_level
 
 @dataclass(frozen=True)
 class Backward:

@@ -16,7 +16,7 @@ Both are registered in the kernel store and run through the executor like any gr
 A backward is first tried in a fused form (:class:`Fused`): the backward group with each summed output replaced
 by its sum over the leading dims (kept beside it where an input takes it whole). A row backward's (one with
 reductions along the row: layer_norm's, rms_norm's, softmax's) the row plan takes as column sums
-(``fuser.rows.plan.column_sum_form``): the row kernel that computes x's gradient adds the weight's and the bias's
+(``fuser.rows.passes.column_sum_form``): the row kernel that computes x's gradient adds the weight's and the bias's
 per-element gradients into partial rows and a second stage adds those, so x and dy are read once (eager's and
 Inductor's layer_norm backward sum per block, then reduce the blocks, the same way). A pointwise backward's is a
 column group (``fuser/rows/outer.py``) that writes x's gradient and sums the bias's as it goes, so the split's main
@@ -41,7 +41,8 @@ import torch
 
 from . import executor, fallback, ir, settings
 from .kernel_cache import STORE, KernelSpec
-from .rows.plan import SUMS_IN_KERNEL_ONLY, row_level
+from .rows.passes import row_level
+from .rows.plan import SUMS_IN_KERNEL_ONLY
 
 SUM = "aten::sum.dim_IntList"
 REDUCED = (torch.float16, torch.bfloat16)
@@ -78,7 +79,7 @@ class Split:
 
 @dataclass(frozen=True)
 class Fused:
-    """The backward group with its summed outputs as sums over the rows (``fuser.rows.plan.column_sum_form``: one
+    """The backward group with its summed outputs as sums over the rows (``fuser.rows.passes.column_sum_form``: one
     row kernel adds them up while it computes x's gradient, reading the inputs once); per backward output, its
     position among ``spec``'s outputs taken whole (``whole``) and summed (``summed``), or None."""
 

@@ -38,7 +38,7 @@ cuda_contract: bool = os.environ.get("FUSER_CUDA_CONTRACT", "0") == "1"
 # the source, and so every cache key); FUSER_CUDA_TILE_VEC=0 keeps the scalar form for every dtype.
 cuda_tile_vec: bool = os.environ.get("FUSER_CUDA_TILE_VEC", "1") != "0"
 # CUDA rows too long for a block's registers are held by the CTAs of a thread block cluster on sm_90 and later
-# (fuser/rows/plan.py's cluster_shape), for tensors of 4 bytes or more. On by default; FUSER_CUDA_CLUSTERS=0 turns
+# (fuser/rows/shape.py's cluster_shape), for tensors of 4 bytes or more. On by default; FUSER_CUDA_CLUSTERS=0 turns
 # them off (each pass reads the row again). Read when a row kernel is planned.
 cuda_clusters: bool = os.environ.get("FUSER_CUDA_CLUSTERS", "1") != "0"
 # CUDA devices that ran no cluster of a cluster row kernel at once (fuser/rows/launch.py found it at load: MPS, a
@@ -52,7 +52,7 @@ cuda_no_clusters: set = set()
 # FUSER_CUDA_VECTOR_ROWS=0 turns it off. Read when a row kernel is planned.
 cuda_vector_rows: bool = os.environ.get("FUSER_CUDA_VECTOR_ROWS", "1") != "0"
 # A CUDA row kernel of a row read again by each pass (too long for registers, no cluster) keeps the inputs that several
-# passes read in shared memory, so that the row comes from global memory once (fuser/rows/plan.py's staged_inputs):
+# passes read in shared memory, so that the row comes from global memory once (fuser/rows/shape.py's staged_inputs):
 # vectors-only kernels, while the rows of a block fit the device's shared memory. On by default;
 # FUSER_CUDA_STAGED_ROWS=0 turns it off. Read when a row kernel is planned.
 cuda_staged_rows: bool = os.environ.get("FUSER_CUDA_STAGED_ROWS", "1") != "0"

@@ -93,7 +93,7 @@ EOF
         -k "sums_in_the_row_kernel_on_the_gpu and in_row and (7x32 or 300x36 or 4096x1024 or 300x33)" \
         >> "$OUT/racecheck.log" 2>&1
       rc=$(( rc > $? ? rc : $? ))
-      # rows kept in shared memory (fuser/rows/plan.py's staged_inputs)
+      # rows kept in shared memory (fuser/rows/shape.py's staged_inputs)
       compute-sanitizer --tool racecheck "$PY" -m pytest -q -m gpu tests/test_staged_rows.py -p no:cacheprovider -x \
         -k "staged_rows_on_the_gpu and (softmax-16392 or layer_norm_block-16392)" >> "$OUT/racecheck.log" 2>&1
       rc=$(( rc > $? ? rc : $? ))

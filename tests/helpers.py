@@ -170,7 +170,7 @@ def _gelu_at_inf_as_scalar(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def trip_sums_fit(n_sums: int, cols: int) -> bool:
     """Whether the current CUDA device's shared memory a block (its opt-in limit, less the kernel's own kilobyte)
     holds ``n_sums`` float32 column sums of rows of ``cols`` elements: where it does, a row of several trips sums its
-    columns in its row kernel (fuser.rows.plan.CudaShape.trip_sums; an H100 or H200 does so at 16384 elements)."""
+    columns in its row kernel (fuser.rows.shape.CudaShape.trip_sums; an H100 or H200 does so at 16384 elements)."""
     optin = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
     return optin - 1024 >= n_sums * cols * 4
 

@@ -384,15 +384,16 @@ def test_trip_sums_of_vectors_past_16_bytes_emulated(case, n, dtype, items, vec,
     import importlib
     from dataclasses import replace
     from fuser.rows import codegen as row_codegen
+    from fuser.rows import shape as row_shape
     plan_mod = importlib.import_module("fuser.rows.plan")  # (fuser.rows.plan, the name, is its plan function)
     monkeypatch.setattr(grad_sums, "_no_fused", set())
-    orig = plan_mod._cuda_sums_shape
+    orig = row_shape._cuda_sums_shape
 
     def wide(*a, **k):
         sh = orig(*a, **k)
         return replace(sh, items=items, vec=vec, full=a[1] % (sh.tpr * items) == 0) if sh.trip_sums else sh
 
-    monkeypatch.setattr(plan_mod, "_cuda_sums_shape", wide)
+    monkeypatch.setattr(row_shape, "_cuda_sums_shape", wide)
     shapes = []
 
     def launch(sp, a):
@@ -457,7 +458,7 @@ def _door_sums_plans(fn, door: str, n: int, monkeypatch) -> list:
 def test_a_norm_backward_of_bfloat16_rows_takes_their_vectors_emulated(fn, monkeypatch):
     """The backward of layer_norm / rms_norm as the TorchScript door runs it (bfloat16 rows of 16384, the float32
     mean and rstd its forward saved), planned for CUDA: trip sums in 16-byte vectors of the rows (8 elements), the
-    statistics read once a row not narrowing them to 4 (plan.TRIP_SUMS_ELEMENT_VECTORS); its kernel emulated on
+    statistics read once a row not narrowing them to 4 (shape.TRIP_SUMS_ELEMENT_VECTORS); its kernel emulated on
     fresh random inputs of the shapes the door gave it, against eager's ops on them (fallback.evaluate) in float64
     and in bfloat16."""
     from fuser import fallback

@@ -997,7 +997,7 @@ def test_cuda_records_of_row_sums_and_column_kernels(monkeypatch):
     backend.any_launch = launch.AnyLaunch(fused.spec, launch.any_plan(p), launch.build)
     rec, _, _ = record._row_or_column_cuda(geo, True, p.tensors, p.scalars, outputs, [], [])
     assert _cuda_record_tail(rec)[0][5] == record.VECTORS_ONLY == 2
-    # a staged row kernel (fuser.rows.plan.CudaShape.staged): its launch's shared memory, a block's rows of them
+    # a staged row kernel (fuser.rows.shape.CudaShape.staged): its launch's shared memory, a block's rows of them
     b = ir.Builder()
     x = b.input()
     sspec = STORE.get(STORE.register(b.build([b.add("aten::softmax.int", b.call("aten::mul", x, 0.5), -1, None)])))

@@ -399,7 +399,8 @@ def test_cuda_row_kernel_emulated_on_a_long_row(emulated, n, monkeypatch):
     65537 elements (not a multiple of a trip: the last trip checks its columns) and 65536 (whole trips: the kernel
     checks none, ``CudaShape.full``)."""
     from fuser import settings
-    from fuser.rows.plan import cuda_shape, pass_width
+    from fuser.rows.passes import pass_width
+    from fuser.rows.shape import cuda_shape
     monkeypatch.setattr(settings, "cuda_clusters", False)
     case = CASES[0]
     shape = cuda_shape(n, [4], pass_width(_group(case, n), False)[0])
@@ -419,7 +420,7 @@ _EMULATED_CLUSTERS = [("softmax", 65536, torch.float32, 8), ("softmax", 20000, t
 
 @pytest.mark.parametrize("case_id,n,dtype,cluster", _EMULATED_CLUSTERS, ids=str)
 def test_cuda_row_kernel_emulated_on_a_row_held_by_a_cluster(case_id, n, dtype, cluster):
-    """A row too long for a block's registers, held by the CTAs of a thread block cluster (plan.cluster_shape):
+    """A row too long for a block's registers, held by the CTAs of a thread block cluster (shape.cluster_shape):
     each CTA its segment, the reductions combined across the CTAs (var's row-level output stored once). Whole
     segments (65536), a last CTA holding one element (65537: the others' checks), short last segments; 5 rows, so
     that the emulated clusters (3) take a second row each, with their reduction slots taken again."""
@@ -455,19 +456,18 @@ def test_clusters_only_from_sm_90(monkeypatch):
     """Cluster kernels are planned for devices of compute capability 9.0 or later (and the host emulation), not
     for older ones or with settings.cuda_clusters off (FUSER_CUDA_CLUSTERS=0), nor for 2-byte tensors; a plan
     without them reads the long row again per pass."""
-    import sys
-    row_plan = sys.modules["fuser.rows.plan"]  # (fuser.rows.plan is also the package's plan function)
+    from fuser.rows import shape as row_shape
     for cap, want in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
-        monkeypatch.setattr(row_plan, "_CLUSTER_DEVICES", {})
+        monkeypatch.setattr(row_shape, "_CLUSTER_DEVICES", {})
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, cap=cap: cap)
-        assert row_plan._clusters(torch.device("cuda", 0)) == want
-    assert row_plan._clusters(torch.device("cpu"))
+        assert row_shape._clusters(torch.device("cuda", 0)) == want
+    assert row_shape._clusters(torch.device("cpu"))
     case = CASES[0]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         p = rows.plan(_spec(_group(case, 65536)), case.inputs(dtype, 65536), "cuda")
         assert (p.key.shape.cluster > 1) == (dtype == torch.float32)
     monkeypatch.setattr(fuser.settings, "cuda_clusters", False)
-    assert not row_plan._clusters(torch.device("cpu"))
+    assert not row_shape._clusters(torch.device("cpu"))
     p = rows.plan(_spec(_group(case, 65536)), case.inputs(torch.float32, 65536), "cuda")
     assert p.key.shape.cluster == 1 and not p.key.shape.held
 
@@ -475,7 +475,7 @@ def test_clusters_only_from_sm_90(monkeypatch):
 def test_cluster_shapes_hold_the_row_in_the_fewest_ctas():
     """A cluster shape's segments cover the row, the last one not empty; each is a held shape of at least
     CLUSTER_MIN_TPR threads; no fewer CTAs would hold it; None past MAX_CLUSTER CTAs."""
-    from fuser.rows.plan import CLUSTER_MIN_TPR, MAX_CLUSTER, cluster_shape, cuda_shape
+    from fuser.rows.shape import CLUSTER_MIN_TPR, MAX_CLUSTER, cluster_shape, cuda_shape
     for cols in (16385, 20000, 32768, 65536, 65537, 131072, 262144):
         for sizes in ([4, 4], [2, 2], [2, 4], [8, 8]):
             for width in (1, 2, 3):
@@ -511,7 +511,7 @@ def test_cuda_row_kernel_emulated_rows_held_across_warps(case, n):
     """Rows held in the registers of several warps (their partial results meet in shared memory): one that does
     not fill its threads' vectors (4100) and one that does (8192), both dtypes; and a row view starting one
     element in (its pointer does not suit vectors: the launch reads element by element)."""
-    from fuser.rows.plan import cuda_shape
+    from fuser.rows.shape import cuda_shape
     assert cuda_shape(n, [4], 1).tpr > 32 and cuda_shape(n, [4], 1).held
     for dtype in (torch.float32, torch.bfloat16):
         args = case.inputs(dtype, n)
@@ -528,7 +528,7 @@ def test_cuda_row_kernel_emulated_rows_held_across_warps(case, n):
 def test_cuda_shapes_cover_the_row_without_idle_threads():
     """Every shape covers its row (a held row in one trip), and no row gets more threads than it has vectors (a
     wide group of 512 bfloat16 elements got 1024 threads, half of them idle, and spilled: 30 ms a call on an H100)."""
-    from fuser.rows.plan import MIN_TPR, cuda_shape, register_items
+    from fuser.rows.shape import MIN_TPR, cuda_shape, register_items
     for cols in (1, 31, 32, 512, 1000, 4096, 4097, 16384, 65536, 65537):
         for sizes in ([4, 4], [2, 2], [2, 4], [8, 8]):
             for width in (1, 2, 3, 6, 12):
@@ -544,7 +544,7 @@ def test_cuda_held_rows_of_4_byte_values_keep_a_thread_to_held_bytes():
     """A held row of float32 (or float64) values takes more threads while a thread would hold more than HELD_BYTES
     bytes and the row's threads stay at most HELD_MAX_TPR, and is launched a block a row (uncapped); 2-byte rows and
     column sums' shapes keep the fewest threads that fit, in waves."""
-    from fuser.rows.plan import HELD_BYTES, HELD_MAX_TPR, SUMS_MAX_TPR, SUMS_REGISTER_ITEMS, cuda_shape
+    from fuser.rows.shape import HELD_BYTES, HELD_MAX_TPR, SUMS_MAX_TPR, SUMS_REGISTER_ITEMS, cuda_shape
     sh = cuda_shape(4096, [4, 4], 1)
     assert (sh.tpr, sh.items, sh.held, sh.uncapped) == (256, 16, True, True)
     assert cuda_shape(512, [4], 3).items * 4 <= HELD_BYTES and cuda_shape(512, [4], 3).uncapped
@@ -614,9 +614,9 @@ def test_cuda_cluster_rows_fall_back_where_the_device_runs_no_cluster(monkeypatc
     partition), its build falls back (executor.run gives None: the caller runs eager's ops) and the device gets no
     more cluster plans."""
     import sys
-    row_launch, row_plan = sys.modules["fuser.rows.launch"], sys.modules["fuser.rows.plan"]
+    row_launch, row_shape = sys.modules["fuser.rows.launch"], sys.modules["fuser.rows.shape"]
     monkeypatch.setattr(row_launch, "max_active_clusters", lambda kernel, shape: 0)
-    monkeypatch.setattr(row_plan, "_CLUSTER_DEVICES", {})
+    monkeypatch.setattr(row_shape, "_CLUSTER_DEVICES", {})
     monkeypatch.setattr(fuser.settings, "cuda_no_clusters", set())
     case = next(c for c in CASES if c.id == "softmax")
     store = KernelStore()  # (a table of its own: the GPU tests before built this kernel into STORE's)

@@ -508,7 +508,7 @@ def test_cpu_row_kernels_take_vector_loops_and_scalar_ones(monkeypatch):
 
 # ------------------------------------------------------------------------- long rows: compensated float sums
 
-_LONG = 2 ** 20 + 5  # 1,025 elements a thread of a 1024-thread row: past plan.COMPENSATED_PER_THREAD
+_LONG = 2 ** 20 + 5  # 1,025 elements a thread of a 1024-thread row: past rows.shape.COMPENSATED_PER_THREAD
 
 
 def _var_alone():

@@ -1,4 +1,4 @@
-"""Weight and bias gradients summed inside the backward row kernel (fuser/rows/plan.py's column_sum_form, the fused
+"""Weight and bias gradients summed inside the backward row kernel (fuser/rows/passes.py's column_sum_form, the fused
 form of fuser/grad_sums.py): the row kernel that writes x's gradient adds dy * xhat and dy into a partial row per
 part of the rows, and a second stage adds the parts in a fixed order; no column kernel reads x and dy again.
 layer_norm with weight and bias, with a weight only, rms_norm with a weight; rows of 1, 7, 1000 and 4097, row
@@ -430,7 +430,7 @@ def test_column_sums_apart_in_the_cuda_emulation(rows, n):
     zeros, eager's); a row of 40 sums it in the kernel, and so does a row of 20,000 (several trips, a slot a column
     in shared memory: CudaShape.trip_sums)."""
     from fuser.rows import decompose, emulate as row_emulate
-    from fuser.rows.plan import cuda_sums_in_kernel
+    from fuser.rows.shape import cuda_sums_in_kernel
     spec = STORE.get(STORE.register(_apart_group()))
     args = _apart_inputs(rows, n)
     with torch.no_grad():

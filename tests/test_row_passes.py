@@ -1,10 +1,10 @@
-"""The passes of a CUDA row kernel and where its column sums live (fuser/rows/plan.py): reductions that do not read
-each other's results share one pass along the row (``plan.reduction_passes``; a layer_norm backward's two sums
-load dy and x together), those that do (softmax's max, then its sum) and variances keep passes of their own, and
-the CPU kernels keep a pass a reduction; a held row's column sums go to shared memory where a block's fit
-(``plan.SUMS_SHARED_BYTES``), in registers otherwise. Groups of sibling reductions (also past a held row: read
-again, and a cluster's) and both homes of the column sums run through the CUDA host emulation against eager in
-float64; on a GPU, the same groups through the executor."""
+"""The passes of a CUDA row kernel and where its column sums live (fuser/rows/passes.py, fuser/rows/shape.py):
+reductions that do not read each other's results share one pass along the row (``passes.reduction_passes``; a
+layer_norm backward's two sums load dy and x together), those that do (softmax's max, then its sum) and variances
+keep passes of their own, and the CPU kernels keep a pass a reduction; a held row's column sums go to shared memory
+where a block's fit (``shape.SUMS_SHARED_BYTES``), in registers otherwise. Groups of sibling reductions (also past a
+held row: read again, and a cluster's) and both homes of the column sums run through the CUDA host emulation against
+eager in float64; on a GPU, the same groups through the executor."""
 from __future__ import annotations
 
 import importlib
@@ -16,7 +16,8 @@ from helpers import check_against_float64, fused_run, reduce_node
 from fuser import autodiff, backward, fallback, grad_sums, ir, ops
 from fuser.kernel_cache import STORE
 from fuser.rows import codegen as row_codegen, decompose, emulate as row_emulate, launch as row_launch
-from fuser.rows.plan import held_values, plan, reduction_passes, row_passes
+from fuser.rows.passes import held_values, reduction_passes, row_passes
+from fuser.rows.plan import plan
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
 
@@ -164,7 +165,7 @@ def test_column_sums_in_shared_memory_or_registers(dtype, n, shared, monkeypatch
     (each thread's slots, a vector at a time) or in registers (SUMS_SHARED_BYTES 0), through the emulation:
     x's gradient and the two sums against eager's float64 autograd."""
     if not shared:
-        monkeypatch.setattr(importlib.import_module("fuser.rows.plan"), "SUMS_SHARED_BYTES", 0)
+        monkeypatch.setattr(importlib.import_module("fuser.rows.shape"), "SUMS_SHARED_BYTES", 0)
     fused, bargs, args, gy = _norm_backward(n, dtype)
     p = plan(fused.spec, bargs, "cuda")
     assert not isinstance(p, str), p
@@ -192,7 +193,7 @@ def test_shared_sums_only_where_they_fit(monkeypatch):
     p = plan(fused.spec, bargs, "cuda")
     assert p.key.shape.held and p.key.shape.sums_shared
     assert p.key.shape.block * p.key.shape.items * 2 * 8 == 32 * 1024
-    monkeypatch.setattr(importlib.import_module("fuser.rows.plan"), "SUMS_SHARED_BYTES", 32 * 1024 - 1)
+    monkeypatch.setattr(importlib.import_module("fuser.rows.shape"), "SUMS_SHARED_BYTES", 32 * 1024 - 1)
     fused, bargs, _, _ = _norm_backward(2048, torch.float64)
     p = plan(fused.spec, bargs, "cuda")
     assert isinstance(p, str) or not p.key.shape.sums_shared

@@ -1,4 +1,4 @@
-"""The CPU row kernel's kept values (issues 11 and 12: fuser/rows/plan.py kept_values, fuser/rows/codegen.py): a
+"""The CPU row kernel's kept values (issues 11 and 12: fuser/rows/passes.py kept_values, fuser/rows/codegen.py): a
 costly element value (exp, tanh...) that a later pass along the row reads is written to a per-thread scratch row by
 the pass that computes it and read back by the later ones, rather than computed again. Softmax's output pass reads
 exp(x - max) and multiplies (as eager's CPU kernel does); the backward of a softmax read further (which recomputes

@@ -1,7 +1,7 @@
 """A normalization's statistics saved by its forward for its backward (issue 12: "save mean and rstd where eager
 does"; fuser/backward.py's ``statistics``): the forward group writes layer_norm's mean and rstd, rms_norm's rstd, as
 extra outputs (float32 for float16/bfloat16), and the backward reads them as row-level inputs of its row kernel
-(``fuser.rows.plan.with_row_inputs``: loaded once a row) instead of forming them again from the row. Gradients
+(``fuser.rows.passes.with_row_inputs``: loaded once a row) instead of forming them again from the row. Gradients
 against eager's in float64 on fresh random inputs, on the CPU backend and as the CUDA row kernels under the host
 emulation; the row-level inputs of any row group against eager."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CUDA row kernels that keep a row in shared memory (fuser/rows/plan.py's ``staged_inputs``, ``CudaShape.staged``):
+"""CUDA row kernels that keep a row in shared memory (fuser/rows/shape.py's ``staged_inputs``, ``CudaShape.staged``):
 a row too long for a block's registers and not held by a cluster (2-byte tensors) is read again by each pass; the
 inputs that several passes read and that differ from row to row are copied into shared memory at the row's start
 (asynchronous copies, all in flight at once) and read back from there by every pass. The plan's choice (which
@@ -22,11 +22,11 @@ from fuser.cuda import emulate
 from fuser.kernel_cache import STORE
 from fuser.rows import emulate as row_emulate
 from fuser.rows import launch
+from fuser.rows import shape as row_shape
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_normalizations import CASES, _check, _group  # noqa: E402
 
-row_plan = sys.modules["fuser.rows.plan"]  # (fuser.rows.plan is also the package's plan function)
 ROWS = 5  # more rows than the emulation's blocks (3): a block stages a second row over its first
 
 
@@ -89,13 +89,13 @@ def test_staged_plan_choice(monkeypatch):
     args = _args(ln, torch.bfloat16, 16384)
     assert _plan(ln, 16384, args).key.shape.staged == (0, 2)
     # the device's limit: one row of 32 KB fits 40 KB, two do not
-    monkeypatch.setattr(row_plan, "stage_limit", lambda device: 40 * 1024)
+    monkeypatch.setattr(row_shape, "stage_limit", lambda device: 40 * 1024)
     assert _plan(ln, 16384, args).key.shape.staged == (0,)
-    monkeypatch.setattr(row_plan, "stage_limit", lambda device: 16 * 1024)
+    monkeypatch.setattr(row_shape, "stage_limit", lambda device: 16 * 1024)
     assert _plan(ln, 16384, args).key.shape.staged == ()
     monkeypatch.undo()
     monkeypatch.setattr(fuser.settings, "cuda_staged_rows", False)
-    assert row_plan.stage_limit(torch.device("cpu")) == 0
+    assert row_shape.stage_limit(torch.device("cpu")) == 0
     assert _plan(ln, 16384, args).key.shape.staged == ()
 
 

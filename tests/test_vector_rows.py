@@ -105,7 +105,7 @@ def test_a_vectors_only_kernel_makes_no_choice_at_run_time():
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_a_vectors_only_kernel_holds_the_row_in_fewer_registers(dtype):
     """ptxas for sm_90, layer_norm(x + bias + residual) * w + b over rows of 4096 (bfloat16: 128 threads a row, 32
-    elements a thread held; float32: 256 threads of 16, ``rows.plan.HELD_BYTES``): with 32 elements the kernel with
+    elements a thread held; float32: 256 threads of 16, ``rows.shape.HELD_BYTES``): with 32 elements the kernel with
     the run-time choice took 118-128 registers a thread, so an SM held 4 of its blocks; the vectors-only one at most
     80, no spills (measured: 68 and 72)."""
     spec = _spec(_ln_residual(4096))

@@ -350,7 +350,7 @@ def _row_refusal(ordered: list, inputs: list, outs: list) -> Optional[str]:
     """For a region holding reductions (``fuser/rows/``): why its shapes are not a row kernel's, or "" when
     they are; None for a region without reductions. Every reduction reduces the same trailing dims of values of
     one shape F; every value broadcasts to F; the outputs are F-shaped, or row-shaped (F with the reduced dims
-    kept as 1 or dropped) and computed from reductions only (``rows.plan.row_level``: a row-shaped value of the
+    kept as 1 or dropped) and computed from reductions only (``rows.passes.row_level``: a row-shaped value of the
     inputs alone is no row kernel's output), and contiguous. The executor checks the rest per call and falls
     back otherwise."""
     reds = [n for n in ordered if ops.reduction(overload_name(n) or "") is not None]
@@ -401,7 +401,7 @@ def _row_refusal(ordered: list, inputs: list, outs: list) -> Optional[str]:
             return f"its value {o.name} is not contiguous in eager, and a group writes its outputs densely"
     if any(_shape(o) != full for o in outs):  # row-shaped outputs: a row kernel writes only row-level ones
         from ..rows.outer import column_level
-        from ..rows.plan import row_level
+        from ..rows.passes import row_level
         level = (column_level if leading else row_level)(group())
         for o, v in zip(outs, group().outputs):
             if _shape(o) != full and v.id not in level and o not in sums:
@@ -419,7 +419,7 @@ def _cuda_sums_refusal(group, ordered: list, inputs: list, outs: list, sums: set
     if not all(type(d) is int for d in row):
         return "column sums beside reductions along a row of a symbolic length (a column kernel of their own)"
     from ..rows import decompose
-    from ..rows.plan import cuda_sums_in_kernel
+    from ..rows.shape import cuda_sums_in_kernel
     sizes = [fake(a).element_size() for a in inputs if fake(a) is not None] + [fake(o).element_size() for o in outs]
     cols = math.prod(row)
     if cuda_sums_in_kernel(decompose.expand(group()), tuple(m for m, o in enumerate(outs) if o in sums), cols,

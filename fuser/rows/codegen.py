@@ -4,11 +4,11 @@ Per row, one pass along the row per reduction, in the group's order: the element
 input needs are computed again from the inputs (compute is cheap, bytes are not), accumulated per thread, and on
 CUDA combined across the row's threads. Then the row-level nodes whose operands are ready. A last pass computes and
 stores the element-level outputs; the row-level outputs are stored once per row. On CUDA a row that fits a
-thread's registers (``plan.CudaShape.held``) is read once: the inputs that several passes read are loaded into
-registers first, and the passes read those; a row held by the CTAs of a cluster (``plan.CudaShape.cluster``) the
+thread's registers (``shape.CudaShape.held``) is read once: the inputs that several passes read are loaded into
+registers first, and the passes read those; a row held by the CTAs of a cluster (``shape.CudaShape.cluster``) the
 same, each CTA its segment, its reductions combined across the CTAs; a longer row is read again by each pass,
 its inputs that several passes read copied into shared memory at the row's start where they fit
-(``plan.CudaShape.staged``).
+(``shape.CudaShape.staged``).
 Each node's statement is the pointwise codegen's (``codegen.body.node_statement``), so an op means the same in
 both kinds of kernel.
 """
@@ -28,7 +28,8 @@ from ..codegen.cpu_vector import CpuVector
 from ..codegen import CPU_VECTORS_PER_TRIP as COPIES
 from ..descs import DENSE, TensorDesc, compute_type, storage_type
 from . import templates as t
-from .plan import CudaShape, held_values, kept_values, needed as _needed, reduction_passes, row_level, row_passes
+from .passes import held_values, kept_values, needed as _needed, reduction_passes, row_level, row_passes
+from .shape import CudaShape
 
 CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU row kernel splits its rows across threads
 _SUM = ops.reduction("aten::sum.dim_IntList")  # (a column sum accumulates as a sum does)
@@ -40,7 +41,7 @@ CPU_PART_ROWS = 16  # rows a part at least (its partial row is zeroed, then read
 CPU_PART_WORK = 2 ** 16
 CPU_MIN_PARTS = 4
 # ops whose results a CPU row kernel keeps in a scratch row for later passes rather than computing them again
-# (plan.kept_values): a SLEEF call or more per element
+# (passes.kept_values): a SLEEF call or more per element
 CPU_KEPT_OPS = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "tanh", "sigmoid", "erf", "erfc",
                           "erfinv", "gelu", "silu", "mish", "softplus", "elu", "sin", "cos", "tan", "asin", "acos",
                           "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "pow", "atan2", "lgamma", "digamma"})
@@ -187,8 +188,8 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     at::vec loops (see :class:`_Vector`) where every node has a vector form. ``round_reduced``: as
     ``KernelOptions.round_reduced`` for the pointwise nodes (a reduction's float16/bfloat16 result is rounded
     always: once per row, it costs nothing; so is the operand of an eager op's reduction, per element:
-    :func:`rounded_operands`). ``shape``: the CUDA kernel's (``plan.cuda_shape``). ``sums``: the
-    outputs that are column sums (``plan.column_sum_form``: ``group`` is the form's, those outputs the values
+    :func:`rounded_operands`). ``shape``: the CUDA kernel's (``shape.cuda_shape``). ``sums``: the
+    outputs that are column sums (``passes.column_sum_form``: ``group`` is the form's, those outputs the values
     summed): on the CPU added into a partial row per part of the rows, on CUDA into each thread's registers or
     shared slots over its rows (a row of one trip), or a slot per column in shared memory (a row of several trips,
     one a block: ``CudaShape.trip_sums``), then written as its slot's or block's partial row; a second stage adds
@@ -237,13 +238,13 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
     # CUDA column sums: a row of one trip (held in registers or not: tb is 0), so a thread's columns, element
     # i * vec + v of its trip, are the same every row; or a row of several trips, one a block, a slot per column in
     # shared memory (CudaShape.trip_sums: column tb + (i * tpr + lane) * vec + v, again the thread's own)
-    # CUDA, a row held in registers: per pass, the values it finds in registers (plan.held_values), in arrays
+    # CUDA, a row held in registers: per pass, the values it finds in registers (passes.held_values), in arrays
     # h_<name>[items]; the pass being generated is counted in npass
     holds = held_values(group) if cuda and shape.held else [frozenset()] * len(row_passes(group, merge=cuda))
     npass = [0]
     assert not shape or not shape.staged or steps is not None, "a staged row kernel takes whole vectors only"
     producer = {n.out.id: n for n in group.nodes}
-    # CPU: per pass, the values it reads from scratch rows and those it writes there (plan.kept_values): costly
+    # CPU: per pass, the values it reads from scratch rows and those it writes there (passes.kept_values): costly
     # ones, and those that read two tensor inputs or more (x + bias + residual: one scratch row read instead of
     # several inputs' loads)
     tensor_ids = set(tensor_index)
@@ -325,7 +326,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             phases.append("    " + statement[m.out.id])
             ready.add(m.out.id)
     shared = set()
-    cl = cuda and shape.cluster > 1  # the row spans the CTAs of a cluster (plan.cluster_shape)
+    cl = cuda and shape.cluster > 1  # the row spans the CTAs of a cluster (shape.cluster_shape)
     # a cluster kernel's reductions combine the CTAs' results (templates.CLUSTER_REDUCE; fz_cn counts them)
     reduce_fn = (f"fz_cluster_reduce<{{}}, {shape.tpr}, {shape.cluster}>" if cl else
                  f"fz_row_reduce<{{}}, {shape.tpr}>" if cuda else None)
@@ -350,7 +351,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         ident = red.identity.replace("$A", acc_t)
         accumulate = f"acc{pos} = {red.combine}::f(acc{pos}, ({acc_t})({x}));"
         after = []
-        # a thread adding many of a long row's elements in float (plan.COMPENSATED_PER_THREAD): Kahan's sum (sum,
+        # a thread adding many of a long row's elements in float (shape.COMPENSATED_PER_THREAD): Kahan's sum (sum,
         # mean, var's squared deviations), its compensation kc folded in before the threads combine
         kahan = cuda and shape.compensated and acc_t == "float" and red.combine == "fz_rsum"
         if kahan:
@@ -430,7 +431,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                     v.id in ready for v in m.values):
                 after.append(statement[m.out.id])
                 ready.add(m.out.id)
-        if cuda:  # the pass is emitted with its set's last reduction (plan.reduction_passes: siblings share one)
+        if cuda:  # the pass is emitted with its set's last reduction (passes.reduction_passes: siblings share one)
             merged.append((acc_decl + (f" float kc{pos} = 0.0f;" if kahan else ""), u, accumulate, after, pairable))
             if n is cuda_sets[n_sets][-1]:
                 paired = (shape.tpr > 32 and _paired(merged, shape)) or paired
@@ -554,7 +555,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         accumulate1="\n".join(f"      off{kk} = row * {stride(kk, 0)};" for kk in range(n_in)),
         col_strides="\n".join(f"    const long long cs{kk} = {stride(kk, t.MAX_DIMS if cuda else 'rank')};"
                                for kk in range(n_in)))
-    # row-level inputs (plan.with_row_inputs): one value a row, loaded at its start (a CUDA row that is not live
+    # row-level inputs (passes.with_row_inputs): one value a row, loaded at its start (a CUDA row that is not live
     # reads the last row's: plan's CUDA_KERNEL)
     row_loads = "".join(f"\n    const {vtype[v.id]} {vname[v.id]} = fz_ld(t{tensor_index[v.id]}[off{tensor_index[v.id]}]);"
                         for v in group.inputs if v.is_tensor and v.id in rows_v)
@@ -574,7 +575,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
             if shape.sums_shared else f"  {sum_t[m]} fz_a{m}[{shape.items}] = {{}};" for m in sums)
         rpb = shape.block // shape.tpr
         if sums and shape.trip_sums:  # a slot per column of the row's whole trips, after the staged row
-            assert shape.block == shape.tpr, "trip sums take one row a block (plan._cuda_sums_shape)"
+            assert shape.block == shape.tpr, "trip sums take one row a block (shape._cuda_sums_shape)"
             trip = shape.tpr * shape.items
             lines = [f"  const int fz_span = (cols + {trip - 1}) / {trip} * {trip};  // (whole trips' columns)"]
             at = ["0"] + stage_row  # each sum's slots after the staged rows and the sums before it
@@ -628,7 +629,7 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
                                for k in shape.staged) + "\n    fz_cp_wait();"
         n_sh = max(1, shape.block // 32) * (2 if paired else 1) + (2 if cl else 0)
         stage = []
-        if shape.staged:  # (plan.stage_row_bytes's layout)
+        if shape.staged:  # (shape.stage_row_bytes's layout)
             row = stage_row
             stage = [t.CUDA_STAGE.substitute(row_at="" if rpb == 1 else (
                 f" + (threadIdx.x / {shape.tpr}u) * ({' + '.join(row)})"), pointers="\n".join(
@@ -716,7 +717,7 @@ class _Vector:
 
     def _lines(self, wanted, held: frozenset, keep: frozenset):
         """(loads, op lines) for ``copies`` vectors of the values ``wanted`` needs, or None (no vector form);
-        ``held``: the values read from their scratch rows, ``keep``: those written there (plan.kept_values)."""
+        ``held``: the values read from their scratch rows, ``keep``: those written there (passes.kept_values)."""
         need = _needed(self.group, wanted, held)
         cv = CpuVector(self.descs, "cpu", KernelOptions())
         for i in sorted(need - set(self.tensor_index) - {v.id for v in self.group.inputs} - held,

@@ -105,7 +105,7 @@ def saved_stat(b: ir.Builder, s: ir.Value, dtype: Optional[torch.dtype]) -> ir.V
     """A statistic the forward wrote (in float32 for a float16/bfloat16 input, :func:`stat_output`) as the step
     that forms it has it: of the normalization's ``dtype``, held unrounded (a step: called within ``b.steps_of``).
     The cast reads no element-level value, so the statistic stays one value a row (a row-level input of the row
-    kernel: ``fuser.rows.plan.row_inputs``)."""
+    kernel: ``fuser.rows.passes.row_inputs``)."""
     if dtype not in (torch.float16, torch.bfloat16):
         return s
     return b.add("aten::_to_copy", s, ir.SCALAR_TYPE_CODE[dtype], None, None, None, False, None)

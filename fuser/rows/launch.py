@@ -18,7 +18,9 @@ from .. import codegen, ir, settings
 from . import codegen as row_codegen
 from . import decompose
 from . import templates as t
-from .plan import RowPlan, column_sum_form, stage_bytes, sum_sizes, with_row_inputs
+from .passes import column_sum_form, with_row_inputs
+from .plan import RowPlan
+from .shape import stage_bytes, sum_sizes
 
 
 @dataclass
@@ -39,7 +41,7 @@ def kernel_name(spec_text: str, key) -> str:
 
 def kernel_group(spec, p) -> ir.Group:
     """The group whose nodes a row or column kernel of ``spec`` computes (``p.types``' nodes): its composite ops'
-    steps, less a row plan's column sums (``plan.column_sum_form``), those it sums and those it writes whole."""
+    steps, less a row plan's column sums (``passes.column_sum_form``), those it sums and those it writes whole."""
     return with_row_inputs(column_sum_form(decompose.expand(spec.group),
                                            tuple(sorted(getattr(p.key, "sums", ()) + getattr(p.key, "apart", ())))),
                            getattr(p.key, "row_inputs", ()))
@@ -80,7 +82,7 @@ def element_sizes(dtypes) -> tuple:
 
 
 def plan_stage_bytes(p: RowPlan) -> int:
-    """The dynamic shared memory of a launch of ``p``'s CUDA row kernel (``plan.stage_bytes``: staged rows, trip
+    """The dynamic shared memory of a launch of ``p``'s CUDA row kernel (``shape.stage_bytes``: staged rows, trip
     sums)."""
     sh = p.key.shape
     return stage_bytes(sh, p.cols, element_sizes(p.key.inputs[k][0] for k in sh.staged),
@@ -198,7 +200,7 @@ def fill_args(struct, p_rows: int, p_cols: int, lead, strides, tensors, scalars,
 
 def part_buffers(p_rows: int, p_cols: int, shape, sums: tuple, sum_dtypes: tuple, max_blocks: int, device
                  ) -> tuple[int, int, list]:
-    """A row kernel with column sums (``plan.column_sum_form``): (its grid, its slots, a partial-row buffer
+    """A row kernel with column sums (``passes.column_sum_form``): (its grid, its slots, a partial-row buffer
     [slots, cols] per sum in its accumulator's dtype). One wave of blocks at most (``max_blocks``), every slot (a
     block's row) writing its partial row; float64 sums in double, the others in float."""
     if not sums:
@@ -282,7 +284,7 @@ class ClustersUnavailable(RuntimeError):
 
 class RowCudaKernel:
     """A loaded row kernel: the pointwise kernel's loading (``fuser.cuda.launch.CudaKernel``), with the row
-    kernel's arguments, block (``plan.CudaShape.block``) and grid (a block per ``block // tpr`` rows, at most
+    kernel's arguments, block (``shape.CudaShape.block``) and grid (a block per ``block // tpr`` rows, at most
     :data:`ROW_WAVES` waves of resident blocks; a cluster kernel :data:`CLUSTER_WAVES` waves of the clusters the
     device holds at once)."""
 

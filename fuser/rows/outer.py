@@ -21,7 +21,8 @@ from typing import Optional, Union
 import torch
 
 from .. import executor, ir, ops
-from .plan import broadcasts_to, index64 as wide_index, row_level
+from .passes import row_level
+from .plan import broadcasts_to, index64 as wide_index
 
 MAX_COL_DIMS = 8  # compressed column dims (the CUDA argument struct's arrays)
 
@@ -65,7 +66,7 @@ class OuterPlan:
 
 
 def column_level(group: ir.Group) -> frozenset:
-    """ids of the values a column kernel computes once per column: ``plan.row_level``'s (the reductions, and nodes
+    """ids of the values a column kernel computes once per column: ``passes.row_level``'s (the reductions, and nodes
     that read only such values) and every node that reads one of them (the plan checks that these have one value a
     column; their other operands are computed once a column too)."""
     got = group._cache.get("column_level")

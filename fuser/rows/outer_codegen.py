@@ -26,7 +26,7 @@ from . import outer_templates as t
 from . import templates as row_t
 from .codegen import accumulator_type, input_names, stores_rounded
 from .outer import column_level
-from .plan import needed
+from .passes import needed
 
 CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU column kernel splits its chunks across threads
 

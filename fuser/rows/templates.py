@@ -4,7 +4,7 @@ CPU ABI (the pointwise kernels' signature, read differently): ``void name(int64_
 const int64_t* sizes, const int64_t* strides, void* const* ptrs, const double* scalars)``; ``sizes``: the
 ``rank`` row dims, then the row length; ``strides``: per tensor input ``rank`` strides over the row dims, then its
 stride along the row. CUDA: one by-value ``FzArgs`` (mirrored by ``fuser.rows.launch.args_struct``); a row is
-shared by a power of two of consecutive threads (``fuser.rows.plan.CudaShape``), a block holds one or more rows and
+shared by a power of two of consecutive threads (``fuser.rows.shape.CudaShape``), a block holds one or more rows and
 grid-strides over them; or (``CudaShape.cluster``) the CTAs of a thread block cluster share a row, a segment each
 (:data:`CUDA_CLUSTER_COLS`, :data:`CLUSTER_REDUCE`), a cluster per row in turn. A staged kernel
 (``CudaShape.staged``) keeps rows of some inputs in dynamic shared memory (:data:`CUDA_STAGE`, :data:`ROW_FETCH`).
@@ -146,7 +146,7 @@ template <int V> __device__ __forceinline__ void fz_vec_ld(float* dst, const fz_
 // past the row's end reads the row's last one instead, and is not used), a tensor that does not step along the
 // row gives its one element, otherwise element by element (0 past the row's end). An empty row: no loads (on
 // CUDA an empty tensor's pointer is null). FULL: the row is a whole number of trips
-// (fuser.rows.plan.CudaShape.full): no element is past its end.
+// (fuser.rows.shape.CudaShape.full): no element is past its end.
 template <int NV, int V, int TPR, bool FULL, class C, class S> __device__ __forceinline__ void fz_row_trip(
     C* dst, const S* __restrict__ p, long long off, long long cs, int tb, int lane, int cols, int vec) {
   if (!FULL && cols <= 0) return;
@@ -206,9 +206,9 @@ template <int NV, int V, int TPR, bool FULL, class C, class S> __device__ __forc
 """
 
 # a staged kernel's copies of its rows into shared memory (with fuser/cuda/templates.py's STAGE, which it calls)
-ROW_FETCH = r"""// a staged input (fuser.rows.plan.CudaShape.staged) in a vectors-only kernel: at a row's start each thread copies
-// the vectors of the row it will read (those of its lane in every trip) into the row's copy in shared memory, st[cb],
-// all of them in flight at once (fz_cp), and waits for its own (fz_cp_wait); the passes read them back
+ROW_FETCH = r"""// a staged input (fuser.rows.shape.CudaShape.staged) in a vectors-only kernel: at a row's start each
+// thread copies the vectors of the row it will read (those of its lane in every trip) into the row's copy in shared
+// memory, st[cb], all of them in flight at once (fz_cp), and waits for its own (fz_cp_wait); the passes read them back
 // (fz_row_staged). A thread reads only what it copied, so no barrier is needed, and a vector past the row's end (the
 // row length is a whole number of vectors) is neither copied nor read: its elements are 0 and not used.
 template <int V, int TPR, class S> __device__ __forceinline__ void fz_row_fetch(S* st, const S* __restrict__ p,
@@ -218,12 +218,12 @@ template <int V, int TPR, class S> __device__ __forceinline__ void fz_row_fetch(
 """
 
 # a staged kernel's copies of its rows in shared memory (CudaShape.staged): per row of the block, a row of each
-# staged input, each rounded up to 16 bytes (fuser.rows.plan.stage_row_bytes); fz_sg<k>: this thread's row's copy
+# staged input, each rounded up to 16 bytes (fuser.rows.shape.stage_row_bytes); fz_sg<k>: this thread's row's copy
 # of input k. row_at: the offset of the thread's row (none where a block is one row), in 32-bit arithmetic
 CUDA_STAGE = Template(r"""  unsigned char* const fz_stage = fz_dyn_smem()${row_at};
 ${pointers}""")
 
-# a row held by the N CTAs of a thread block cluster (fuser.rows.plan.cluster_shape; a block is one row, TPR its
+# a row held by the N CTAs of a thread block cluster (fuser.rows.shape.cluster_shape; a block is one row, TPR its
 # threads): each CTA reduces its segment (fz_row_reduce), thread 0 puts the result into a slot of its shared
 # memory, and after the cluster barrier lanes 0..N-1 of every warp read the N CTAs' slots, combined in rank order
 # by every thread (a fixed order: every CTA gets the same value). Two slots a type, taken in turn by the kernel's
@@ -273,7 +273,7 @@ CPU_FOR = Template("  fz_for(${cond}, ${count}, [&](int64_t ${var}) FZ_BODY {")
 CPU_SHARE_FOR = Template("  for (int64_t ${var} = ${count} * fz_tid / fz_nt, fz_end = ${count} * (fz_tid + 1) / fz_nt;"
                          " ${var} < fz_end; ++${var}) {")
 
-# column sums (fuser.rows.plan.column_sum_form): the rows in parts of consecutive rows (${part_rows} at least, or up
+# column sums (fuser.rows.passes.column_sum_form): the rows in parts of consecutive rows (${part_rows} at least, or up
 # to ${min_parts} parts of fewer rows where there are ${part_work} elements a part: a few long rows; each part's
 # partial row costs cols more elements to zero and add up), their number fixed by the row and column counts
 # (not by the threads, so the sums do not depend on how many there are), each part adding
@@ -299,7 +299,7 @@ ${stores}
 ${free}""")
 
 # the CPU row kernel's rows (or parts: ${count}) go across threads from ${parallel_threshold} elements; with scratch
-# rows (fuser.rows.plan.kept_values) a parallel region allocates each thread's (${scratch}) around the loop
+# rows (fuser.rows.passes.kept_values) a parallel region allocates each thread's (${scratch}) around the loop
 CPU_PARALLEL = Template("${count} > 1 && rows * cols >= ${parallel_threshold}")
 CPU_PARALLEL_SCRATCH = Template(r"""  fz_region(${cond}, [&](int64_t fz_tid, int64_t fz_nt) FZ_BODY {
 ${scratch}""")
@@ -342,7 +342,7 @@ ${sums_store}
 }
 ${parts_kernel}""")
 
-# column sums (fuser.rows.plan.column_sum_form) of a row of one trip: a thread's columns are the same for
+# column sums (fuser.rows.passes.column_sum_form) of a row of one trip: a thread's columns are the same for
 # every row it takes (the grid-strided rows of its slot, blockIdx.x * rows a block + its row in the block), so it adds
 # its live rows' values in registers and writes them once, as its slot's partial row (every slot writes its row,
 # zeros where it took none); a second kernel adds the slots' partial rows in a fixed order
