@@ -17,8 +17,12 @@ def test_only_the_sizes_asked_for_are_run(tmp_path):
     out = tmp_path / "rows.json"
     assert cli.main(["--device", "cpu", "--quick", "--only", "=mul_add", "--sizes", "small", "--systems", "eager",
                      "--json", str(out), "--png", str(tmp_path / "chart.png")]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    got = json.loads(out.read_text())
+    rows = got["rows"]
     assert rows and {r["size"] for r in rows} == {"small"} and {r["workload"] for r in rows} == {"mul_add"}
+    # the host floor: an eager op, and its training step (two ops and the autograd engine: longer)
+    floor = got["meta"]["host_floor_us"]
+    assert 0 < floor["eager_op"] < floor["eager_train_step"], floor
 
 
 def test_small_rows_break_the_fused_calls_host_time_down(tmp_path, capsys):

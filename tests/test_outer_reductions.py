@@ -195,13 +195,15 @@ def test_non_contiguous_and_broadcast_inputs(dtype):
 def test_cuda_column_kernels_index_in_32_bits_below_2_31_and_in_64_above(dtype, monkeypatch):
     """The block index and the walk over the column dims divide in 32 bits where (columns + 32) * rows < 2^31
     (``rows.templates.quotient``), in 64 bits above (here by a lowered limit): both forms through the emulation, on
-    column dims that do not merge (the walk divides) and on long columns (the second stage), against eager."""
+    column dims that do not merge (the walk divides), on long columns (the second stage) and on one column of size 1
+    (no column dims left after compression: column 0's offsets alone), against eager."""
     import importlib
     row_plan = importlib.import_module("fuser.rows.plan")
     case = _prologue_epilogue()
     spec = _spec(_GROUPS[case.id])
     layouts = [(x, y) for what, x, y in _layouts(dtype) if what == "permuted"]
     layouts.append((torch.randn(8192, 3, dtype=dtype), torch.randn(3, dtype=dtype)))
+    layouts.append((torch.randn(300, 1, dtype=dtype), torch.randn(1, dtype=dtype)))
     for wide in (False, True):
         if wide:
             monkeypatch.setattr(row_plan, "INDEX32_LIMIT", 1)
@@ -210,6 +212,7 @@ def test_cuda_column_kernels_index_in_32_bits_below_2_31_and_in_64_above(dtype, 
             p = rows.plan(spec, args, "cuda")
             assert isinstance(p, rows.OuterPlan) and p.key.index64 == wide
             assert p.key.walk == (len(p.col_sizes) > 1)  # the column dims walked where they do not merge
+            assert len(p.col_sizes) == (0 if x.shape[1:] == (1,) else 1 if x.dim() == 2 else 2)
             source = outer_launch.source_for(spec, p)[1]
             assert ("for (long long b = " in source) == wide
             assert ("for (int d = (int)rank - 1;" in source) == p.key.walk

@@ -22,7 +22,7 @@ from .cpu import CPU, CPU_DTYPES, cpu_name, cpu_systems
 from .report import _versions, draw_chart, first_call_table, format_table, fuser_first_calls, host_phases_table
 from .rows import SIZES, run_row
 from .systems import INTERLEAVED_SYSTEMS, SYSTEMS
-from .timing import FULL, QUICK, measure_copy_rate
+from .timing import FULL, QUICK, measure_copy_rate, measure_host_floor
 from .workloads import WORKLOADS
 
 
@@ -93,8 +93,9 @@ def _main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     copy_rate, copy_samples = measure_copy_rate(device, cfg)
+    host_floor = measure_host_floor(device, cfg)
     print(f"device: {device_name}  torch {torch.__version__}  copy rate {copy_rate / 1e9:.1f} GB/s "
-          f"(read + write)", file=sys.stderr)
+          f"(read + write); {_floor_text(host_floor)}", file=sys.stderr)
 
     rows = []
 
@@ -104,7 +105,8 @@ def _main(args: argparse.Namespace) -> int:
         result = {
             "meta": {"device": device_name, "device_type": device.type, **_versions(),
                      "copy_rate_bytes_per_s": copy_rate, "copy_rate_samples_bytes_per_s": copy_samples,
-                     "copy_bytes": cfg.copy_bytes, "config": dataclasses.asdict(cfg), "quick": args.quick,
+                     "copy_bytes": cfg.copy_bytes, "host_floor_us": host_floor,
+                     "config": dataclasses.asdict(cfg), "quick": args.quick,
                      "systems": args.systems, "interleaved": args.interleave,
                      "fuser_can_fuse_on_gpu": fuser.can_fuse_on_gpu(),
                      "fuser_can_fuse_on_cpu": fuser.can_fuse_on_cpu(), "elapsed_s": time.perf_counter() - started,
@@ -130,7 +132,8 @@ def _main(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
 
     first_calls = fuser_first_calls(rows)
-    print(f"\n{device_name}, torch {torch.__version__}, copy rate {copy_rate / 1e9:.1f} GB/s; "
+    print(f"\n{device_name}, torch {torch.__version__}, copy rate {copy_rate / 1e9:.1f} GB/s, "
+          f"{_floor_text(host_floor)}; "
           + ("time per call and speed-up over eager (large rows: median of batches; small rows: host time), "
              f"{torch.get_num_threads()} threads\n" if device.type == "cpu" else
              "large rows: fraction of copy floor (us per call, device time); small rows: host us per call\n"))
@@ -155,6 +158,12 @@ def _main(args: argparse.Namespace) -> int:
     skipped = draw_chart(rows, args.systems, args.png, title)
     print(f"skipped {args.png}: {skipped}" if skipped else f"wrote {args.png}")
     return 0
+
+
+def _floor_text(floor: dict) -> str:
+    """The host floor (``timing.measure_host_floor``) in words."""
+    return (f"host: an eager op {floor['eager_op']:.1f} us, an eager one-op training step "
+            f"{floor['eager_train_step']:.1f} us")
 
 
 def _selected(name: str, only: str) -> bool:

@@ -126,6 +126,22 @@ def measure_copy_rate(device: torch.device, cfg: Config) -> tuple[float, list[fl
     return statistics.median(rates), rates
 
 
+def measure_host_floor(device: torch.device, cfg: Config) -> dict:
+    """PyTorch's own host time per call on ``device`` (µs, median of ``cfg.host_repeats``): one eager op on a small
+    tensor (``eager_op``), and an eager training step of that op, ``torch.autograd.grad(x * 2, x, g)`` (its
+    backward one more op: ``eager_train_step``). Every system's training step pays the autograd engine's part of the
+    latter (on CUDA it hands the backward to a thread of its own and back), so a training row whose kernels take
+    about that long is bound by the host as much as by the device."""
+    x = torch.randn(8, 512, device=device)
+    xg, g = x.clone().requires_grad_(), torch.randn_like(x)
+    got = {}
+    for name, fn in (("eager_op", lambda: x * 2), ("eager_train_step", lambda: torch.autograd.grad(xg * 2, xg, g))):
+        for _ in range(cfg.warmup):
+            fn()
+        got[name] = statistics.median(host_time_per_call_us(lambda *_: fn(), [()], device, cfg))
+    return got
+
+
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":

@@ -217,7 +217,7 @@ WORKLOADS += tuple(
 # ---- issue 12: normalizations forward + backward (fuser/derivatives.py's softmax, layer_norm and rms_norm: the
 # backward a row group of its own, reading the row statistics the forward saved). The forward rows' sources above,
 # as training steps: gradients of x and of the weight and bias vectors (those summed over the rows: inside the
-# backward row kernel, fuser/rows/plan.py's column sums, or by a column kernel, fuser/grad_sums.py, where the row
+# backward row kernel, fuser/rows/passes.py's column sum form, or by a column kernel, fuser/grad_sums.py, where the row
 # takes several trips on CUDA), at [16384 x 4096] and rows of 512, 16384 and 65536 elements.
 NORM_TRAIN_WORKLOADS = tuple(
     Workload(f"{op}{suffix}_train", src.format(name=f"{op}{suffix}_train", cols=cols), _norm_shapes(rows, cols),

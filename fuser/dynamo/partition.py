@@ -431,7 +431,7 @@ def _cuda_sums_refusal(group, ordered: list, inputs: list, outs: list, sums: set
 
 def column_sums(ordered: list, reds: list) -> set:
     """The column sums among a region's reductions ``reds``, where it also holds reductions along the row (a norm's
-    backward summing its weight's and bias's gradients; ``fuser.rows.plan``'s column sums): plain sums over
+    backward summing its weight's and bias's gradients; ``fuser.rows.passes.column_sum_form``): plain sums over
     leading dims, read by no node of the region (of a region input too: :func:`.lower.lower` gives the row kernel
     a copy of it to sum)."""
     members = set(ordered)

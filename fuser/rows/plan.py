@@ -33,10 +33,9 @@ from ..descs import DTYPES
 from ..fallback import evaluate
 from ..kernel_cache import KernelSpec
 from . import decompose
-from . import shape as row_shape  # (stage_limit and _cuda_sums_shape read through the module: tests patch them there)
+from . import shape as row_shape  # (its functions and limits read through the module, where a test patches them)
 from .passes import column_sum_candidates, column_sum_form, pass_width, row_inputs, row_level, with_row_inputs
-from .shape import (CLUSTER_MIN_BYTES, CudaShape, _clusters, _cuda_row_shape, cluster_shape, shared_limit,
-                    staged_shape, sum_sizes)
+from .shape import CudaShape
 
 MAX_LEAD_DIMS = 8  # compressed row dims (the CUDA argument struct's arrays)
 FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -72,8 +71,9 @@ def index64(target: str, bound: int) -> bool:
 class RowKey:
     """What a row kernel's source depends on: the target, the device, per tensor input its dtype and whether it
     is 0-dim (type promotion treats those apart), and on CUDA the row's :class:`CudaShape` (chosen from the row
-    length) and, for a kernel that takes whole vectors only, each input's step along the row (``steps``). The
-    other strides and sizes are launch arguments."""
+    length) and, for a kernel that takes whole vectors only, each input's step along the row (``steps``); whether
+    the rows' offsets take a walk over several row dims (``walk``) and divide in 64 bits (``index64``). The other
+    strides and sizes are launch arguments."""
 
     target: str
     device_index: Optional[int]
@@ -352,28 +352,29 @@ def plan(spec: KernelSpec, args: Sequence, target: Optional[str] = None, apart: 
         widths = [sz for j, sz in enumerate(sizes) if j < n_in or group.outputs[j - n_in].id not in rows_v]
         if sums:
             def stage(sh: CudaShape, left: int) -> Optional[CudaShape]:  # the trip sums' staged inputs
-                return (staged_shape(group, sh, cols, sizes[:len(tensors)], strides, left)
+                return (row_shape.staged_shape(group, sh, cols, sizes[:len(tensors)], strides, left)
                         if settings.cuda_staged_rows and settings.cuda_vector_rows and _vectors(cols, strides, sh.vec)
                         else None)
             per_element = [sz for j, sz in enumerate(widths) if j >= n_in or col_strides[j] != 0]
             if not _vectors(cols, strides, 16 // max(per_element, default=4)):  # (their wider vectors would not fit
                 per_element = None  # the row: it would be read an element at a time, unstaged)
-            cuda_sh = row_shape._cuda_sums_shape(group, cols, widths, len(sums), shared_limit(device), stage,
-                                       sum_sizes(out_dtypes, sums), per_element)
+            cuda_sh = row_shape._cuda_sums_shape(group, cols, widths, len(sums), row_shape.shared_limit(device),
+                                                 stage, row_shape.sum_sizes(out_dtypes, sums), per_element)
             if cols > cuda_sh.tpr * cuda_sh.items and not cuda_sh.trip_sums:
                 return _sums_apart(spec, args, target,
                                    "column sums of a CUDA row kernel of several trips along the row, past a "
                                    "block's shared memory")
         else:
-            cuda_sh = _cuda_row_shape(group, cols, widths, 0)
-            if not cuda_sh.held and min(widths) >= CLUSTER_MIN_BYTES and _clusters(device):  # a cluster's
-                cuda_sh = cluster_shape(cols, widths, *pass_width(group, True)) or cuda_sh
+            cuda_sh = row_shape._cuda_row_shape(group, cols, widths, 0)
+            if (not cuda_sh.held and min(widths) >= row_shape.CLUSTER_MIN_BYTES
+                    and row_shape._clusters(device)):  # a cluster's
+                cuda_sh = row_shape.cluster_shape(cols, widths, *pass_width(group, True)) or cuda_sh
             if not cuda_sh.held:  # each pass loads what it reads
-                cuda_sh = _cuda_row_shape(group, cols, widths, 0, held=False)
+                cuda_sh = row_shape._cuda_row_shape(group, cols, widths, 0, held=False)
                 # or keeps in shared memory what several passes read (a vectors-only kernel's: RowKey.steps below)
                 if settings.cuda_vector_rows and _vectors(cols, strides, cuda_sh.vec):
-                    cuda_sh = staged_shape(group, cuda_sh, cols, sizes[:len(tensors)], strides,
-                                           row_shape.stage_limit(device)) or cuda_sh
+                    cuda_sh = row_shape.staged_shape(group, cuda_sh, cols, sizes[:len(tensors)], strides,
+                                                     row_shape.stage_limit(device)) or cuda_sh
         vec = cuda_sh.vec
         vec_ok = _vectors(cols, strides, vec)
         size = lambda dt: min(16, torch.empty((), dtype=dt).element_size() * vec)  # noqa: E731

@@ -26,6 +26,13 @@ MIN_TPR = 4
 # backward kernel, 639 us with the defaults (1024 threads a row, the row read again by each pass), 498 us with 64
 # values a thread (512 threads, held), 368 us with these (256 threads, 16 values); bfloat16 315 -> 260 us; rms_norm
 # and rows of 512 the same or faster (torch.profiler kernel times, one process per setting, same run)
+# Fewer elements a thread (more threads a row) were slower where these hold a row of 512 or 4096 in 32 elements a
+# thread: H200, 2026-12-02, training steps, two rounds alternating, fuser alone, 32 / 16 / 8 elements a thread:
+# layer_norm(x) * w + b over rows of 512 bfloat16 188-189 / 192-193 / 210-215 us, float32 350-356 / 359-361 /
+# 368-374; rows of 4096 bfloat16 201-202 / 210-216 / 224-231; rms_norm(x) * w, rows of 512 bfloat16 180-183 /
+# 185-186 / 185-187, rows of 4096 184-185 / 184-195 / 199-207. With 16-byte vectors of the rows as well (the saved
+# float32 statistics not narrowing them): slower still at 8 elements; at 16, from as fast as 32 (rms_norm, rows of
+# 512: 181-182 us) to 40 us slower (layer_norm, rows of 4096: 241-243 us)
 SUMS_REGISTER_ITEMS = 128
 SUMS_MAX_TPR = 256
 # a held row's column sums go to shared memory (a thread's own slots, no barrier) where a block's take at most this
@@ -301,7 +308,13 @@ def trip_sums_bytes(shape: CudaShape, cols: int, sum_sizes: Sequence[int]) -> in
 # a CTA, so that an SM holds three) were slower on an H200 (2026-11-29, fuser alone, staging on / off alternating,
 # two rounds, fraction of the copy floor): softmax(x * 0.125) over rows of 65536 bfloat16 0.42-0.43 against 0.48-0.49
 # read again, layer_norm(x) * w + b 0.40 against 0.55-0.56 (0.64-0.65 staged by one CTA), float32 rows of 65536
-# 0.61-0.73 against 0.71-0.84 held in registers by a cluster
+# 0.61-0.73 against 0.71-0.84 held in registers by a cluster. Nor does a held row fetch its next row ahead: each
+# thread copying its vectors of the next row into shared memory (fz_row_fetch) once it had read this row's from
+# there, one wave of blocks looping over the rows, was slower on an H200 (2026-12-02, fuser alone, two rounds,
+# without / with): float32 rows of 65536 held by clusters, softmax(x * 0.125) 166-168 / 198-202 us, layer_norm(x) *
+# w + b 171-174 / 185-186, rms_norm(x) * w 154-156 / 177-178, softmax's training step 382-385 / 465-477; bfloat16
+# rows of 16384 held by a block of 512 threads 69-77 / 76-79; bfloat16 rows of 65536 held by clusters that way
+# (read again now: 79-92 us) 96-117
 def staged_shape(group: ir.Group, shape: CudaShape, cols: int, sizes: Sequence[int], strides: Sequence,
                  limit: int) -> Optional[CudaShape]:
     """``shape`` (a row read again) keeping in shared memory the inputs :func:`staged_inputs` picks, or None where
