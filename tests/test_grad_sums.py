@@ -380,7 +380,7 @@ def test_trip_sums_of_vectors_past_16_bytes_emulated(case, n, dtype, items, vec,
     """Trip sums whose vector of a thread's sums passes 16 bytes (8 float sums of bfloat16 rows in 16-byte vectors:
     the plan is made to take them; 12296 elements not a whole number of trips; 16 elements a thread: the row of
     16384 in one trip of 1024 threads) add them in 16-byte chunks, each chunk of the vectors in a region of its own
-    (rows.codegen.trip_slot_chunk), and write column c's slot back as column c: eager's float64 gradients."""
+    (rows.codegen.sum_slots.trip_slot_chunk), and write column c's slot back as column c: eager's float64 gradients."""
     import importlib
     from dataclasses import replace
     from fuser.rows import codegen as row_codegen

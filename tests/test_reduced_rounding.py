@@ -1,7 +1,7 @@
 """A float16/bfloat16 value that a group computes and reduces (``x / y - sum(x / y, -1, keepdim=True)``, the CUDA
 differential fuzzer's case) is rounded to its dtype where it is computed, as eager stores it
-(``fuser.rows.codegen.rounded_operands``): the kernel held ``x / y`` unrounded in float beside its rounded sum, and
-over a one-element row gave the rounding error of ``x / y`` (1.98) where eager and the float64 truth give 0. On the
+(``fuser.rows.codegen.analysis.rounded_operands``): the kernel held ``x / y`` unrounded in float beside its rounded sum,
+and over a one-element row gave the rounding error of ``x / y`` (1.98) where eager and the float64 truth give 0. On the
 CPU backend and through the CUDA host emulation, the row kernel (dim -1, rows of 1, 37 and 1024), in float16 and
 bfloat16. The column kernel keeps such a value in float: it takes a per-element use of its own sum only over columns
 of one row, and rounding each element cost ``(x * y).sum(0)`` in bfloat16 a third of its speed (H200, [16384 x 4096],

@@ -1,5 +1,5 @@
-"""The CPU row kernel's kept values (issues 11 and 12: fuser/rows/passes.py kept_values, fuser/rows/codegen.py): a
-costly element value (exp, tanh...) that a later pass along the row reads is written to a per-thread scratch row by
+"""The CPU row kernel's kept values (issues 11 and 12: fuser/rows/passes.py kept_values, fuser/rows/codegen/kernel.py):
+a costly element value (exp, tanh...) that a later pass along the row reads is written to a per-thread scratch row by
 the pass that computes it and read back by the later ones, rather than computed again. Softmax's output pass reads
 exp(x - max) and multiplies (as eager's CPU kernel does); the backward of a softmax read further (which recomputes
 the forward from x) computes exp once rather than three times, and one of a softmax output none at all. Against eager in float64 on seeded random inputs, float32 and bfloat16,

@@ -4,7 +4,7 @@ A group whose reductions all reduce the same trailing dims of one shape runs as 
 pointwise prologue, reductions one after another over the same row (softmax: amax, then the sum of exp(x - max)),
 and an epilogue that reads the row-level results broadcast back along the row. ``plan.py`` (the row view of the
 inputs, or why not; ``passes.py``: the group's row-level values and the passes along the row, ``shape.py``: how a
-CUDA row kernel lays a row over threads) → ``codegen.py`` and ``templates.py`` (the kernel text per target) →
+CUDA row kernel lays a row over threads) → ``codegen/`` and ``templates.py`` (the kernel text per target) →
 ``launch.py`` (build and launch). ``fuser.executor`` plans, caches a :class:`RowGeometry` per input signature and
 runs it for such groups, with the same checks as for pointwise groups. ``emulate.py`` runs the CUDA row kernels on
 the CPU for CI.

@@ -24,7 +24,7 @@ from ..cuda import templates as cuda_t
 from ..descs import DENSE, TensorDesc, compute_type, storage_type
 from . import outer_templates as t
 from . import templates as row_t
-from .codegen import accumulator_type, input_names, stores_rounded
+from .codegen.analysis import accumulator_type, input_names, stores_rounded
 from .outer import column_level
 from .passes import needed
 

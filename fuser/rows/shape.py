@@ -47,10 +47,10 @@ SUMS_SHARED_BYTES = 40 * 1024
 TRIP_SUMS = True
 # Such a row's vectors are those of its tensors read an element at a time: an input read once a row (a norm's saved
 # float32 mean and rstd beside bfloat16 rows) does not narrow them. ncu, H200, layer_norm(x) * w + b's backward over
-# rows of 16384 bfloat16 (its sums' 8 floats a vector in 16-byte chunks, rows.codegen.trip_slot_chunk): 8 elements a
-# trip in 16-byte vectors 102.9M instructions, 198 us, against 4 in 8-byte vectors (the float32 inputs' 16 bytes)
-# 109.9M, 210 us. Held rows keep the narrower vectors: planned so, the bfloat16 training steps of rows of 4096 went
-# from 0.79 to 0.67-0.68 of the copy floor (layer_norm) and 0.87 to 0.81-0.83 (rms_norm) (H200, 2026-12-01, two
+# rows of 16384 bfloat16 (its sums' 8 floats a vector in 16-byte chunks, rows.codegen.sum_slots.trip_slot_chunk): 8
+# elements a trip in 16-byte vectors 102.9M instructions, 198 us, against 4 in 8-byte vectors (the float32 inputs' 16
+# bytes) 109.9M, 210 us. Held rows keep the narrower vectors: planned so, the bfloat16 training steps of rows of 4096
+# went from 0.79 to 0.67-0.68 of the copy floor (layer_norm) and 0.87 to 0.81-0.83 (rms_norm) (H200, 2026-12-01, two
 # rounds alternating; rows of 512 within 0.02)
 TRIP_SUMS_ELEMENT_VECTORS = True
 

@@ -463,7 +463,7 @@ ${body}
     }
 ${after}""")
 
-# the CPU kernel's vector loops (fuser.rows.codegen._Vector), over the vector header's at::vec types
+# the CPU kernel's vector loops (fuser.rows.codegen.cpu_vector._Vector), over the vector header's at::vec types
 CPU_VECTOR_TYPES = Template(r"""  typedef ${vtype} fz_v;
   const int64_t W = fz_v::size();""")
 

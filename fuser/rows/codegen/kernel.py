@@ -19,17 +19,19 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import ir, ops
-from ..codegen import REDUCED, KernelOptions, NodeTypes, NotFusable, value_type
-from ..codegen.body import node_statement
-from ..cpu import templates as cpu_t
-from ..cuda import templates as cuda_t
-from ..codegen.cpu_vector import CpuVector
-from ..codegen import CPU_VECTORS_PER_TRIP as COPIES
-from ..descs import DENSE, TensorDesc, compute_type, storage_type
-from . import templates as t
-from .passes import held_values, kept_values, needed as _needed, reduction_passes, row_level, row_passes
-from .shape import CudaShape
+from ... import ir, ops
+from ...codegen import REDUCED, KernelOptions, NodeTypes, NotFusable, value_type
+from ...codegen.body import node_statement
+from ...cpu import templates as cpu_t
+from ...cuda import templates as cuda_t
+from ...descs import compute_type, storage_type
+from .. import templates as t
+from ..passes import held_values, kept_values, needed as _needed, reduction_passes, row_level, row_passes
+from ..shape import CudaShape
+from .analysis import (accumulator_type, centered_means, input_names, rooted_variances, rounded_operands,
+                       stores_rounded)
+from .cpu_vector import _Vector
+from .sum_slots import block_parts, trip_slot, trip_slot_chunk
 
 CPU_PARALLEL_WORK = 32768  # elements of work from which a CPU row kernel splits its rows across threads
 _SUM = ops.reduction("aten::sum.dim_IntList")  # (a column sum accumulates as a sum does)
@@ -45,78 +47,6 @@ CPU_MIN_PARTS = 4
 CPU_KEPT_OPS = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "tanh", "sigmoid", "erf", "erfc",
                           "erfinv", "gelu", "silu", "mish", "softplus", "elu", "sin", "cos", "tan", "asin", "acos",
                           "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "pow", "atan2", "lgamma", "digamma"})
-
-
-def accumulator_type(red: ops.Reduction, nt: NodeTypes, target: str) -> str:
-    """The C type a reduction accumulates in (row and column kernels): ``ops.Reduction.wide`` ones in float on CUDA
-    (double for float64) and in double on the CPU; max and min in the compute type (they are exact)."""
-    if not red.wide:
-        return compute_type(nt.compute)
-    return "double" if target == "cpu" or nt.compute == torch.float64 else "float"
-
-
-def stores_rounded(n: ir.Node, red, nt: NodeTypes, exact: set) -> bool:
-    """Whether a reduction's float16/bfloat16 result is rounded to its dtype in the kernel, as eager stores it: an
-    eager op of its own (not a step of a decomposed one, ``n.origin``). A max or min of values held unrounded in
-    float (``exact`` lacks its operand) is one of them, and stays in float as they do: rounded, a finite float
-    value past the dtype's range (65504 for float16) would give an inf max beside the finite element it came
-    from, whose difference is -inf where eager (inf - inf) gives NaN and the float64 truth 0."""
-    if nt.result not in REDUCED or n.origin:
-        return False
-    return red.wide or n.args[0].id in exact
-
-
-def rounded_operands(group: ir.Group) -> frozenset:
-    """The value ids a row kernel rounds to their float16/bfloat16 dtype where it computes them, as eager
-    stores them: the operands of reductions that are eager ops of their own (not steps of a decomposed one,
-    ``n.origin``). Eager sums the stored, rounded values; holding the operand unrounded in float, the kernel summed
-    other values, and its element-level uses differed from the rounded result beside them (``stores_rounded``): the
-    CUDA fuzzer's ``x / y - sum(x / y, -1, keepdim=True)`` over a one-element float16 row gave 1.98, the rounding
-    error of ``x / y``, where eager and the float64 truth give 0. Rounded where it is computed, every use sees
-    eager's value. ``node_statement`` rounds it (``KernelOptions.round_reduced``), so a float32 value, a group
-    input and a composite's step (softmax's, layer_norm's: eager's one kernel holds them in float) stay as they
-    are. Only the ``wide`` reductions' (sum, mean, var): a max or min is one of its unrounded operands and stays in
-    float with them (``stores_rounded``), so ``x - amax(x)`` keeps the float64 truth past float16's range, where
-    eager's rounded values give inf - inf = NaN (tests/test_reductions.py). Not in column kernels
-    (``outer_codegen``): they take such a use of their own sum only over columns of one row, and rounding each element
-    cost ``(x * y).sum(0)`` in bfloat16 a third of its speed (H200, [16384 x 4096], 64 -> 86 us)."""
-    return frozenset(n.args[0].id for n in group.nodes if getattr(ops.reduction(n.op), "wide", False)
-                     and not n.origin and n.args and isinstance(n.args[0], ir.Value))
-
-
-def centered_means(group: ir.Group) -> frozenset:
-    """The value ids of means that the group subtracts from their own input (``x - mean(x)``: layer_norm's
-    steps). Their kernels make the mean of a row of equal values exact, as eager's Welford mean is: each CUDA
-    thread sums its differences from the first value it sees, then adds that value times its count in double (exact
-    but in float64: see the README's limitations); the CPU kernel takes the row's first value plus the mean of the
-    differences from it, which its vector lanes (each shifted by its own first value) and scalar loops sum in
-    double. A float sum of n equal values rounds: a 71,305-element row of -1234.567 gave a mean off by about 3e-4,
-    which the rstd of the zero variance (316 for eps 1e-5) magnified into outputs of up to 0.96, where eager's are
-    0. (On an H200 this cost a 65,536-element float32 row 0.56 -> 0.48 of the copy floor, as a sum in double per
-    element did.) A backward's means (``Node.origin`` "autograd": layer_norm's mean(dy * w), subtracted from dy * w)
-    are plain sums, as eager's backward kernels form them: they divide no variance, and its shifted sum in double
-    cost each element four more instructions."""
-    means = {n.out.id: n.args[0].id for n in group.nodes if getattr(ops.reduction(n.op), "mean", False)
-             and n.origin != ir.AUTOGRAD}
-    return frozenset(m.args[1].id for m in group.nodes if m.op.split(".")[0] == "aten::sub"
-                     and all(isinstance(a, ir.Value) for a in m.args[:2]) and means.get(m.args[1].id) == m.args[0].id)
-
-
-def rooted_variances(group: ir.Group) -> dict:
-    """Per variance value id that a step of ``aten::std`` takes the square root of: that sqrt node. The CPU row
-    kernel holds such a variance in double and takes its root there, as eager's CPU kernel does (its Welford
-    accumulates in double and roots before the result is stored): a float32 variance past float's range has a
-    finite root (std of [7.1e19, 0] is 5.0e19 in eager; the CPU fuzzer found inf). CUDA eager holds it in
-    float, as the CUDA kernel does."""
-    var = {n.out.id for n in group.nodes if getattr(ops.reduction(n.op), "variance", False)}
-    return {n.args[0].id: n for n in group.nodes if n.origin == "aten::std" and n.op == "aten::sqrt"
-            and isinstance(n.args[0], ir.Value) and n.args[0].id in var}
-
-
-def block_parts(shape) -> bool:
-    """Whether a CUDA row kernel with column sums writes one partial row a block (its rows' shared slots added
-    first: ``templates.CUDA_PARTS_STORE_BLOCK``) rather than one a row of the block (``launch.part_layout``)."""
-    return shape.sums_shared and shape.block > shape.tpr
 
 
 def _paired(merged: list, shape) -> bool:
@@ -157,26 +87,6 @@ def _compensated(acc: str, comp: str, value: str) -> str:
     lose the error it tracks."""
     return (f"{{ const float ky = (float)({value}) - {comp}; const float kt = {acc} + ky; "
             f"{comp} = fabsf(kt) <= 3.402823466e38f ? (kt - {acc}) - ky : 0.0f; {acc} = kt; }}")
-
-
-def input_names(group: ir.Group, inputs: Sequence[torch.dtype], target: str) -> tuple[dict, dict, dict, dict, int]:
-    """The group inputs' names in a row or column kernel's source: (per value id its name, its C type, its dtype
-    (None for a float), per tensor input's value id its index among the tensor inputs, the number of float
-    inputs). The k-th tensor input is ``x<k>`` (of ``inputs[k]``), the j-th float input ``s<j>`` (a double)."""
-    vname: dict[int, str] = {}
-    vtype: dict[int, str] = {}
-    vdtype: dict = {}
-    tensor_index: dict[int, int] = {}
-    k = j = 0
-    for v in group.inputs:
-        if v.is_tensor:
-            vname[v.id], vtype[v.id], vdtype[v.id] = f"x{k}", value_type(inputs[k], target), inputs[k]
-            tensor_index[v.id] = k
-            k += 1
-        else:
-            vname[v.id], vtype[v.id], vdtype[v.id] = f"s{j}", "double", None
-            j += 1
-    return vname, vtype, vdtype, tensor_index, j
 
 
 def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequence[NodeTypes], target: str,
@@ -696,123 +606,3 @@ def generate(group: ir.Group, inputs: Sequence[torch.dtype], node_types: Sequenc
         vector_types=t.CPU_VECTOR_TYPES.substitute(vtype=vector.vtype) if vectorized else "",
         params="\n".join(params), parallel=parallel, end=end, offsets=offsets, phases="\n".join(phases),
         parts=parts, loop=loop, loop_end=loop_end, parts_sum=parts_sum)
-
-
-class _Vector:
-    """The CPU kernel's vector loops: each pass along the row runs ``CPU_VECTORS_PER_TRIP`` vectors a trip over
-    at::vec (the pointwise kernels' ``CpuVector`` lines: the same op forms), then the scalar loop takes the tail
-    from where they stopped. Row-level values enter as broadcasts. A row whose inputs step by 0 or 1 along it
-    takes them (``vec_ok``, per row: strides are launch arguments); otherwise the scalar loop runs alone. Off for
-    the kernel (``on`` False) when a node has no vector form, the inputs mix compute types or hold bools, a
-    reduction converts its input, or an output's type is not the vectors'."""
-
-    def __init__(self, group, inputs, rows_v, vname, vdtype, vector_args, tensor_index, order):
-        self.group, self.inputs, self.vname, self.vector_args = group, inputs, vname, vector_args
-        self.tensor_index, self.order = tensor_index, order
-        self.vdtype = {**vdtype, **{i: None for i in rows_v}}  # row-level values: broadcasts (as float arguments)
-        self.on = not any(dt == torch.bool for dt in inputs)
-        self.descs = [TensorDesc(dt, DENSE, False) for dt in inputs]
-        self.vtype = None
-        self.parts: list[str] = []
-
-    def _lines(self, wanted, held: frozenset, keep: frozenset):
-        """(loads, op lines) for ``copies`` vectors of the values ``wanted`` needs, or None (no vector form);
-        ``held``: the values read from their scratch rows, ``keep``: those written there (passes.kept_values)."""
-        need = _needed(self.group, wanted, held)
-        cv = CpuVector(self.descs, "cpu", KernelOptions())
-        for i in sorted(need - set(self.tensor_index) - {v.id for v in self.group.inputs} - held,
-                        key=self.order.__getitem__):
-            n, op, variant, nt, consts, pos, round_to = self.vector_args[i]
-            cv.add(n, op, variant, nt, consts, self.vname, self.vdtype, f"v{pos}", round_to)
-        if not cv.on or cv.vtype is None:
-            self.on = False
-            return None
-        if self.vtype is None:
-            self.vtype, self.ctype = cv.vtype, cv.ctype
-        elif cv.vtype != self.vtype:
-            self.on = False
-            return None
-        if any(compute_type(self.vdtype[i]) != self.ctype for i in need & held):
-            self.on = False
-            return None
-        loads = [f"const fz_v x{k}_{c} = cs{k} ? fz_vload(t{k} + off{k} + c + {c} * W) : fz_v(fz_ld(t{k}[off{k}]));"
-                 for i, k in self.tensor_index.items() if i in need for c in range(COPIES)]
-        loads += [f"const fz_v {self.vname[i]}_{c} = fz_vload(fz_s_{self.vname[i]} + c + {c} * W);"
-                  for i in sorted(need & held, key=self.order.__getitem__) for c in range(COPIES)]
-        stores = [f"fz_vstore(fz_s_{self.vname[i]} + c + {c} * W, {self.vname[i]}_{c});"
-                  for i in sorted(keep, key=self.order.__getitem__) for c in range(COPIES)]
-        return cv, loads + cv.lines(COPIES) + stores
-
-    def reduction(self, u, red, pos: int, acc_t: str, same_type: bool, held: frozenset, keep: frozenset,
-                  wanted, shifted: bool = False) -> None:
-        """A pass's vector loop accumulating ``u``; ``shifted``: each vector sums its differences from its first
-        trip's values (a centered mean: ``centered_means``)."""
-        got = self._lines(wanted, held, keep) if self.on and same_type else None
-        if got is None:
-            self.on = False
-            return
-        cv, lines = got
-        value = self.vname[u.id]
-        if u.id not in self.tensor_index and compute_type(self.vdtype[u.id]) != self.ctype:
-            self.on = False
-            return
-        shift_set = shift_add = ""
-        decls = [f"      fz_v vacc{pos}_{c} = fz_v({red.identity.replace('$A', self.ctype)});" for c in range(COPIES)]
-        accumulate = [f"          vacc{pos}_{c} = {red.combine}::f(vacc{pos}_{c}, {value}_{c});" for c in range(COPIES)]
-        if shifted:  # besides the plain sums: each lane sums its differences from its first trip's value (so an
-            # outlier in column 0 shifts one lane, not all), then adds the trips times that value's difference from the
-            # row's first value (cref) in double: the differences from cref (accs, generate's loop), exactly 0 for a
-            # row of equal values in every dtype
-            decls += [f"      fz_v vs{pos}_{c} = fz_v(0), vsa{pos}_{c} = fz_v(0);" for c in range(COPIES)]
-            shift_set = ("          if (c == 0) { " + " ".join(f"vs{pos}_{c} = {value}_{c};" for c in range(COPIES))
-                         + " }\n")
-            accumulate += [f"          vsa{pos}_{c} = vsa{pos}_{c} + ({value}_{c} - vs{pos}_{c});" for c in range(COPIES)]
-            shift_add = (f"      {{ const double fz_trips = (double)(c0_{pos} / ({COPIES} * W));\n"
-                         f"        const fz_vd fz_cr = fz_vd(cref{pos});\n"
-                         f"        fz_vd fz_sa = fz_vd(0), fz_ss = fz_vd(0);\n" + "".join(
-                             f"        fz_sa = fz_sa + fz_wsum(vsa{pos}_{c}); fz_ss = fz_ss + fz_wdiff(vs{pos}_{c}, fz_cr);\n"
-                             for c in range(COPIES)) +
-                         f"        accs{pos} += fz_lane_tree<fz_rsum, double>(fz_sa) + "
-                         f"fz_trips * fz_lane_tree<fz_rsum, double>(fz_ss);\n"
-                         "      }\n")
-        self.parts.append(t.CPU_VECTOR_PASS.substitute(
-            pos=pos, ident=red.identity.replace("$A", acc_t), decls="\n".join(decls), shift_set=shift_set,
-            shift_add=shift_add, copies=COPIES, lines="\n".join("          " + ln for ln in lines),
-            accumulate="\n".join(accumulate),
-            combine="\n".join(f"      vacc{pos}_0 = {red.combine}::f(vacc{pos}_0, vacc{pos}_{c});"
-                               for c in range(1, COPIES)),
-            acc_t=acc_t, combine_fn=red.combine,
-            lanes=(f"fz_lane_tree<fz_rsum, double>(fz_wsum(vacc{pos}_0))" if (red.combine, acc_t) == ("fz_rsum", "double")
-                   else f"fz_lane_tree<{red.combine}, {acc_t}>(vacc{pos}_0)")))
-
-    def stores(self, outs, held: frozenset, keep: frozenset, wanted, sums: tuple = ()) -> None:
-        got = self._lines(wanted, held, keep) if self.on else None
-        if got is None or any(compute_type(dt) != self.ctype or self.vdtype[o.id] != dt for _, o, dt in outs):
-            self.on = False
-            return
-        cv, lines = got
-        if any(self.vname[o.id] in cv.masks for _, o, _ in outs):
-            self.on = False
-            return
-        lines += [f"fz_vstore(o{m} + row * cols + c + {c} * W, {self.vname[o.id]}_{c});" if m not in sums else
-                  f"fz_vstore(fz_p{m} + c + {c} * W, fz_vload(fz_p{m} + c + {c} * W) + {self.vname[o.id]}_{c});"
-                  for m, o, _ in outs for c in range(COPIES)]
-        self.parts.append(t.CPU_VECTOR_STORES.substitute(copies=COPIES,
-                                                         lines="\n".join("        " + ln for ln in lines)))
-
-
-def trip_slot_chunk(shape, acc_type: str) -> int:
-    """Sums a thread adds to its trip sums' slots at once (``CudaShape.trip_sums``): its vector of an item's sums
-    where that is 16 bytes or less, else 16 bytes of it, each 16-byte chunk k of the vectors in a region of its own
-    (k * span / chunks + its vector's index * chunk), so that a warp's adds touch consecutive 16-byte slots (a
-    thread's 8 float sums as one 32-byte vector: 9.06M shared-memory bank conflicts against 249k, a layer_norm
-    backward of rows of 16384 bfloat16 elements, ncu, H200)."""
-    size = 8 if acc_type == "double" else 4
-    return min(shape.vec, max(1, 16 // size))
-
-
-def trip_slot(shape, acc_type: str, chunk: str, vector: str) -> str:
-    """The first trip-sums slot of 16-byte chunk ``chunk`` of vector ``vector`` of a row's sums (C expressions), in
-    :func:`trip_slot_chunk`'s layout: chunk k of every vector in a region of its own."""
-    q = trip_slot_chunk(shape, acc_type)
-    return f"{chunk} * (fz_span / {shape.vec // q}) + {vector} * {q}"
